@@ -1,0 +1,167 @@
+//! The gRPC server shell every process uses: a pre-bound listener (port 0 works, the bound
+//! address is reported through an optional port file), `grpc.health.v1`, server reflection,
+//! request count/latency metrics per RPC, and graceful shutdown on SIGINT/SIGTERM.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use tokio::net::TcpListener;
+use tower::{Layer, Service};
+
+/// Resolves when the process receives SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+    tracing::info!("shutdown signal received, draining");
+}
+
+/// Binds the gRPC listener.
+pub async fn bind(listen: &str) -> std::io::Result<(TcpListener, SocketAddr)> {
+    let l = TcpListener::bind(listen).await?;
+    let a = l.local_addr()?;
+    Ok((l, a))
+}
+
+/// Writes `{"grpc": "...", "metrics": "..."}` atomically, so launchers and tests learn the
+/// ports of a process started with port 0 without sleeping or parsing logs.
+pub fn write_port_file(path: &Path, grpc: SocketAddr, metrics: SocketAddr) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(
+        &tmp,
+        format!(
+            "{{\"grpc\":\"{grpc}\",\"metrics\":\"{metrics}\",\"pid\":{}}}\n",
+            std::process::id()
+        ),
+    )?;
+    std::fs::rename(tmp, path)
+}
+
+/// Health service (all given services SERVING) and reflection over the ragcluster descriptors.
+pub async fn health_and_reflection(
+    serving: &[&str],
+) -> (
+    tonic_health::server::HealthReporter,
+    tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+    tonic_reflection::server::v1::ServerReflectionServer<
+        impl tonic_reflection::server::v1::ServerReflection,
+    >,
+) {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    for name in serving {
+        reporter
+            .set_service_status(*name, tonic_health::ServingStatus::Serving)
+            .await;
+    }
+    reporter
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(ragcluster_proto::v1::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .expect("embedded descriptor sets are valid");
+    (reporter, health, reflection)
+}
+
+/// Tower layer that counts requests and records latency per gRPC method and status code:
+/// `grpc_server_requests_total{service,method,code}` and
+/// `grpc_server_request_duration_seconds{service,method}`.
+#[derive(Clone, Default)]
+pub struct GrpcMetricsLayer;
+
+impl<S> Layer<S> for GrpcMetricsLayer {
+    type Service = GrpcMetrics<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        GrpcMetrics { inner }
+    }
+}
+
+#[derive(Clone)]
+pub struct GrpcMetrics<S> {
+    inner: S,
+}
+
+type BoxFuture<T> = Pin<Box<dyn std::future::Future<Output = T> + Send + 'static>>;
+
+impl<S, B, RB> Service<http::Request<B>> for GrpcMetrics<S>
+where
+    S: Service<http::Request<B>, Response = http::Response<RB>> + Send,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    RB: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<S::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let path = req.uri().path().to_owned();
+        let start = Instant::now();
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let res = fut.await;
+            let (service, method) = split_path(&path);
+            let code = match &res {
+                // Errors travel in trailers-only responses, i.e. in the headers; OK statuses
+                // arrive in the trailers, so a missing header means OK.
+                Ok(r) => r
+                    .headers()
+                    .get("grpc-status")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("0")
+                    .to_owned(),
+                Err(_) => "transport".to_owned(),
+            };
+            metrics::counter!("grpc_server_requests_total",
+                "service" => service.clone(), "method" => method.clone(), "code" => code)
+            .increment(1);
+            metrics::histogram!("grpc_server_request_duration_seconds",
+                "service" => service, "method" => method)
+            .record(start.elapsed().as_secs_f64());
+            res
+        })
+    }
+}
+
+fn split_path(path: &str) -> (String, String) {
+    let mut it = path.trim_start_matches('/').splitn(2, '/');
+    let service = it.next().unwrap_or_default().to_owned();
+    let method = it.next().unwrap_or_default().to_owned();
+    (service, method)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn splits_grpc_paths() {
+        assert_eq!(
+            super::split_path("/ragcluster.v1.Shard/WriteBatch"),
+            ("ragcluster.v1.Shard".into(), "WriteBatch".into())
+        );
+    }
+}

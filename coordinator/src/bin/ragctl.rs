@@ -1,0 +1,732 @@
+//! `ragctl`: the operator and developer CLI. `local up` starts a whole cluster as processes on
+//! loopback; `ingest`, `search`, `collection` and `status` talk to a coordinator.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use indicatif::{ProgressBar, ProgressStyle};
+use ragcluster_proto::v1::admin_client::AdminClient;
+use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
+use ragcluster_proto::v1::*;
+use serde::{Deserialize, Serialize};
+use tonic::transport::Channel;
+
+#[derive(Parser)]
+#[command(name = "ragctl", about = "ragcluster command line")]
+struct Cli {
+    /// Coordinator address; default: the local cluster in --dir, else http://127.0.0.1:7000.
+    #[arg(long, global = true, env = "RAGCTL_COORDINATOR")]
+    coordinator: Option<String>,
+    /// Directory of the local cluster (data, logs, cluster.json).
+    #[arg(long, global = true, default_value = ".ragcluster", env = "RAGCTL_DIR")]
+    dir: PathBuf,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start or stop a local cluster (model worker, shard nodes, coordinator) on loopback.
+    Local {
+        #[command(subcommand)]
+        cmd: LocalCmd,
+    },
+    /// Ingest Markdown / text files (directories are walked).
+    Ingest {
+        paths: Vec<PathBuf>,
+        #[arg(long, default_value = "docs")]
+        collection: String,
+        /// Documents per upsert call.
+        #[arg(long, default_value_t = 16)]
+        batch: usize,
+    },
+    /// Search a collection and print a table.
+    Search {
+        query: String,
+        #[arg(long, default_value = "docs")]
+        collection: String,
+        #[arg(long, value_enum, default_value_t = Mode::Hybrid)]
+        mode: Mode,
+        #[arg(long, default_value_t = 5)]
+        top_k: u32,
+        /// rrf, cc or dbsf.
+        #[arg(long, default_value = "dbsf")]
+        fusion: String,
+        #[arg(long)]
+        dense_weight: Option<f32>,
+        /// Exact metadata filter key=value (repeatable).
+        #[arg(long = "filter")]
+        filters: Vec<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Manage collections.
+    Collection {
+        #[command(subcommand)]
+        cmd: CollectionCmd,
+    },
+    /// Nodes, collections and shards of the cluster.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum LocalCmd {
+    /// Start the processes and wait until every one is healthy.
+    Up {
+        #[arg(long, default_value_t = 3)]
+        shard_nodes: usize,
+        /// Directory holding all-MiniLM-L6-v2/ (scripts/fetch-models.sh fills it).
+        #[arg(long, default_value = "models", env = "RAGCLUSTER_MODELS")]
+        models: PathBuf,
+    },
+    /// Stop the processes (SIGTERM, graceful).
+    Down,
+}
+
+#[derive(Subcommand)]
+enum CollectionCmd {
+    Create {
+        name: String,
+        #[arg(long, default_value_t = 3)]
+        shards: u32,
+        #[arg(long, value_enum, default_value_t = Chunker::Markdown)]
+        chunking: Chunker,
+        #[arg(long, default_value_t = 200)]
+        chunk_size: u32,
+        #[arg(long, default_value_t = 0)]
+        chunk_overlap: u32,
+    },
+    Drop {
+        name: String,
+    },
+    List,
+    Describe {
+        name: String,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Mode {
+    Bm25,
+    Dense,
+    Hybrid,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Chunker {
+    Fixed,
+    Sentence,
+    Markdown,
+}
+
+/// What `local up` leaves behind for the other commands.
+#[derive(Serialize, Deserialize)]
+struct LocalCluster {
+    coordinator: String,
+    coordinator_metrics: String,
+    model_worker: String,
+    shard_nodes: Vec<String>,
+    pids: Vec<u32>,
+}
+
+#[derive(Deserialize)]
+struct PortFile {
+    grpc: String,
+    metrics: String,
+    pid: u32,
+}
+
+fn coordinator_addr(cli: &Cli) -> String {
+    if let Some(a) = &cli.coordinator {
+        return a.clone();
+    }
+    std::fs::read_to_string(cli.dir.join("cluster.json"))
+        .ok()
+        .and_then(|s| serde_json::from_str::<LocalCluster>(&s).ok())
+        .map(|c| c.coordinator)
+        .unwrap_or_else(|| "http://127.0.0.1:7000".into())
+}
+
+async fn channel(cli: &Cli) -> Result<Channel> {
+    let addr = coordinator_addr(cli);
+    Channel::from_shared(addr.clone())?
+        .connect()
+        .await
+        .with_context(|| {
+            format!("cannot reach the coordinator at {addr} (is the cluster up? `ragctl local up`)")
+        })
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match &cli.cmd {
+        Cmd::Local {
+            cmd: LocalCmd::Up {
+                shard_nodes,
+                models,
+            },
+        } => local_up(&cli.dir, *shard_nodes, models).await,
+        Cmd::Local {
+            cmd: LocalCmd::Down,
+        } => local_down(&cli.dir),
+        Cmd::Ingest {
+            paths,
+            collection,
+            batch,
+        } => ingest(&cli, paths, collection, *batch).await,
+        Cmd::Search {
+            query,
+            collection,
+            mode,
+            top_k,
+            fusion,
+            dense_weight,
+            filters,
+            json,
+        } => {
+            let mut filter = std::collections::HashMap::new();
+            for f in filters {
+                let (k, v) = f.split_once('=').context("--filter takes key=value")?;
+                filter.insert(k.to_owned(), v.to_owned());
+            }
+            let req = SearchRequest {
+                collection: collection.clone(),
+                query: query.clone(),
+                top_k: *top_k,
+                mode: match mode {
+                    Mode::Bm25 => SearchMode::Bm25,
+                    Mode::Dense => SearchMode::Dense,
+                    Mode::Hybrid => SearchMode::Hybrid,
+                } as i32,
+                fusion: fusion.clone(),
+                dense_weight: *dense_weight,
+                filter,
+                ..Default::default()
+            };
+            let resp = CoordinatorClient::new(channel(&cli).await?)
+                .search(req)
+                .await?
+                .into_inner();
+            if *json {
+                print_hits_json(&resp);
+            } else {
+                print_hits(&resp);
+            }
+            Ok(())
+        }
+        Cmd::Collection { cmd } => collection(&cli, cmd).await,
+        Cmd::Status { json } => status(&cli, *json).await,
+    }
+}
+
+fn spawn(bin: &Path, args: &[String], log: &Path) -> Result<u32> {
+    let out = std::fs::File::create(log)?;
+    let child = {
+        use std::os::unix::process::CommandExt;
+        Command::new(bin)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            // Own process group: the cluster outlives this command and the terminal's Ctrl-C.
+            .process_group(0)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?
+    };
+    Ok(child.id())
+}
+
+async fn wait_port_file(path: &Path, log: &Path, timeout: Duration) -> Result<PortFile> {
+    let start = Instant::now();
+    loop {
+        if let Ok(s) = std::fs::read_to_string(path) {
+            return Ok(serde_json::from_str(&s)?);
+        }
+        if start.elapsed() > timeout {
+            let tail = std::fs::read_to_string(log).unwrap_or_default();
+            let tail: String = tail
+                .lines()
+                .rev()
+                .take(15)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect::<Vec<_>>()
+                .join("\n");
+            bail!(
+                "{} did not start within {:?}; log {}:\n{tail}",
+                path.display(),
+                timeout,
+                log.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn local_up(dir: &Path, n: usize, models: &Path) -> Result<()> {
+    if let Ok(s) = std::fs::read_to_string(dir.join("cluster.json")) {
+        if let Ok(c) = serde_json::from_str::<LocalCluster>(&s) {
+            if c.pids
+                .iter()
+                .all(|p| Path::new(&format!("/proc/{p}")).exists())
+            {
+                println!(
+                    "local cluster already running; coordinator at {}",
+                    c.coordinator
+                );
+                return Ok(());
+            }
+        }
+    }
+    let bin_dir = std::env::current_exe()?
+        .parent()
+        .context("binary directory")?
+        .to_path_buf();
+    let model_dir = models.join("all-MiniLM-L6-v2");
+    if !model_dir.join("model.safetensors").exists() {
+        bail!(
+            "no model at {}; run scripts/fetch-models.sh",
+            model_dir.display()
+        );
+    }
+    std::fs::create_dir_all(dir)?;
+    let dir = dir.canonicalize()?;
+    let mut pids = Vec::new();
+    let pf = |name: &str| dir.join(name).join("port.json");
+    for name in std::iter::once("model-worker".to_string())
+        .chain((0..n).map(|i| format!("shard-{i}")))
+        .chain(["coordinator".into()])
+    {
+        std::fs::create_dir_all(dir.join(&name))?;
+        let _ = std::fs::remove_file(pf(&name));
+    }
+    let mw_log = dir.join("model-worker/log");
+    pids.push(spawn(
+        &bin_dir.join("model-worker"),
+        &[
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--embed-model".into(),
+            model_dir.display().to_string(),
+            "--port-file".into(),
+            pf("model-worker").display().to_string(),
+        ],
+        &mw_log,
+    )?);
+    for i in 0..n {
+        let name = format!("shard-{i}");
+        pids.push(spawn(
+            &bin_dir.join("shard-node"),
+            &[
+                "--listen".into(),
+                "127.0.0.1:0".into(),
+                "--data-dir".into(),
+                dir.join(&name).join("data").display().to_string(),
+                "--port-file".into(),
+                pf(&name).display().to_string(),
+            ],
+            &dir.join(&name).join("log"),
+        )?);
+    }
+    let mw = wait_port_file(&pf("model-worker"), &mw_log, Duration::from_secs(120)).await?;
+    let mut shard_addrs = Vec::new();
+    for i in 0..n {
+        let name = format!("shard-{i}");
+        let p = wait_port_file(
+            &pf(&name),
+            &dir.join(&name).join("log"),
+            Duration::from_secs(300),
+        )
+        .await?;
+        shard_addrs.push(format!("http://{}", p.grpc));
+    }
+    let co_log = dir.join("coordinator/log");
+    pids.push(spawn(
+        &bin_dir.join("coordinator"),
+        &[
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--data-dir".into(),
+            dir.join("coordinator/data").display().to_string(),
+            "--shard-nodes".into(),
+            shard_addrs.join(","),
+            "--model-worker".into(),
+            format!("http://{}", mw.grpc),
+            "--embedding-tokenizer".into(),
+            model_dir.join("tokenizer.json").display().to_string(),
+            "--port-file".into(),
+            pf("coordinator").display().to_string(),
+        ],
+        &co_log,
+    )?);
+    let co = wait_port_file(&pf("coordinator"), &co_log, Duration::from_secs(60)).await?;
+    let cluster = LocalCluster {
+        coordinator: format!("http://{}", co.grpc),
+        coordinator_metrics: format!("http://{}/metrics", co.metrics),
+        model_worker: format!("http://{}", mw.grpc),
+        shard_nodes: shard_addrs,
+        pids: pids.clone(),
+    };
+    std::fs::write(
+        dir.join("cluster.json"),
+        serde_json::to_string_pretty(&cluster)?,
+    )?;
+    // Health through the coordinator's Admin API: every node must answer SERVING.
+    let ch = Channel::from_shared(cluster.coordinator.clone())?
+        .connect()
+        .await?;
+    let st = AdminClient::new(ch)
+        .cluster_status(ClusterStatusRequest {})
+        .await?
+        .into_inner();
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED)
+        .set_header(["role", "address", "health"]);
+    t.add_row([
+        "coordinator".to_string(),
+        cluster.coordinator.clone(),
+        "SERVING".into(),
+    ]);
+    for nstat in &st.nodes {
+        t.add_row([
+            nstat.role.clone(),
+            nstat.address.clone(),
+            nstat.health.clone(),
+        ]);
+    }
+    println!("{t}");
+    println!(
+        "metrics: {} ; logs and data under {}",
+        cluster.coordinator_metrics,
+        dir.display()
+    );
+    if let Some(bad) = st.nodes.iter().find(|x| x.health != "SERVING") {
+        bail!("{} {} is {}", bad.role, bad.address, bad.health);
+    }
+    let _ = (co.pid, co.metrics);
+    Ok(())
+}
+
+fn local_down(dir: &Path) -> Result<()> {
+    let s = std::fs::read_to_string(dir.join("cluster.json"))
+        .context("no local cluster (cluster.json missing)")?;
+    let c: LocalCluster = serde_json::from_str(&s)?;
+    for pid in c.pids.iter().rev() {
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(pid.to_string())
+            .status();
+    }
+    let start = Instant::now();
+    while c
+        .pids
+        .iter()
+        .any(|p| Path::new(&format!("/proc/{p}")).exists())
+        && start.elapsed() < Duration::from_secs(20)
+    {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::fs::remove_file(dir.join("cluster.json"))?;
+    println!("local cluster stopped");
+    Ok(())
+}
+
+fn collect_files(p: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+    if p.is_dir() {
+        let mut entries: Vec<_> = std::fs::read_dir(p)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect();
+        entries.sort();
+        for e in entries {
+            collect_files(&e, out)?;
+        }
+    } else if matches!(
+        p.extension().and_then(|e| e.to_str()),
+        Some("md" | "markdown" | "txt")
+    ) {
+        out.push(p.to_path_buf());
+    }
+    Ok(())
+}
+
+/// Title of a file: its first Markdown heading, else the file name.
+fn title_of(path: &Path, text: &str) -> String {
+    text.lines()
+        .find_map(|l| l.strip_prefix("# ").map(|t| t.trim().to_owned()))
+        .unwrap_or_else(|| {
+            path.file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        })
+}
+
+async fn ingest(cli: &Cli, paths: &[PathBuf], collection: &str, batch: usize) -> Result<()> {
+    let mut files = Vec::new();
+    for p in paths {
+        collect_files(p, &mut files)?;
+    }
+    if files.is_empty() {
+        bail!("no .md/.txt files under the given paths");
+    }
+    let mut client = CoordinatorClient::new(channel(cli).await?);
+    let exists = client
+        .list_collections(ListCollectionsRequest {})
+        .await?
+        .into_inner()
+        .collections
+        .iter()
+        .any(|c| c.name == collection);
+    if !exists {
+        client
+            .create_collection(CreateCollectionRequest {
+                name: collection.to_owned(),
+                chunking: Some(ChunkingConfig {
+                    strategy: ChunkingStrategy::Markdown as i32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await?;
+        println!("created collection {collection} (markdown chunking, 3 shards)");
+    }
+    let bar = ProgressBar::new(files.len() as u64);
+    bar.set_style(ProgressStyle::with_template(
+        "{bar:40} {pos}/{len} docs {msg} [{elapsed}]",
+    )?);
+    let (mut docs_n, mut chunks_n) = (0, 0);
+    for group in files.chunks(batch.max(1)) {
+        let mut documents = Vec::new();
+        for f in group {
+            let text = std::fs::read_to_string(f).with_context(|| f.display().to_string())?;
+            let mut metadata = std::collections::HashMap::new();
+            metadata.insert("path".to_string(), f.display().to_string());
+            documents.push(Document {
+                id: f.display().to_string(),
+                title: title_of(f, &text),
+                text,
+                metadata,
+            });
+        }
+        let r = client
+            .upsert_documents(UpsertDocumentsRequest {
+                collection: collection.to_owned(),
+                documents,
+            })
+            .await?
+            .into_inner();
+        docs_n += r.documents;
+        chunks_n += r.chunks;
+        bar.inc(group.len() as u64);
+        bar.set_message(format!("{chunks_n} chunks"));
+    }
+    bar.finish();
+    println!("ingested {docs_n} documents as {chunks_n} chunks into {collection}");
+    Ok(())
+}
+
+fn snippet(s: &str, n: usize) -> String {
+    let flat: String = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    if flat.chars().count() > n {
+        format!("{}…", flat.chars().take(n).collect::<String>())
+    } else {
+        flat
+    }
+}
+
+fn rank(r: &Option<RetrieverScore>) -> String {
+    r.as_ref()
+        .map(|r| format!("#{} ({:.3})", r.rank, r.score))
+        .unwrap_or_else(|| "-".into())
+}
+
+fn print_hits(r: &SearchResponse) {
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED)
+        .set_header(["#", "score", "document", "section", "bm25", "dense", "text"]);
+    for (i, h) in r.hits.iter().enumerate() {
+        t.add_row([
+            (i + 1).to_string(),
+            format!("{:.4}", h.score),
+            snippet(&h.title, 30),
+            snippet(&h.section, 30),
+            rank(&h.bm25),
+            rank(&h.dense),
+            snippet(&h.text, 90),
+        ]);
+    }
+    println!("{t}");
+    println!(
+        "{} hits in {:.1} ms from {}/{} shards",
+        r.hits.len(),
+        r.took_us as f64 / 1000.0,
+        r.shards_ok,
+        r.shards_total
+    );
+}
+
+fn print_hits_json(r: &SearchResponse) {
+    let hits: Vec<serde_json::Value> = r
+        .hits
+        .iter()
+        .map(|h| {
+            serde_json::json!({
+                "chunk_id": h.chunk_id, "doc_id": h.doc_id, "title": h.title, "section": h.section,
+                "score": h.score, "bm25": h.bm25.as_ref().map(|x| (x.rank, x.score)),
+                "dense": h.dense.as_ref().map(|x| (x.rank, x.score)), "text": h.text,
+            })
+        })
+        .collect();
+    println!(
+        "{}",
+        serde_json::json!({ "hits": hits, "took_us": r.took_us })
+    );
+}
+
+async fn collection(cli: &Cli, cmd: &CollectionCmd) -> Result<()> {
+    let mut c = CoordinatorClient::new(channel(cli).await?);
+    match cmd {
+        CollectionCmd::Create {
+            name,
+            shards,
+            chunking,
+            chunk_size,
+            chunk_overlap,
+        } => {
+            let strategy = match chunking {
+                Chunker::Fixed => ChunkingStrategy::Fixed,
+                Chunker::Sentence => ChunkingStrategy::Sentence,
+                Chunker::Markdown => ChunkingStrategy::Markdown,
+            };
+            let r = c
+                .create_collection(CreateCollectionRequest {
+                    name: name.clone(),
+                    shard_count: *shards,
+                    chunking: Some(ChunkingConfig {
+                        strategy: strategy as i32,
+                        chunk_size: *chunk_size,
+                        chunk_overlap: *chunk_overlap,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                })
+                .await?;
+            println!("created {:?}", r.into_inner().collection.map(|c| c.name));
+        }
+        CollectionCmd::Drop { name } => {
+            c.drop_collection(DropCollectionRequest { name: name.clone() })
+                .await?;
+            println!("dropped {name}");
+        }
+        CollectionCmd::List => {
+            let mut t = Table::new();
+            t.load_preset(UTF8_FULL_CONDENSED)
+                .set_header(["name", "shards", "model", "dim"]);
+            for col in c
+                .list_collections(ListCollectionsRequest {})
+                .await?
+                .into_inner()
+                .collections
+            {
+                t.add_row([
+                    col.name,
+                    col.shard_count.to_string(),
+                    col.embedding_model,
+                    col.dimension.to_string(),
+                ]);
+            }
+            println!("{t}");
+        }
+        CollectionCmd::Describe { name } => {
+            let d = c
+                .describe_collection(DescribeCollectionRequest { name: name.clone() })
+                .await?
+                .into_inner();
+            print_shards(&d.shards);
+        }
+    }
+    Ok(())
+}
+
+fn print_shards(shards: &[ShardStats]) {
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED).set_header([
+        "shard",
+        "node",
+        "docs",
+        "chunks",
+        "seq",
+        "bm25 bytes",
+        "hnsw",
+        "tombstones",
+        "error",
+    ]);
+    for s in shards {
+        t.add_row([
+            s.shard.to_string(),
+            s.node.clone(),
+            s.documents.to_string(),
+            s.chunks.to_string(),
+            s.applied_seq.to_string(),
+            s.bm25_index_bytes.to_string(),
+            s.hnsw_points.to_string(),
+            s.hnsw_tombstones.to_string(),
+            s.error.clone(),
+        ]);
+    }
+    println!("{t}");
+}
+
+async fn status(cli: &Cli, json: bool) -> Result<()> {
+    let st = AdminClient::new(channel(cli).await?)
+        .cluster_status(ClusterStatusRequest {})
+        .await?
+        .into_inner();
+    if json {
+        let nodes: Vec<_> = st.nodes.iter().map(|n| serde_json::json!({"address": n.address, "role": n.role, "health": n.health, "shards": n.shards})).collect();
+        let cols: Vec<_> = st
+            .collections
+            .iter()
+            .map(|c| {
+                let shards: Vec<_> = c.shards.iter().map(|s| serde_json::json!({"shard": s.shard, "node": s.node, "documents": s.documents, "chunks": s.chunks, "error": s.error})).collect();
+                serde_json::json!({"name": c.collection.as_ref().map(|x| x.name.clone()), "shards": shards})
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::json!({"nodes": nodes, "collections": cols})
+        );
+        return Ok(());
+    }
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED)
+        .set_header(["role", "address", "health", "shards"]);
+    for n in &st.nodes {
+        t.add_row([
+            n.role.clone(),
+            n.address.clone(),
+            n.health.clone(),
+            n.shards.to_string(),
+        ]);
+    }
+    println!("{t}");
+    for c in &st.collections {
+        println!(
+            "collection {}",
+            c.collection
+                .as_ref()
+                .map(|x| x.name.as_str())
+                .unwrap_or("?")
+        );
+        print_shards(&c.shards);
+    }
+    Ok(())
+}

@@ -1,0 +1,279 @@
+//! Collection lifecycle: validate, place shards, open them on their nodes, record in the
+//! catalog; drop; describe with live shard statistics.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures::future::join_all;
+use ragcluster_proto::v1::*;
+
+use crate::error::{CoordError, Result};
+use crate::fanout::{call, request};
+use crate::{State, placement};
+
+pub const DEFAULT_SHARDS: u32 = 3;
+pub const MAX_SHARDS: u32 = 256;
+pub const DEFAULT_CHUNK_SIZE: u32 = 200;
+pub const DEFAULT_OVERLAP: u32 = 32;
+pub const DEFAULT_MIN_CHUNK: u32 = 16;
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn valid_name(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 64
+        && n.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+}
+
+/// Fills defaults and checks ranges of a chunking config.
+pub fn normalize_chunking(c: Option<ChunkingConfig>, max_seq: u32) -> Result<ChunkingConfig> {
+    let mut c = c.unwrap_or_default();
+    if c.strategy == ChunkingStrategy::Unspecified as i32 {
+        c.strategy = ChunkingStrategy::Sentence as i32;
+    }
+    if ChunkingStrategy::try_from(c.strategy).is_err() {
+        return Err(CoordError::invalid(
+            "chunking.strategy",
+            format!("unknown value {}", c.strategy),
+        ));
+    }
+    if c.chunk_size == 0 {
+        c.chunk_size = DEFAULT_CHUNK_SIZE;
+    }
+    if c.chunk_overlap == 0 && c.strategy == ChunkingStrategy::Fixed as i32 {
+        c.chunk_overlap = DEFAULT_OVERLAP;
+    }
+    if c.min_chunk_tokens == 0 {
+        c.min_chunk_tokens = DEFAULT_MIN_CHUNK;
+    }
+    if !(16..=512).contains(&c.chunk_size) {
+        return Err(CoordError::invalid(
+            "chunking.chunk_size",
+            "must be in [16, 512] tokens",
+        ));
+    }
+    if max_seq > 0 && c.chunk_size > max_seq {
+        return Err(CoordError::invalid(
+            "chunking.chunk_size",
+            format!(
+                "{} exceeds the embedding model's {max_seq}-token limit",
+                c.chunk_size
+            ),
+        ));
+    }
+    if c.chunk_overlap >= c.chunk_size {
+        return Err(CoordError::invalid(
+            "chunking.chunk_overlap",
+            "must be smaller than chunk_size",
+        ));
+    }
+    if c.label_with_title.is_none() {
+        c.label_with_title = Some(true);
+    }
+    Ok(c)
+}
+
+impl State {
+    pub async fn create_collection(&self, r: CreateCollectionRequest) -> Result<CollectionInfo> {
+        if !valid_name(&r.name) {
+            return Err(CoordError::invalid("name", "must match [a-z0-9_-]{1,64}"));
+        }
+        let shard_count = if r.shard_count == 0 {
+            DEFAULT_SHARDS
+        } else {
+            r.shard_count
+        };
+        if shard_count > MAX_SHARDS {
+            return Err(CoordError::invalid(
+                "shard_count",
+                format!("must be in [1, {MAX_SHARDS}]"),
+            ));
+        }
+        let rf = if r.replication_factor == 0 {
+            1
+        } else {
+            r.replication_factor
+        };
+        if rf != 1 {
+            return Err(CoordError::invalid(
+                "replication_factor",
+                "only 1 is supported until Raft replication lands",
+            ));
+        }
+        let mut hnsw = r.hnsw.unwrap_or_default();
+        if hnsw.m == 0 {
+            hnsw.m = 16;
+        }
+        if hnsw.ef_construction == 0 {
+            hnsw.ef_construction = 200;
+        }
+        if hnsw.ef_search == 0 {
+            hnsw.ef_search = 64;
+        }
+        if !(2..=256).contains(&hnsw.m) {
+            return Err(CoordError::invalid("hnsw.m", "must be in [2, 256]"));
+        }
+        if hnsw.ef_construction > 4096 || hnsw.ef_search > 4096 {
+            return Err(CoordError::invalid(
+                "hnsw",
+                "ef_construction and ef_search must be at most 4096",
+            ));
+        }
+        if self.catalog.contains(&r.name) {
+            return Err(CoordError::CollectionExists(r.name));
+        }
+        // The model decides the dimension and the token limit of a chunk.
+        let models = call(
+            "model worker",
+            ADMIN_TIMEOUT,
+            self.clients
+                .model_worker()?
+                .list_models(ListModelsRequest {}),
+        )
+        .await?;
+        let embedding_model = if r.embedding_model.is_empty() {
+            models
+                .models
+                .iter()
+                .find(|m| m.kind == "embed")
+                .map(|m| m.name.clone())
+                .unwrap_or_default()
+        } else {
+            r.embedding_model.clone()
+        };
+        let model = models
+            .models
+            .iter()
+            .find(|m| m.name == embedding_model && m.kind == "embed")
+            .ok_or_else(|| {
+                CoordError::invalid(
+                    "embedding_model",
+                    format!("{embedding_model:?} is not served by the model worker"),
+                )
+            })?;
+        let chunking = normalize_chunking(r.chunking, model.max_sequence_length)?;
+        let shard_nodes = placement::place_shards(&r.name, shard_count, &self.cfg.shard_nodes);
+        let info = CollectionInfo {
+            name: r.name.clone(),
+            shard_count,
+            replication_factor: rf,
+            chunking: Some(chunking),
+            embedding_model,
+            dimension: model.dimension,
+            hnsw: Some(hnsw),
+            shard_nodes: shard_nodes.clone(),
+            created_at_ms: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or(0),
+        };
+        // Shards with this name are leftovers of a create that crashed before the catalog
+        // write: the name is not in the catalog, so they hold nothing acknowledged. Drop them.
+        let opens = shard_nodes.iter().enumerate().map(|(i, node)| {
+            let shard = ShardRef {
+                collection: r.name.clone(),
+                shard: i as u32,
+            };
+            let req = OpenShardRequest {
+                shard: Some(shard.clone()),
+                dimension: model.dimension,
+                hnsw: Some(hnsw),
+            };
+            async move {
+                let mut c = self.clients.shard(node)?;
+                let _ = c
+                    .drop_shard(request(
+                        DropShardRequest { shard: Some(shard) },
+                        ADMIN_TIMEOUT,
+                    ))
+                    .await;
+                call(
+                    &format!("shard node {node}"),
+                    ADMIN_TIMEOUT,
+                    c.open_shard(request(req, ADMIN_TIMEOUT)),
+                )
+                .await
+            }
+        });
+        for r in join_all(opens).await {
+            r?;
+        }
+        self.catalog.insert(info.clone())?;
+        tracing::info!(collection = %info.name, shards = shard_count, "collection created");
+        Ok(info)
+    }
+
+    pub async fn drop_collection(&self, name: &str) -> Result<()> {
+        let info = self.catalog.remove(name)?;
+        let drops = info.shard_nodes.iter().enumerate().map(|(i, node)| {
+            let req = DropShardRequest {
+                shard: Some(ShardRef {
+                    collection: info.name.clone(),
+                    shard: i as u32,
+                }),
+            };
+            async move {
+                let mut c = self.clients.shard(node)?;
+                call(
+                    &format!("shard node {node}"),
+                    ADMIN_TIMEOUT,
+                    c.drop_shard(request(req, ADMIN_TIMEOUT)),
+                )
+                .await
+            }
+        });
+        for (i, r) in join_all(drops).await.into_iter().enumerate() {
+            if let Err(e) = r {
+                // The collection is gone from the catalog, so nothing can reach the shard; it
+                // is dropped again if the name is ever re-created.
+                tracing::warn!(collection = name, shard = i, error = %e, "could not drop shard");
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn shard_stats(&self, info: &CollectionInfo) -> Vec<ShardStats> {
+        let calls = info
+            .shard_nodes
+            .iter()
+            .enumerate()
+            .map(|(i, node)| async move {
+                let req = ShardInfoRequest {
+                    shard: Some(ShardRef {
+                        collection: info.name.clone(),
+                        shard: i as u32,
+                    }),
+                };
+                let res = match self.clients.shard(node) {
+                    Ok(mut c) => {
+                        call(
+                            node,
+                            Duration::from_secs(5),
+                            c.shard_info(request(req, Duration::from_secs(5))),
+                        )
+                        .await
+                    }
+                    Err(e) => Err(e),
+                };
+                match res {
+                    Ok(s) => ShardStats {
+                        shard: i as u32,
+                        node: node.clone(),
+                        documents: s.documents,
+                        chunks: s.chunks,
+                        applied_seq: s.applied_seq,
+                        bm25_index_bytes: s.bm25_index_bytes,
+                        hnsw_points: s.hnsw_points,
+                        hnsw_tombstones: s.hnsw_tombstones,
+                        error: String::new(),
+                    },
+                    Err(e) => ShardStats {
+                        shard: i as u32,
+                        node: node.clone(),
+                        error: e.to_string(),
+                        ..Default::default()
+                    },
+                }
+            });
+        join_all(calls).await
+    }
+}

@@ -1,0 +1,75 @@
+//! Coordinator errors and their gRPC codes; the one place they become `tonic::Status`.
+
+use tonic::{Code, Status};
+
+pub type Result<T, E = CoordError> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CoordError {
+    #[error("{field}: {reason}")]
+    InvalidArgument { field: String, reason: String },
+    #[error("collection {0:?} does not exist")]
+    UnknownCollection(String),
+    #[error("collection {0:?} already exists")]
+    CollectionExists(String),
+    #[error("{field}: {reason}")]
+    TooLarge { field: String, reason: String },
+    #[error("{what} unavailable: {reason}")]
+    Unavailable {
+        what: String,
+        reason: String,
+        retry_after_ms: u64,
+    },
+    #[error("deadline exceeded waiting for {0}")]
+    Deadline(String),
+    #[error("catalog: {0}")]
+    Catalog(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("{0}")]
+    Upstream(Status),
+}
+
+impl CoordError {
+    pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self::InvalidArgument {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// Classifies an error from a shard node or the model worker.
+    pub fn upstream(what: &str, s: Status) -> Self {
+        match s.code() {
+            Code::Unavailable | Code::Unknown | Code::Cancelled => Self::Unavailable {
+                what: what.to_owned(),
+                reason: s.message().to_owned(),
+                retry_after_ms: 200,
+            },
+            Code::DeadlineExceeded => Self::Deadline(what.to_owned()),
+            _ => Self::Upstream(Status::new(s.code(), format!("{what}: {}", s.message()))),
+        }
+    }
+}
+
+impl From<CoordError> for Status {
+    fn from(e: CoordError) -> Self {
+        let code = match &e {
+            CoordError::InvalidArgument { .. } => Code::InvalidArgument,
+            CoordError::UnknownCollection(_) => Code::NotFound,
+            CoordError::CollectionExists(_) => Code::AlreadyExists,
+            CoordError::TooLarge { .. } => Code::ResourceExhausted,
+            CoordError::Unavailable { .. } => Code::Unavailable,
+            CoordError::Deadline(_) => Code::DeadlineExceeded,
+            CoordError::Catalog(_) | CoordError::Tokenizer(_) => Code::Internal,
+            CoordError::Upstream(s) => return s.clone(),
+        };
+        let mut s = Status::new(code, e.to_string());
+        if let CoordError::Unavailable { retry_after_ms, .. } = e {
+            if let Ok(v) = retry_after_ms.to_string().parse() {
+                s.metadata_mut().insert("retry-after-ms", v);
+            }
+        }
+        s
+    }
+}

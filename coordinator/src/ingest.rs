@@ -1,0 +1,352 @@
+//! Ingest: validate a batch, chunk every document, embed the (source-labelled) chunk texts in
+//! batches through the model worker, and write each shard's documents as one batch. A call
+//! returns only when every touched shard has acknowledged, i.e. made the batch durable and
+//! searchable. Upserts replace whole documents, so retrying a failed call is safe.
+
+use std::collections::{BTreeMap, HashSet};
+
+use futures::stream::{self, StreamExt, TryStreamExt};
+use ragcluster_proto::v1::*;
+
+use crate::chunking::{self, ChunkParams, Strategy};
+use crate::error::{CoordError, Result};
+use crate::fanout::{call, request};
+use crate::{State, placement};
+
+pub const MAX_DOCS_PER_BATCH: usize = 256;
+pub const MAX_DOC_BYTES: usize = 1 << 20;
+pub const MAX_ID_BYTES: usize = 512;
+pub const MAX_TITLE_BYTES: usize = 4096;
+pub const MAX_METADATA_ENTRIES: usize = 64;
+
+fn check_id(field: &str, id: &str) -> Result<()> {
+    if id.is_empty() {
+        return Err(CoordError::invalid(field, "is empty"));
+    }
+    if id.len() > MAX_ID_BYTES {
+        return Err(CoordError::invalid(
+            field,
+            format!("is longer than {MAX_ID_BYTES} bytes"),
+        ));
+    }
+    if id.chars().any(char::is_control) {
+        return Err(CoordError::invalid(field, "contains control characters"));
+    }
+    Ok(())
+}
+
+/// Checks a batch of documents; nothing is written unless all pass.
+pub fn validate_documents(docs: &[Document]) -> Result<()> {
+    if docs.is_empty() {
+        return Err(CoordError::invalid("documents", "is empty"));
+    }
+    if docs.len() > MAX_DOCS_PER_BATCH {
+        return Err(CoordError::TooLarge {
+            field: "documents".into(),
+            reason: format!(
+                "{} documents in one batch, at most {MAX_DOCS_PER_BATCH}",
+                docs.len()
+            ),
+        });
+    }
+    let mut seen = HashSet::new();
+    for (i, d) in docs.iter().enumerate() {
+        check_id(&format!("documents[{i}].id"), &d.id)?;
+        if !seen.insert(d.id.as_str()) {
+            return Err(CoordError::invalid(
+                format!("documents[{i}].id"),
+                format!("{:?} appears more than once in the batch", d.id),
+            ));
+        }
+        if d.text.trim().is_empty() {
+            return Err(CoordError::invalid(
+                format!("documents[{i}].text"),
+                "is empty",
+            ));
+        }
+        if d.text.len() > MAX_DOC_BYTES {
+            return Err(CoordError::TooLarge {
+                field: format!("documents[{i}].text"),
+                reason: format!("{} bytes, at most {MAX_DOC_BYTES}", d.text.len()),
+            });
+        }
+        if d.title.len() > MAX_TITLE_BYTES {
+            return Err(CoordError::invalid(
+                format!("documents[{i}].title"),
+                format!("is longer than {MAX_TITLE_BYTES} bytes"),
+            ));
+        }
+        if d.metadata.len() > MAX_METADATA_ENTRIES {
+            return Err(CoordError::invalid(
+                format!("documents[{i}].metadata"),
+                format!("has more than {MAX_METADATA_ENTRIES} entries"),
+            ));
+        }
+        if let Some(k) = d
+            .metadata
+            .keys()
+            .find(|k| k.is_empty() || k.len() > 256 || k.contains('\u{1f}'))
+        {
+            return Err(CoordError::invalid(
+                format!("documents[{i}].metadata"),
+                format!("key {k:?} is empty, too long or has U+001F"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+pub fn chunk_params(c: &ChunkingConfig) -> ChunkParams {
+    let strategy = match ChunkingStrategy::try_from(c.strategy) {
+        Ok(ChunkingStrategy::Fixed) => Strategy::Fixed,
+        Ok(ChunkingStrategy::Markdown) => Strategy::Markdown,
+        _ => Strategy::Sentence,
+    };
+    ChunkParams {
+        strategy,
+        chunk_size: c.chunk_size as usize,
+        overlap: c.chunk_overlap as usize,
+        min_tokens: c.min_chunk_tokens as usize,
+    }
+}
+
+/// The text that is embedded: "title > section" on its own line before the chunk
+/// (UniversalRAG's source labelling), or the bare chunk.
+pub fn embedding_text(title: &str, section: &str, text: &str, label: bool) -> String {
+    let label_text = match (label, title.is_empty(), section.is_empty()) {
+        (false, _, _) | (true, true, true) => return text.to_owned(),
+        (true, false, true) => title.to_owned(),
+        (true, true, false) => section.to_owned(),
+        (true, false, false) => format!("{title} > {section}"),
+    };
+    format!("{label_text}\n{text}")
+}
+
+impl State {
+    /// Embeds texts through the model worker, `embed_batch` at a time with
+    /// `embed_concurrency` calls in flight.
+    pub async fn embed(&self, model: &str, texts: Vec<String>) -> Result<Vec<Vec<f32>>> {
+        let batches: Vec<Vec<String>> = texts
+            .chunks(self.cfg.embed_batch)
+            .map(<[String]>::to_vec)
+            .collect();
+        let timeout = self.cfg.embed_timeout;
+        let out: Vec<Vec<Vec<f32>>> = stream::iter(batches)
+            .map(|b| async move {
+                let mut c = self.clients.model_worker()?;
+                let req = request(
+                    EmbedRequest {
+                        model: model.to_owned(),
+                        texts: b,
+                    },
+                    timeout,
+                );
+                let r = call("model worker", timeout, c.embed(req)).await?;
+                Ok::<_, CoordError>(
+                    r.embeddings
+                        .into_iter()
+                        .map(|e| e.values)
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .buffered(self.cfg.embed_concurrency)
+            .try_collect()
+            .await?;
+        Ok(out.into_iter().flatten().collect())
+    }
+
+    pub async fn upsert(&self, r: UpsertDocumentsRequest) -> Result<UpsertDocumentsResponse> {
+        let info = self.catalog.get(&r.collection)?;
+        validate_documents(&r.documents)?;
+        let chunking = info.chunking.clone().unwrap_or_default();
+        let params = chunk_params(&chunking);
+        let label = chunking.label_with_title.unwrap_or(true);
+        let tokens = self.tokens.clone();
+        let docs = r.documents;
+        // Chunking is CPU work: keep it off the async workers.
+        let (docs, pieces) = tokio::task::spawn_blocking(move || {
+            let pieces: Vec<Vec<chunking::ChunkText>> = docs
+                .iter()
+                .map(|d| chunking::chunk(&d.text, &params, tokens.as_ref()))
+                .collect();
+            (docs, pieces)
+        })
+        .await
+        .map_err(|e| CoordError::Catalog(e.to_string()))?;
+        let mut texts = Vec::new();
+        for (d, ps) in docs.iter().zip(&pieces) {
+            for p in ps {
+                texts.push(embedding_text(&d.title, &p.section, &p.text, label));
+            }
+        }
+        let total_chunks = texts.len();
+        let mut vectors = self.embed(&info.embedding_model, texts).await?.into_iter();
+        if vectors.len() != total_chunks {
+            return Err(CoordError::Unavailable {
+                what: "model worker".into(),
+                reason: format!(
+                    "returned {} embeddings for {total_chunks} texts",
+                    vectors.len()
+                ),
+                retry_after_ms: 100,
+            });
+        }
+        let mut per_shard: BTreeMap<u32, Vec<DocumentWrite>> = BTreeMap::new();
+        for (d, ps) in docs.into_iter().zip(pieces) {
+            let ids: Vec<String> = (0..ps.len()).map(|i| format!("{}#{i}", d.id)).collect();
+            let chunks = ps
+                .into_iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let mut metadata = d.metadata.clone();
+                    if !p.section.is_empty() {
+                        metadata.insert("section".into(), p.section.clone());
+                    }
+                    Chunk {
+                        chunk_id: ids[i].clone(),
+                        doc_id: d.id.clone(),
+                        position: i as u32,
+                        prev_chunk_id: if i > 0 {
+                            ids[i - 1].clone()
+                        } else {
+                            String::new()
+                        },
+                        next_chunk_id: ids.get(i + 1).cloned().unwrap_or_default(),
+                        title: d.title.clone(),
+                        section: p.section,
+                        text: p.text,
+                        metadata,
+                        embedding: vectors.next().unwrap_or_default(),
+                    }
+                })
+                .collect();
+            let shard = placement::shard_for_doc(&d.id, info.shard_count);
+            per_shard.entry(shard).or_default().push(DocumentWrite {
+                doc_id: d.id,
+                chunks,
+                delete: false,
+            });
+        }
+        let n_docs = per_shard.values().map(Vec::len).sum::<usize>() as u32;
+        self.write_shards(&info, per_shard).await?;
+        metrics::counter!("coordinator_ingested_documents_total").increment(u64::from(n_docs));
+        metrics::counter!("coordinator_ingested_chunks_total").increment(total_chunks as u64);
+        Ok(UpsertDocumentsResponse {
+            documents: n_docs,
+            chunks: total_chunks as u32,
+        })
+    }
+
+    pub async fn delete(&self, r: DeleteDocumentsRequest) -> Result<DeleteDocumentsResponse> {
+        let info = self.catalog.get(&r.collection)?;
+        if r.ids.is_empty() {
+            return Err(CoordError::invalid("ids", "is empty"));
+        }
+        if r.ids.len() > MAX_DOCS_PER_BATCH {
+            return Err(CoordError::TooLarge {
+                field: "ids".into(),
+                reason: format!("at most {MAX_DOCS_PER_BATCH} per call"),
+            });
+        }
+        let mut seen = HashSet::new();
+        let mut per_shard: BTreeMap<u32, Vec<DocumentWrite>> = BTreeMap::new();
+        for (i, id) in r.ids.iter().enumerate() {
+            check_id(&format!("ids[{i}]"), id)?;
+            if !seen.insert(id) {
+                return Err(CoordError::invalid(
+                    format!("ids[{i}]"),
+                    format!("{id:?} appears more than once"),
+                ));
+            }
+            per_shard
+                .entry(placement::shard_for_doc(id, info.shard_count))
+                .or_default()
+                .push(DocumentWrite {
+                    doc_id: id.clone(),
+                    chunks: vec![],
+                    delete: true,
+                });
+        }
+        let results = self.write_shards(&info, per_shard).await?;
+        let not_found: Vec<String> = results.into_iter().flat_map(|r| r.not_found).collect();
+        Ok(DeleteDocumentsResponse {
+            deleted: (r.ids.len() - not_found.len()) as u32,
+            not_found,
+        })
+    }
+
+    async fn write_shards(
+        &self,
+        info: &CollectionInfo,
+        per_shard: BTreeMap<u32, Vec<DocumentWrite>>,
+    ) -> Result<Vec<WriteBatchResponse>> {
+        let timeout = self.cfg.write_timeout;
+        let writes = per_shard.into_iter().map(|(shard, writes)| {
+            let node = info.shard_nodes[shard as usize].clone();
+            let req = WriteBatchRequest {
+                shard: Some(ShardRef {
+                    collection: info.name.clone(),
+                    shard,
+                }),
+                writes,
+            };
+            async move {
+                let mut c = self.clients.shard(&node)?;
+                call(
+                    &format!("shard {shard} on {node}"),
+                    timeout,
+                    c.write_batch(request(req, timeout)),
+                )
+                .await
+            }
+        });
+        futures::future::join_all(writes)
+            .await
+            .into_iter()
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn doc(id: &str, text: &str) -> Document {
+        Document {
+            id: id.into(),
+            text: text.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn rejects_bad_batches_naming_the_field() {
+        let err = |d: &[Document]| validate_documents(d).unwrap_err().to_string();
+        assert!(err(&[]).contains("documents"));
+        assert!(err(&[doc("a", "x"), doc("a", "y")]).contains("documents[1].id"));
+        assert!(err(&[doc("", "x")]).contains("documents[0].id"));
+        assert!(err(&[doc("a", "  ")]).contains("documents[0].text"));
+        let big = "x".repeat(MAX_DOC_BYTES + 1);
+        assert!(matches!(
+            validate_documents(&[doc("a", &big)]),
+            Err(CoordError::TooLarge { .. })
+        ));
+        let many: Vec<Document> = (0..=MAX_DOCS_PER_BATCH)
+            .map(|i| doc(&i.to_string(), "x"))
+            .collect();
+        assert!(matches!(
+            validate_documents(&many),
+            Err(CoordError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn labels_chunks_with_title_and_section() {
+        assert_eq!(
+            embedding_text("Guide", "Install > Linux", "Use apt.", true),
+            "Guide > Install > Linux\nUse apt."
+        );
+        assert_eq!(embedding_text("Guide", "", "x", true), "Guide\nx");
+        assert_eq!(embedding_text("Guide", "S", "x", false), "x");
+    }
+}

@@ -1,0 +1,85 @@
+//! The ragcluster coordinator: the public gRPC API. It owns the collection catalog
+//! (`catalog`), static shard placement (`placement`), chunking (`chunking`), ingest through the
+//! model worker to shard nodes (`ingest`), and distributed hybrid search with the seeds'
+//! fusion formulas (`search`, `fusion`). It talks to shard nodes and model workers only over
+//! gRPC (`fanout`), never through their crates. `ragctl` (the CLI) lives here too.
+
+pub mod catalog;
+pub mod chunking;
+pub mod collections;
+pub mod config;
+pub mod error;
+pub mod fanout;
+pub mod fusion;
+pub mod ingest;
+pub mod placement;
+pub mod search;
+pub mod service;
+
+use std::sync::Arc;
+
+pub use config::CoordinatorConfig;
+use ragcluster_common::{server, telemetry};
+use ragcluster_proto::v1::admin_server::AdminServer;
+use ragcluster_proto::v1::coordinator_server::CoordinatorServer;
+
+/// Shared state behind every RPC.
+pub struct State {
+    pub cfg: CoordinatorConfig,
+    pub catalog: catalog::Catalog,
+    pub clients: fanout::Clients,
+    pub tokens: Arc<dyn chunking::Tokens>,
+}
+
+impl State {
+    pub fn open(cfg: CoordinatorConfig) -> anyhow::Result<Self> {
+        let catalog = catalog::Catalog::open(&cfg.data_dir)?;
+        let tokens: Arc<dyn chunking::Tokens> =
+            Arc::new(chunking::HfTokens::load(&cfg.embedding_tokenizer)?);
+        let clients = fanout::Clients::new(cfg.model_worker.clone());
+        Ok(Self {
+            cfg,
+            catalog,
+            clients,
+            tokens,
+        })
+    }
+}
+
+/// Serves the Coordinator and Admin services until `shutdown` resolves.
+pub async fn run(
+    cfg: CoordinatorConfig,
+    metrics_listen: &str,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let state = Arc::new(State::open(cfg.clone())?);
+    tracing::info!(collections = state.catalog.list().len(), "catalog loaded");
+    let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
+    let (listener, addr) = server::bind(&cfg.listen).await?;
+    if let Some(p) = &cfg.port_file {
+        server::write_port_file(p, addr, metrics_addr)?;
+    }
+    tracing::info!(%addr, %metrics_addr, shard_nodes = cfg.shard_nodes.len(), "coordinator listening");
+    let (_reporter, health, reflection) =
+        server::health_and_reflection(&["ragcluster.v1.Coordinator", "ragcluster.v1.Admin"]).await;
+    let incoming = futures::stream::unfold(listener, |l| async move {
+        let r = l.accept().await.map(|(s, _)| {
+            let _ = s.set_nodelay(true);
+            s
+        });
+        Some((r, l))
+    });
+    tonic::transport::Server::builder()
+        .layer(server::GrpcMetricsLayer)
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(
+            CoordinatorServer::new(service::CoordinatorService(state.clone()))
+                .max_decoding_message_size(300 * 1024 * 1024)
+                .max_encoding_message_size(64 * 1024 * 1024),
+        )
+        .add_service(AdminServer::new(service::AdminService(state)))
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,420 @@
+//! Distributed search. BM25 runs in two rounds so that N shards score like one index: first
+//! every shard reports its statistics for the query terms, the coordinator sums them, then
+//! every shard scores with the sums. Dense search fans out in parallel with it. Each
+//! retriever's shard lists are merged by score into one global candidate list, then fused.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use futures::future::{join_all, try_join};
+use ragcluster_proto::v1::*;
+
+use crate::State;
+use crate::error::{CoordError, Result};
+use crate::fanout::{call, request};
+use crate::fusion::{self, Fusion, Ranked};
+
+pub const MAX_TOP_K: u32 = 1000;
+pub const MAX_QUERY_BYTES: usize = 8 * 1024;
+pub const MAX_TIMEOUT_MS: u32 = 60_000;
+pub const DEFAULT_DENSE_WEIGHT: f32 = 0.8;
+pub const DEFAULT_RRF_K: u32 = 60;
+pub const DEFAULT_CANDIDATES: u32 = 50;
+
+/// A validated search request.
+pub struct Plan {
+    pub mode: SearchMode,
+    pub fusion: Fusion,
+    pub top_k: usize,
+    pub candidates: usize,
+    pub timeout: Duration,
+}
+
+pub fn plan(r: &SearchRequest, dimension: u32, default_timeout: Duration) -> Result<Plan> {
+    if r.query.trim().is_empty() && r.query_vector.is_empty() {
+        return Err(CoordError::invalid("query", "is empty"));
+    }
+    if r.query.len() > MAX_QUERY_BYTES {
+        return Err(CoordError::invalid(
+            "query",
+            format!("is longer than {MAX_QUERY_BYTES} bytes"),
+        ));
+    }
+    if r.top_k == 0 || r.top_k > MAX_TOP_K {
+        return Err(CoordError::invalid(
+            "top_k",
+            format!("must be in [1, {MAX_TOP_K}], got {}", r.top_k),
+        ));
+    }
+    let mode = match SearchMode::try_from(r.mode) {
+        Ok(SearchMode::Unspecified) => SearchMode::Hybrid,
+        Ok(m) => m,
+        Err(_) => {
+            return Err(CoordError::invalid(
+                "mode",
+                format!("unknown value {}", r.mode),
+            ));
+        }
+    };
+    if mode != SearchMode::Dense && r.query.trim().is_empty() {
+        return Err(CoordError::invalid(
+            "query",
+            "is empty (bm25 and hybrid need text)",
+        ));
+    }
+    let w = r.dense_weight.unwrap_or(DEFAULT_DENSE_WEIGHT);
+    if !(0.0..=1.0).contains(&w) {
+        return Err(CoordError::invalid(
+            "dense_weight",
+            format!("must be in [0, 1], got {w}"),
+        ));
+    }
+    let k = r.rrf_k.unwrap_or(DEFAULT_RRF_K);
+    if !(1..=10_000).contains(&k) {
+        return Err(CoordError::invalid("rrf_k", "must be in [1, 10000]"));
+    }
+    let fusion = match r.fusion.as_str() {
+        "" | "dbsf" => Fusion::Dbsf {
+            lex_weight: 1.0 - w,
+        },
+        "cc" => Fusion::Cc {
+            lex_weight: 1.0 - w,
+        },
+        "rrf" => Fusion::Rrf { k: k as f32 },
+        other => {
+            return Err(CoordError::invalid(
+                "fusion",
+                format!("unknown fusion {other:?}; use rrf, cc or dbsf"),
+            ));
+        }
+    };
+    if r.candidates > MAX_TOP_K {
+        return Err(CoordError::invalid(
+            "candidates",
+            format!("must be at most {MAX_TOP_K}"),
+        ));
+    }
+    let candidates = if r.candidates == 0 {
+        r.top_k.max(DEFAULT_CANDIDATES)
+    } else {
+        r.candidates.max(r.top_k)
+    };
+    if !r.query_vector.is_empty() && r.query_vector.len() != dimension as usize {
+        return Err(CoordError::invalid(
+            "query_vector",
+            format!(
+                "has dimension {}, collection expects {dimension}",
+                r.query_vector.len()
+            ),
+        ));
+    }
+    if r.query_vector.iter().any(|x| !x.is_finite()) {
+        return Err(CoordError::invalid("query_vector", "has non-finite values"));
+    }
+    if r.timeout_ms > MAX_TIMEOUT_MS {
+        return Err(CoordError::invalid(
+            "timeout_ms",
+            format!("must be at most {MAX_TIMEOUT_MS}"),
+        ));
+    }
+    for k in r.filter.keys() {
+        if k.is_empty() {
+            return Err(CoordError::invalid("filter", "has an empty key"));
+        }
+    }
+    let timeout = if r.timeout_ms == 0 {
+        default_timeout
+    } else {
+        Duration::from_millis(u64::from(r.timeout_ms))
+    };
+    Ok(Plan {
+        mode,
+        fusion,
+        top_k: r.top_k as usize,
+        candidates: candidates as usize,
+        timeout,
+    })
+}
+
+fn merge(
+    lists: Vec<Vec<ShardHit>>,
+    shard_of: &[u32],
+    n: usize,
+    chunks: &mut HashMap<String, (Chunk, u32)>,
+) -> Vec<Ranked> {
+    let mut all: Vec<Ranked> = Vec::new();
+    for (list, &shard) in lists.into_iter().zip(shard_of) {
+        for h in list {
+            if let Some(c) = h.chunk {
+                all.push(Ranked {
+                    id: c.chunk_id.clone(),
+                    score: h.score,
+                });
+                chunks.entry(c.chunk_id.clone()).or_insert((c, shard));
+            }
+        }
+    }
+    all.sort_by(|a, b| b.score.total_cmp(&a.score).then_with(|| a.id.cmp(&b.id)));
+    all.truncate(n);
+    all
+}
+
+impl State {
+    pub async fn search(&self, r: SearchRequest) -> Result<SearchResponse> {
+        let started = Instant::now();
+        let info = self.catalog.get(&r.collection)?;
+        let p = plan(&r, info.dimension, self.cfg.search_timeout)?;
+        let deadline = started + p.timeout;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let shards: Vec<(u32, &String)> = info
+            .shard_nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (i as u32, n))
+            .collect();
+        let shard_ids: Vec<u32> = shards.iter().map(|s| s.0).collect();
+        let sref = |i: u32| {
+            Some(ShardRef {
+                collection: info.name.clone(),
+                shard: i,
+            })
+        };
+        let filter = r.filter.clone();
+
+        let lexical = async {
+            if p.mode == SearchMode::Dense {
+                return Ok(Vec::new());
+            }
+            // Round 1: collection-wide statistics for the query terms.
+            let stats = join_all(shards.iter().map(|(i, node)| {
+                let req = TermStatisticsRequest {
+                    shard: sref(*i),
+                    query: r.query.clone(),
+                };
+                async move {
+                    let mut c = self.clients.shard(node)?;
+                    call(
+                        &format!("shard {i} on {node}"),
+                        left(),
+                        c.term_statistics(request(req, left())),
+                    )
+                    .await
+                }
+            }))
+            .await;
+            let mut global = GlobalBm25Stats::default();
+            for s in stats {
+                let s = s?;
+                global.num_docs += s.num_docs;
+                global.total_tokens += s.total_tokens;
+                for (t, df) in s.doc_freq {
+                    *global.doc_freq.entry(t).or_insert(0) += df;
+                }
+            }
+            // Round 2: score everywhere with the same statistics.
+            let lists = join_all(shards.iter().map(|(i, node)| {
+                let req = Bm25SearchRequest {
+                    shard: sref(*i),
+                    query: r.query.clone(),
+                    top_k: p.candidates as u32,
+                    filter: filter.clone(),
+                    stats: Some(global.clone()),
+                };
+                async move {
+                    let mut c = self.clients.shard(node)?;
+                    call(
+                        &format!("shard {i} on {node}"),
+                        left(),
+                        c.bm25_search(request(req, left())),
+                    )
+                    .await
+                    .map(|r| r.hits)
+                }
+            }))
+            .await;
+            lists.into_iter().collect::<Result<Vec<_>>>()
+        };
+        let semantic = async {
+            if p.mode == SearchMode::Bm25 {
+                return Ok(Vec::new());
+            }
+            let vector = if r.query_vector.is_empty() {
+                let t0 = Instant::now();
+                let v = self
+                    .embed(&info.embedding_model, vec![r.query.clone()])
+                    .await?;
+                metrics::histogram!("coordinator_query_embed_seconds")
+                    .record(t0.elapsed().as_secs_f64());
+                v.into_iter().next().unwrap_or_default()
+            } else {
+                r.query_vector.clone()
+            };
+            let ef = if r.ef_search == 0 {
+                info.hnsw.unwrap_or_default().ef_search
+            } else {
+                r.ef_search
+            };
+            let lists = join_all(shards.iter().map(|(i, node)| {
+                let req = VectorSearchRequest {
+                    shard: sref(*i),
+                    vector: vector.clone(),
+                    top_k: p.candidates as u32,
+                    ef_search: ef.max(p.candidates as u32),
+                    filter: filter.clone(),
+                };
+                async move {
+                    let mut c = self.clients.shard(node)?;
+                    call(
+                        &format!("shard {i} on {node}"),
+                        left(),
+                        c.vector_search(request(req, left())),
+                    )
+                    .await
+                    .map(|r| r.hits)
+                }
+            }))
+            .await;
+            lists.into_iter().collect::<Result<Vec<_>>>()
+        };
+        let (lex_lists, sem_lists) =
+            match tokio::time::timeout(p.timeout, try_join(lexical, semantic)).await {
+                Err(_) => return Err(CoordError::Deadline("search fan-out".into())),
+                Ok(r) => r?,
+            };
+        let mut chunks = HashMap::new();
+        let lex = merge(lex_lists, &shard_ids, p.candidates, &mut chunks);
+        let sem = merge(sem_lists, &shard_ids, p.candidates, &mut chunks);
+        let fused = match p.mode {
+            SearchMode::Bm25 => fusion::fuse(&lex, &[], Fusion::Rrf { k: 0.0 }, p.top_k)
+                .into_iter()
+                .map(|mut f| {
+                    f.score = f.lex.map_or(0.0, |l| l.1);
+                    f
+                })
+                .collect(),
+            SearchMode::Dense => fusion::fuse(&[], &sem, Fusion::Rrf { k: 0.0 }, p.top_k)
+                .into_iter()
+                .map(|mut f| {
+                    f.score = f.sem.map_or(0.0, |s| s.1);
+                    f
+                })
+                .collect(),
+            _ => fusion::fuse(&lex, &sem, p.fusion, p.top_k),
+        };
+        let hits = fused
+            .into_iter()
+            .filter_map(|f| {
+                let (c, shard) = chunks.remove(&f.id)?;
+                let rs =
+                    |x: Option<(u32, f32)>| x.map(|(rank, score)| RetrieverScore { rank, score });
+                Some(SearchHit {
+                    chunk_id: c.chunk_id,
+                    doc_id: c.doc_id,
+                    title: c.title,
+                    section: c.section,
+                    text: c.text,
+                    metadata: c.metadata,
+                    score: f.score,
+                    bm25: rs(f.lex),
+                    dense: rs(f.sem),
+                    shard,
+                    position: c.position,
+                })
+            })
+            .collect();
+        let took = started.elapsed();
+        let mode = format!("{:?}", p.mode).to_lowercase();
+        metrics::histogram!("coordinator_search_seconds", "mode" => mode)
+            .record(took.as_secs_f64());
+        Ok(SearchResponse {
+            hits,
+            took_us: took.as_micros() as u64,
+            shards_total: shards.len() as u32,
+            shards_ok: shards.len() as u32,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req() -> SearchRequest {
+        SearchRequest {
+            collection: "c".into(),
+            query: "what is rust".into(),
+            top_k: 10,
+            ..Default::default()
+        }
+    }
+
+    fn field_of(r: SearchRequest) -> String {
+        match plan(&r, 4, Duration::from_secs(1)) {
+            Err(CoordError::InvalidArgument { field, .. }) => field,
+            Err(e) => panic!("unexpected {e}"),
+            Ok(_) => "ok".into(),
+        }
+    }
+
+    #[test]
+    fn rejects_bad_requests_naming_the_field() {
+        assert_eq!(field_of(req()), "ok");
+        assert_eq!(
+            field_of(SearchRequest {
+                query: "  ".into(),
+                ..req()
+            }),
+            "query"
+        );
+        assert_eq!(field_of(SearchRequest { top_k: 0, ..req() }), "top_k");
+        assert_eq!(
+            field_of(SearchRequest {
+                top_k: MAX_TOP_K + 1,
+                ..req()
+            }),
+            "top_k"
+        );
+        assert_eq!(
+            field_of(SearchRequest {
+                fusion: "borda".into(),
+                ..req()
+            }),
+            "fusion"
+        );
+        assert_eq!(
+            field_of(SearchRequest {
+                dense_weight: Some(1.5),
+                ..req()
+            }),
+            "dense_weight"
+        );
+        assert_eq!(
+            field_of(SearchRequest {
+                dense_weight: Some(-0.1),
+                ..req()
+            }),
+            "dense_weight"
+        );
+        assert_eq!(
+            field_of(SearchRequest {
+                query_vector: vec![1.0; 3],
+                ..req()
+            }),
+            "query_vector"
+        );
+        assert_eq!(field_of(SearchRequest { mode: 9, ..req() }), "mode");
+    }
+
+    #[test]
+    fn defaults_follow_universalrag() {
+        let p = plan(&req(), 4, Duration::from_secs(1)).unwrap();
+        assert_eq!(p.mode, SearchMode::Hybrid);
+        assert_eq!(
+            p.fusion,
+            Fusion::Dbsf {
+                lex_weight: 1.0 - DEFAULT_DENSE_WEIGHT
+            }
+        );
+        assert_eq!(p.candidates, 50);
+    }
+}

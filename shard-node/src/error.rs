@@ -1,0 +1,43 @@
+//! Errors of the shard node and their gRPC status codes (the one `From<ShardError> for Status`).
+
+use tonic::{Code, Status};
+
+pub type Result<T, E = ShardError> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ShardError {
+    #[error("shard {0} does not exist on this node")]
+    UnknownShard(String),
+    #[error("shard {shard} already exists with dimension {existing}, requested {requested}")]
+    ShardConflict {
+        shard: String,
+        existing: u32,
+        requested: u32,
+    },
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("storage error: {0}")]
+    Storage(#[from] rocksdb::Error),
+    #[error("bm25 index error: {0}")]
+    Bm25(#[from] tantivy::TantivyError),
+    #[error("corrupt record: {0}")]
+    Corrupt(String),
+    #[error("io error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("internal task failed: {0}")]
+    Join(String),
+}
+
+impl From<ShardError> for Status {
+    fn from(e: ShardError) -> Self {
+        let code = match &e {
+            ShardError::UnknownShard(_) => Code::NotFound,
+            ShardError::ShardConflict { .. } => Code::FailedPrecondition,
+            ShardError::InvalidArgument(_) => Code::InvalidArgument,
+            // Storage failures leave the write unacknowledged; the client may retry.
+            ShardError::Storage(_) | ShardError::Io(_) | ShardError::Join(_) => Code::Unavailable,
+            ShardError::Bm25(_) | ShardError::Corrupt(_) => Code::Internal,
+        };
+        Status::new(code, e.to_string())
+    }
+}

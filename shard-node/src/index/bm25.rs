@@ -1,0 +1,366 @@
+//! A shard's BM25 index (tantivy). Derived state: it commits with the shard's applied
+//! sequence number as payload, so after a crash the shard knows which batches to replay.
+//!
+//! Scores can use collection-wide statistics (`GlobalBm25Stats`: summed document count,
+//! token count and document frequencies of the query terms over all shards) through tantivy's
+//! `Bm25StatisticsProvider`, so a collection split into N shards ranks and scores exactly like
+//! one index over the same chunks.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use parking_lot::Mutex;
+use ragcluster_proto::v1::{DocumentWrite, GlobalBm25Stats};
+use tantivy::collector::TopDocs;
+use tantivy::query::{
+    Bm25StatisticsProvider, BooleanQuery, ConstScoreQuery, EmptyQuery, Occur, Query, TermQuery,
+};
+use tantivy::schema::{
+    Field, IndexRecordOption, STORED, STRING, Schema, TextFieldIndexing, TextOptions, Value,
+};
+use tantivy::tokenizer::{
+    Language, LowerCaser, RemoveLongFilter, SimpleTokenizer, Stemmer, StopWordFilter, TextAnalyzer,
+};
+use tantivy::{Index, IndexReader, IndexWriter, ReloadPolicy, Searcher, TantivyDocument, Term};
+
+use super::Filter;
+use crate::error::{Result, ShardError};
+
+/// English analysis as in Lucene's EnglishAnalyzer: split on non-alphanumerics, lowercase,
+/// drop stop words, Porter-style stemming.
+const TOKENIZER: &str = "ragcluster_en";
+/// Metadata is indexed as raw terms `key 0x1f value` in one multi-valued field.
+const META_SEP: char = '\u{1f}';
+
+pub struct Bm25Index {
+    index: Index,
+    writer: Mutex<IndexWriter>,
+    reader: IndexReader,
+    f_chunk_id: Field,
+    f_doc_id: Field,
+    f_body: Field,
+    f_meta: Field,
+}
+
+fn analyzer() -> TextAnalyzer {
+    TextAnalyzer::builder(SimpleTokenizer::default())
+        .filter(RemoveLongFilter::limit(40))
+        .filter(LowerCaser)
+        .filter(
+            StopWordFilter::new(Language::English).expect("english stop words ship with tantivy"),
+        )
+        .filter(Stemmer::new(Language::English))
+        .build()
+}
+
+fn schema() -> Schema {
+    let mut b = Schema::builder();
+    b.add_text_field("chunk_id", STRING | STORED);
+    b.add_text_field("doc_id", STRING);
+    let body = TextOptions::default().set_indexing_options(
+        TextFieldIndexing::default()
+            .set_tokenizer(TOKENIZER)
+            .set_index_option(IndexRecordOption::WithFreqs),
+    );
+    b.add_text_field("body", body);
+    b.add_text_field("meta", STRING);
+    b.build()
+}
+
+/// The text BM25 sees for a chunk: title and section path, then the chunk text.
+pub fn indexed_text(title: &str, section: &str, text: &str) -> String {
+    let mut s = String::with_capacity(title.len() + section.len() + text.len() + 2);
+    for part in [title, section, text] {
+        if !part.is_empty() {
+            if !s.is_empty() {
+                s.push('\n');
+            }
+            s.push_str(part);
+        }
+    }
+    s
+}
+
+impl Bm25Index {
+    pub fn open(dir: &Path, writer_memory: usize) -> Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let mmap =
+            tantivy::directory::MmapDirectory::open(dir).map_err(|e| ShardError::Bm25(e.into()))?;
+        let index = Index::open_or_create(mmap, schema())?;
+        index.tokenizers().register(TOKENIZER, analyzer());
+        let schema = index.schema();
+        let field = |n: &str| schema.get_field(n).map_err(ShardError::Bm25);
+        let writer = index.writer_with_num_threads(1, writer_memory)?;
+        let reader = index
+            .reader_builder()
+            .reload_policy(ReloadPolicy::Manual)
+            .try_into()?;
+        Ok(Self {
+            f_chunk_id: field("chunk_id")?,
+            f_doc_id: field("doc_id")?,
+            f_body: field("body")?,
+            f_meta: field("meta")?,
+            index,
+            writer: Mutex::new(writer),
+            reader,
+        })
+    }
+
+    /// Sequence number of the last committed batch (0 for a new index).
+    pub fn committed_seq(&self) -> Result<u64> {
+        let metas = self.index.load_metas()?;
+        Ok(metas
+            .payload
+            .as_deref()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0))
+    }
+
+    /// Stages a batch: replaced or deleted documents lose all their chunks, new chunks are added.
+    pub fn stage(&self, writes: &[DocumentWrite]) -> Result<()> {
+        let w = self.writer.lock();
+        for dw in writes {
+            w.delete_term(Term::from_field_text(self.f_doc_id, &dw.doc_id));
+            if dw.delete {
+                continue;
+            }
+            for c in &dw.chunks {
+                let mut doc = TantivyDocument::default();
+                doc.add_text(self.f_chunk_id, &c.chunk_id);
+                doc.add_text(self.f_doc_id, &c.doc_id);
+                doc.add_text(self.f_body, indexed_text(&c.title, &c.section, &c.text));
+                for (k, v) in &c.metadata {
+                    doc.add_text(self.f_meta, format!("{k}{META_SEP}{v}"));
+                }
+                w.add_document(doc)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes every document (before a rebuild from RocksDB).
+    pub fn clear(&self) -> Result<()> {
+        self.writer.lock().delete_all_documents()?;
+        Ok(())
+    }
+
+    /// Commits staged changes durably with `seq` as payload and makes them searchable.
+    pub fn commit(&self, seq: u64) -> Result<()> {
+        {
+            let mut w = self.writer.lock();
+            let mut prepared = w.prepare_commit()?;
+            prepared.set_payload(&seq.to_string());
+            prepared.commit()?;
+        }
+        self.reader.reload()?;
+        Ok(())
+    }
+
+    /// Analysed query terms, in query order (repeats kept: a repeated term weighs more, as in
+    /// Lucene's BooleanQuery).
+    pub fn analyze(&self, text: &str) -> Vec<String> {
+        let mut a = analyzer();
+        let mut ts = a.token_stream(text);
+        let mut out = Vec::new();
+        while ts.advance() {
+            out.push(ts.token().text.clone());
+        }
+        out
+    }
+
+    /// Local statistics for the query's terms: (documents incl. deleted ones not yet merged
+    /// away, tokens in the body field, document frequency per term), i.e. exactly what tantivy
+    /// itself would use for one index.
+    pub fn term_stats(&self, text: &str) -> Result<(u64, u64, HashMap<String, u64>)> {
+        let searcher = self.reader.searcher();
+        let mut df = HashMap::new();
+        for t in self.analyze(text) {
+            let term = Term::from_field_text(self.f_body, &t);
+            let n = searcher.doc_freq(&term)?;
+            df.insert(t, n);
+        }
+        Ok((
+            Bm25StatisticsProvider::total_num_docs(&searcher)?,
+            Bm25StatisticsProvider::total_num_tokens(&searcher, self.f_body)?,
+            df,
+        ))
+    }
+
+    pub fn search(
+        &self,
+        text: &str,
+        top_k: usize,
+        filter: &Filter,
+        stats: Option<&GlobalBm25Stats>,
+    ) -> Result<Vec<(String, f32)>> {
+        let searcher = self.reader.searcher();
+        let terms = self.analyze(text);
+        if terms.is_empty() || top_k == 0 {
+            return Ok(Vec::new());
+        }
+        let should: Vec<(Occur, Box<dyn Query>)> = terms
+            .iter()
+            .map(|t| {
+                let q: Box<dyn Query> = Box::new(TermQuery::new(
+                    Term::from_field_text(self.f_body, t),
+                    IndexRecordOption::WithFreqs,
+                ));
+                (Occur::Should, q)
+            })
+            .collect();
+        let mut query: Box<dyn Query> = Box::new(BooleanQuery::new(should));
+        if !filter.is_empty() {
+            let must: Vec<(Occur, Box<dyn Query>)> = filter
+                .iter()
+                .map(|(k, v)| {
+                    let q: Box<dyn Query> = Box::new(TermQuery::new(
+                        Term::from_field_text(self.f_meta, &format!("{k}{META_SEP}{v}")),
+                        IndexRecordOption::Basic,
+                    ));
+                    (Occur::Must, q)
+                })
+                .collect();
+            // The filter must not change scores: wrap it in a zero constant score.
+            let filter_q: Box<dyn Query> =
+                Box::new(ConstScoreQuery::new(Box::new(BooleanQuery::new(must)), 0.0));
+            query = Box::new(BooleanQuery::new(vec![
+                (Occur::Must, filter_q),
+                (Occur::Must, query),
+            ]));
+        }
+        if searcher.num_docs() == 0 {
+            query = Box::new(EmptyQuery);
+        }
+        let collector = TopDocs::with_limit(top_k).order_by_score();
+        let top = match stats {
+            Some(s) => {
+                let provider = GlobalStats {
+                    stats: s,
+                    local: &searcher,
+                    body: self.f_body,
+                };
+                searcher.search_with_statistics_provider(&*query, &collector, &provider)?
+            }
+            None => searcher.search(&*query, &collector)?,
+        };
+        let mut out = Vec::with_capacity(top.len());
+        for (score, addr) in top {
+            let doc: TantivyDocument = searcher.doc(addr)?;
+            if let Some(id) = doc.get_first(self.f_chunk_id).and_then(|v| v.as_str()) {
+                out.push((id.to_owned(), score));
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn num_docs(&self) -> u64 {
+        self.reader.searcher().num_docs()
+    }
+
+    /// Bytes of the index's segment files.
+    pub fn size_bytes(&self) -> u64 {
+        self.reader
+            .searcher()
+            .space_usage()
+            .map(|u| u.total().get_bytes())
+            .unwrap_or(0)
+    }
+}
+
+/// Collection-wide statistics for body terms; anything else (the metadata filter, scored at
+/// zero anyway) falls back to the shard's own numbers.
+struct GlobalStats<'a> {
+    stats: &'a GlobalBm25Stats,
+    local: &'a Searcher,
+    body: Field,
+}
+
+impl Bm25StatisticsProvider for GlobalStats<'_> {
+    fn total_num_tokens(&self, field: Field) -> tantivy::Result<u64> {
+        if field == self.body {
+            Ok(self.stats.total_tokens)
+        } else {
+            Bm25StatisticsProvider::total_num_tokens(self.local, field)
+        }
+    }
+
+    fn total_num_docs(&self) -> tantivy::Result<u64> {
+        // Never below the local count, so idf stays defined even with stale global numbers.
+        Ok(self
+            .stats
+            .num_docs
+            .max(Bm25StatisticsProvider::total_num_docs(self.local)?))
+    }
+
+    fn doc_freq(&self, term: &Term) -> tantivy::Result<u64> {
+        let local = self.local.doc_freq(term)?;
+        if term.field() != self.body {
+            return Ok(local);
+        }
+        let global = term
+            .value()
+            .as_str()
+            .and_then(|t| self.stats.doc_freq.get(t).copied())
+            .unwrap_or(local);
+        Ok(global.max(local))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ragcluster_proto::v1::Chunk;
+
+    fn write(doc: &str, texts: &[&str]) -> DocumentWrite {
+        DocumentWrite {
+            doc_id: doc.into(),
+            chunks: texts
+                .iter()
+                .enumerate()
+                .map(|(i, t)| Chunk {
+                    chunk_id: format!("{doc}#{i}"),
+                    doc_id: doc.into(),
+                    text: t.to_string(),
+                    metadata: [(
+                        "lang".to_string(),
+                        if doc == "b" { "de" } else { "en" }.to_string(),
+                    )]
+                    .into(),
+                    ..Default::default()
+                })
+                .collect(),
+            delete: false,
+        }
+    }
+
+    #[test]
+    fn stems_stops_and_filters() {
+        let dir = tempfile::tempdir().unwrap();
+        let idx = Bm25Index::open(dir.path(), 20_000_000).unwrap();
+        assert_eq!(idx.analyze("The Running of the Dogs"), vec!["run", "dog"]);
+        idx.stage(&[
+            write("a", &["dogs are running fast", "cats sleep"]),
+            write("b", &["a dog runs"]),
+        ])
+        .unwrap();
+        idx.commit(7).unwrap();
+        assert_eq!(idx.committed_seq().unwrap(), 7);
+        let hits = idx.search("running dog", 10, &vec![], None).unwrap();
+        assert_eq!(hits.len(), 2);
+        let hits = idx
+            .search("dog", 10, &vec![("lang".into(), "de".into())], None)
+            .unwrap();
+        assert_eq!(
+            hits.iter().map(|h| h.0.as_str()).collect::<Vec<_>>(),
+            vec!["b#0"]
+        );
+        // Replacing a document removes its old chunks.
+        idx.stage(&[write("a", &["birds"])]).unwrap();
+        idx.commit(8).unwrap();
+        let hits = idx.search("dog cats", 10, &vec![], None).unwrap();
+        assert_eq!(
+            hits.iter().map(|h| h.0.as_str()).collect::<Vec<_>>(),
+            vec!["b#0"]
+        );
+    }
+}

@@ -1,0 +1,75 @@
+//! A ragcluster shard node: hosts many shards of many collections. RocksDB (`storage`) is the
+//! source of truth for chunks, documents and each shard's applied sequence number; every shard
+//! also keeps a tantivy BM25 index (`index::bm25`) and an hnsw_rs graph (`index::hnsw`) that
+//! are derived state, caught up or rebuilt from RocksDB after a crash (`shard`).
+//! `service` maps the internal `ragcluster.v1.Shard` gRPC service onto `node::Node`.
+//! This crate must not depend on the coordinator or the model worker.
+
+pub mod config;
+pub mod error;
+pub mod index;
+pub mod node;
+pub mod service;
+pub mod shard;
+pub mod storage;
+
+pub use config::ShardNodeConfig;
+pub use node::Node;
+
+use std::sync::Arc;
+
+use ragcluster_common::{server, telemetry};
+use ragcluster_proto::v1::shard_server::ShardServer;
+
+/// Runs a shard node until `shutdown` resolves: opens (and recovers) every shard, serves gRPC
+/// and `/metrics`, then flushes the indexes on the way out.
+pub async fn run(
+    cfg: ShardNodeConfig,
+    metrics_listen: &str,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    let node = {
+        let cfg = cfg.clone();
+        tokio::task::spawn_blocking(move || Node::open(cfg)).await??
+    };
+    let node = Arc::new(node);
+    tracing::info!(
+        shards = node.shard_count(),
+        recovery_ms = started.elapsed().as_millis() as u64,
+        "shard node recovered"
+    );
+    let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
+    let (listener, addr) = server::bind(&cfg.listen).await?;
+    if let Some(p) = &cfg.port_file {
+        server::write_port_file(p, addr, metrics_addr)?;
+    }
+    tracing::info!(%addr, %metrics_addr, data_dir = %cfg.data_dir.display(), "shard node listening");
+    let (_reporter, health, reflection) =
+        server::health_and_reflection(&["ragcluster.v1.Shard"]).await;
+    let svc = ShardServer::new(service::ShardService::new(node.clone()))
+        .max_decoding_message_size(64 * 1024 * 1024)
+        .max_encoding_message_size(64 * 1024 * 1024);
+    tonic::transport::Server::builder()
+        .layer(server::GrpcMetricsLayer)
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(svc)
+        .serve_with_incoming_shutdown(tokio_stream_wrapper(listener), shutdown)
+        .await?;
+    tracing::info!("grpc drained; flushing indexes");
+    tokio::task::spawn_blocking(move || node.flush()).await??;
+    Ok(())
+}
+
+fn tokio_stream_wrapper(
+    listener: tokio::net::TcpListener,
+) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    futures::stream::unfold(listener, |l| async move {
+        let r = l.accept().await.map(|(s, _)| {
+            let _ = s.set_nodelay(true);
+            s
+        });
+        Some((r, l))
+    })
+}

@@ -1,0 +1,47 @@
+//! `shard-node` binary: flags -> layered config -> `shard_node::run`.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use ragcluster_common::config::{TelemetryConfig, TelemetryFlags, load_section};
+use ragcluster_common::{server, telemetry};
+use serde::Serialize;
+use shard_node::ShardNodeConfig;
+
+#[derive(Parser, Serialize)]
+#[command(
+    name = "shard-node",
+    about = "ragcluster shard node: RocksDB + tantivy + hnsw_rs shards"
+)]
+struct Flags {
+    /// Cluster config file (TOML); the [shard_node] and [telemetry] sections are read.
+    #[arg(long, short = 'c', env = "RAGCLUSTER_CONFIG")]
+    #[serde(skip)]
+    config: Option<PathBuf>,
+    /// gRPC listen address (shard_node.listen).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    listen: Option<String>,
+    /// Data directory (shard_node.data_dir).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data_dir: Option<PathBuf>,
+    /// Write the bound addresses here as JSON (shard_node.port_file).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    port_file: Option<PathBuf>,
+    #[command(flatten)]
+    #[serde(skip)]
+    telemetry: TelemetryFlags,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let flags = Flags::parse();
+    let file = flags.config.as_deref();
+    let tel = TelemetryConfig::load(file, &flags.telemetry)?;
+    telemetry::init_logging(&tel);
+    let cfg: ShardNodeConfig = load_section(file, "shard_node", &flags)?;
+    cfg.validate().map_err(anyhow::Error::msg)?;
+    shard_node::run(cfg, &tel.metrics_listen, server::shutdown_signal()).await
+}

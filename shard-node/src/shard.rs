@@ -1,0 +1,380 @@
+//! One shard replica: the write path that keeps RocksDB and the two indexes in step, and the
+//! recovery that brings the indexes back after a crash.
+//!
+//! Write path (one batch at a time per shard):
+//!   1. RocksDB: chunks, document records, applied seq and the op-log entry in one atomic,
+//!      fsync'd write. From here on the batch is durable; a crash before step 3 is repaired
+//!      on restart from the op log.
+//!   2. HNSW: insert new points, tombstone replaced ones.
+//!   3. tantivy: delete by doc id, add chunks, commit with the seq as payload, reload.
+//!   4. Acknowledge. Op-log entries up to the committed seq are then dropped.
+//!
+//! Recovery: the HNSW graph lives in memory and is rebuilt from RocksDB; the BM25 index is
+//! caught up by replaying op-log entries newer than its committed seq, or rebuilt from RocksDB
+//! when the log does not reach back far enough.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use ragcluster_proto::v1::{Chunk, DocumentWrite, GlobalBm25Stats, HnswParams, WriteBatchRequest};
+
+use crate::error::{Result, ShardError};
+use crate::index::Filter;
+use crate::index::bm25::Bm25Index;
+use crate::index::hnsw::{self, HnswIndex, Point, SearchPlan};
+use crate::storage::{BatchEffect, ShardKey, Store};
+
+pub struct Shard {
+    pub key: ShardKey,
+    pub dimension: u32,
+    pub params: HnswParams,
+    store: Arc<Store>,
+    bm25: Bm25Index,
+    hnsw: HnswIndex,
+    /// Serialises batches: seq assignment, RocksDB and index updates happen in one order.
+    write_lock: Mutex<()>,
+    applied: AtomicU64,
+    compact_ratio: f64,
+    compact_min: usize,
+}
+
+/// Result of applying a batch.
+pub struct Applied {
+    pub seq: u64,
+    pub effect: BatchEffect,
+}
+
+fn point(c: &Chunk) -> Point {
+    Point {
+        chunk_id: c.chunk_id.clone(),
+        vector: c.embedding.clone(),
+        meta: c
+            .metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+    }
+}
+
+pub struct ShardOptions {
+    pub bm25_writer_memory: usize,
+    pub compact_ratio: f64,
+    pub compact_min: usize,
+}
+
+impl Shard {
+    /// Opens a shard and brings its indexes up to the applied seq recorded in RocksDB.
+    pub fn open(
+        key: ShardKey,
+        dimension: u32,
+        params: HnswParams,
+        store: Arc<Store>,
+        bm25_dir: &Path,
+        opts: &ShardOptions,
+    ) -> Result<Self> {
+        let applied = store.applied_seq(&key)?;
+        let bm25 = Bm25Index::open(bm25_dir, opts.bm25_writer_memory)?;
+        let mut points = Vec::new();
+        store.for_each_chunk(&key, |c| {
+            points.push(point(&c));
+            Ok(())
+        })?;
+        let hnsw = HnswIndex::new(dimension as usize, params, points.len());
+        let live = points.len();
+        hnsw.rebuild(points);
+
+        let committed = bm25.committed_seq()?;
+        if committed < applied {
+            let log = store.oplog_after(&key, committed)?;
+            let contiguous = log.first().is_some_and(|(s, _)| *s == committed + 1)
+                && log.last().is_some_and(|(s, _)| *s == applied);
+            if contiguous {
+                tracing::info!(shard = %key, from = committed + 1, to = applied, "replaying op log into bm25");
+                for (_, req) in &log {
+                    bm25.stage(&req.writes)?;
+                }
+            } else {
+                tracing::warn!(shard = %key, committed, applied, "op log incomplete; rebuilding bm25 from rocksdb");
+                bm25.clear()?;
+                let mut batch = Vec::new();
+                store.for_each_chunk(&key, |c| {
+                    batch.push(c);
+                    Ok(())
+                })?;
+                let writes = vec![DocumentWrite {
+                    doc_id: String::new(),
+                    chunks: batch,
+                    delete: false,
+                }];
+                bm25.stage(&writes)?;
+            }
+            bm25.commit(applied)?;
+        }
+        store.truncate_oplog(&key, applied)?;
+        tracing::info!(shard = %key, applied, chunks = live, "shard open");
+        Ok(Self {
+            key,
+            dimension,
+            params,
+            store,
+            bm25,
+            hnsw,
+            write_lock: Mutex::new(()),
+            applied: AtomicU64::new(applied),
+            compact_ratio: opts.compact_ratio,
+            compact_min: opts.compact_min,
+        })
+    }
+
+    pub fn applied_seq(&self) -> u64 {
+        self.applied.load(Ordering::Acquire)
+    }
+
+    /// Checks a batch before anything is written. Normalises embeddings in place.
+    fn validate(&self, req: &mut WriteBatchRequest) -> Result<()> {
+        let bad = |m: String| Err(ShardError::InvalidArgument(m));
+        let mut seen = std::collections::HashSet::new();
+        for (i, w) in req.writes.iter_mut().enumerate() {
+            if w.doc_id.is_empty() {
+                return bad(format!("writes[{i}].doc_id is empty"));
+            }
+            if !seen.insert(w.doc_id.clone()) {
+                return bad(format!(
+                    "writes[{i}].doc_id {:?} appears twice in the batch",
+                    w.doc_id
+                ));
+            }
+            if w.delete && !w.chunks.is_empty() {
+                return bad(format!("writes[{i}] deletes and carries chunks"));
+            }
+            let mut ids = std::collections::HashSet::new();
+            for (j, c) in w.chunks.iter_mut().enumerate() {
+                if c.doc_id != w.doc_id {
+                    return bad(format!(
+                        "writes[{i}].chunks[{j}].doc_id differs from the write's doc_id"
+                    ));
+                }
+                if c.chunk_id.is_empty() || !ids.insert(c.chunk_id.clone()) {
+                    return bad(format!(
+                        "writes[{i}].chunks[{j}].chunk_id is empty or repeated"
+                    ));
+                }
+                if c.embedding.len() != self.dimension as usize {
+                    return bad(format!(
+                        "writes[{i}].chunks[{j}].embedding has dimension {}, shard expects {}",
+                        c.embedding.len(),
+                        self.dimension
+                    ));
+                }
+                if !hnsw::normalize(&mut c.embedding) {
+                    return bad(format!(
+                        "writes[{i}].chunks[{j}].embedding is zero or not finite"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies a batch durably and makes it searchable; returns once both are true.
+    pub fn apply(&self, mut req: WriteBatchRequest) -> Result<Applied> {
+        self.validate(&mut req)?;
+        let _guard = self.write_lock.lock();
+        let seq = self.applied_seq() + 1;
+        // 1. Durable. A failure here leaves nothing behind (atomic write) and nothing acknowledged.
+        let effect = self.store.commit_batch(&self.key, seq, &req)?;
+        // 2. Dense index: new points first, then drop replaced chunks not re-inserted.
+        let points: Vec<Point> = req
+            .writes
+            .iter()
+            .flat_map(|w| w.chunks.iter().map(point))
+            .collect();
+        let new_ids: std::collections::HashSet<&str> =
+            points.iter().map(|p| p.chunk_id.as_str()).collect();
+        let gone: Vec<String> = effect
+            .removed_chunks
+            .iter()
+            .filter(|id| !new_ids.contains(id.as_str()))
+            .cloned()
+            .collect();
+        self.hnsw.insert(points);
+        self.hnsw.remove(&gone);
+        // 3. Sparse index. If this fails the batch is still durable and is replayed on restart;
+        // we report the error so the write is not acknowledged as searchable.
+        self.bm25.stage(&req.writes)?;
+        self.bm25.commit(seq)?;
+        self.applied.store(seq, Ordering::Release);
+        self.store.truncate_oplog(&self.key, seq)?;
+        self.maybe_compact()?;
+        metrics::counter!("shard_write_batches_total").increment(1);
+        Ok(Applied { seq, effect })
+    }
+
+    /// Rebuilds the HNSW graph when tombstones exceed the configured share.
+    fn maybe_compact(&self) -> Result<()> {
+        let (live, dead) = self.hnsw.counts();
+        if dead < self.compact_min || (dead as f64) < self.compact_ratio * (live + dead) as f64 {
+            return Ok(());
+        }
+        let started = std::time::Instant::now();
+        let mut points = Vec::with_capacity(live);
+        self.store.for_each_chunk(&self.key, |c| {
+            points.push(point(&c));
+            Ok(())
+        })?;
+        self.hnsw.rebuild(points);
+        tracing::info!(shard = %self.key, dead, live, ms = started.elapsed().as_millis() as u64, "hnsw compacted");
+        Ok(())
+    }
+
+    pub fn bm25_search(
+        &self,
+        query: &str,
+        top_k: usize,
+        filter: &Filter,
+        stats: Option<&GlobalBm25Stats>,
+    ) -> Result<Vec<(Chunk, f32)>> {
+        let hits = self.bm25.search(query, top_k, filter, stats)?;
+        self.hydrate(hits)
+    }
+
+    pub fn vector_search(
+        &self,
+        vector: &[f32],
+        top_k: usize,
+        ef: usize,
+        filter: &Filter,
+    ) -> Result<Vec<(Chunk, f32)>> {
+        if vector.len() != self.dimension as usize {
+            return Err(ShardError::InvalidArgument(format!(
+                "vector has dimension {}, shard expects {}",
+                vector.len(),
+                self.dimension
+            )));
+        }
+        let mut q = vector.to_vec();
+        if !hnsw::normalize(&mut q) {
+            return Err(ShardError::InvalidArgument(
+                "vector is zero or not finite".into(),
+            ));
+        }
+        match self.hnsw.search(&q, top_k, ef, filter) {
+            SearchPlan::Hits(h) => self.hydrate(h),
+            SearchPlan::Exact(ids) => {
+                let mut scored: Vec<(Chunk, f32)> = self
+                    .store
+                    .get_chunks(&self.key, &ids)?
+                    .into_iter()
+                    .flatten()
+                    .map(|mut c| {
+                        let s = hnsw::dot(&q, &c.embedding);
+                        c.embedding.clear();
+                        (c, s)
+                    })
+                    .collect();
+                scored.sort_by(|a, b| b.1.total_cmp(&a.1));
+                scored.truncate(top_k);
+                Ok(scored)
+            }
+        }
+    }
+
+    /// Loads hit chunks from RocksDB (without embeddings). A hit whose chunk vanished between
+    /// index and store read (concurrent delete) is skipped.
+    fn hydrate(&self, hits: Vec<(String, f32)>) -> Result<Vec<(Chunk, f32)>> {
+        let ids: Vec<String> = hits.iter().map(|h| h.0.clone()).collect();
+        let chunks = self.store.get_chunks(&self.key, &ids)?;
+        Ok(chunks
+            .into_iter()
+            .zip(hits)
+            .filter_map(|(c, (_, s))| {
+                c.map(|mut c| {
+                    c.embedding.clear();
+                    (c, s)
+                })
+            })
+            .collect())
+    }
+
+    pub fn term_stats(&self, query: &str) -> Result<GlobalBm25Stats> {
+        let (num_docs, total_tokens, doc_freq) = self.bm25.term_stats(query)?;
+        Ok(GlobalBm25Stats {
+            num_docs,
+            total_tokens,
+            doc_freq,
+        })
+    }
+
+    pub fn get_chunks(&self, ids: &[String], with_embedding: bool) -> Result<Vec<Chunk>> {
+        Ok(self
+            .store
+            .get_chunks(&self.key, ids)?
+            .into_iter()
+            .flatten()
+            .map(|mut c| {
+                if !with_embedding {
+                    c.embedding.clear();
+                }
+                c
+            })
+            .collect())
+    }
+
+    /// Up to `before` preceding and `after` following chunks of the same document, in order,
+    /// the anchor included.
+    pub fn neighbours(&self, chunk_id: &str, before: u32, after: u32) -> Result<Vec<Chunk>> {
+        let Some(anchor) = self.get_chunks(&[chunk_id.to_owned()], false)?.pop() else {
+            return Err(ShardError::UnknownShard(format!(
+                "chunk {chunk_id} in {}",
+                self.key
+            )));
+        };
+        let mut prev = Vec::new();
+        let mut cur = anchor.prev_chunk_id.clone();
+        while prev.len() < before as usize && !cur.is_empty() {
+            match self.get_chunks(&[cur.clone()], false)?.pop() {
+                Some(c) => {
+                    cur = c.prev_chunk_id.clone();
+                    prev.push(c);
+                }
+                None => break,
+            }
+        }
+        prev.reverse();
+        let mut next = Vec::new();
+        let mut cur = anchor.next_chunk_id.clone();
+        while next.len() < after as usize && !cur.is_empty() {
+            match self.get_chunks(&[cur.clone()], false)?.pop() {
+                Some(c) => {
+                    cur = c.next_chunk_id.clone();
+                    next.push(c);
+                }
+                None => break,
+            }
+        }
+        prev.push(anchor);
+        prev.extend(next);
+        Ok(prev)
+    }
+
+    pub fn info(&self) -> Result<ragcluster_proto::v1::ShardInfoResponse> {
+        let (live, dead) = self.hnsw.counts();
+        Ok(ragcluster_proto::v1::ShardInfoResponse {
+            documents: self.store.count_docs(&self.key)?,
+            chunks: self.bm25.num_docs(),
+            applied_seq: self.applied_seq(),
+            bm25_index_bytes: self.bm25.size_bytes(),
+            hnsw_points: live as u64,
+            hnsw_tombstones: dead as u64,
+            dimension: self.dimension,
+        })
+    }
+
+    /// Commits any staged BM25 state (a no-op when every batch was committed).
+    pub fn flush(&self) -> Result<()> {
+        let _guard = self.write_lock.lock();
+        self.bm25.commit(self.applied_seq())
+    }
+}
