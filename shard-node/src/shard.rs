@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
-use ragcluster_proto::v1::{Chunk, DocumentWrite, GlobalBm25Stats, HnswParams, WriteBatchRequest};
+use ragcluster_proto::v1::{Chunk, GlobalBm25Stats, HnswParams, WriteBatchRequest};
 
 use crate::error::{Result, ShardError};
 use crate::index::Filter;
@@ -98,17 +98,7 @@ impl Shard {
             } else {
                 tracing::warn!(shard = %key, committed, applied, "op log incomplete; rebuilding bm25 from rocksdb");
                 bm25.clear()?;
-                let mut batch = Vec::new();
-                store.for_each_chunk(&key, |c| {
-                    batch.push(c);
-                    Ok(())
-                })?;
-                let writes = vec![DocumentWrite {
-                    doc_id: String::new(),
-                    chunks: batch,
-                    delete: false,
-                }];
-                bm25.stage(&writes)?;
+                store.for_each_chunk(&key, |c| bm25.stage_chunks(std::slice::from_ref(&c)))?;
             }
             bm25.commit(applied)?;
         }

@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+pub mod metrics;
+
 use anyhow::{Context, Result, bail};
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use serde::Deserialize;

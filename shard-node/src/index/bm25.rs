@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use parking_lot::Mutex;
-use ragcluster_proto::v1::{DocumentWrite, GlobalBm25Stats};
+use ragcluster_proto::v1::{Chunk, DocumentWrite, GlobalBm25Stats};
 use tantivy::collector::TopDocs;
 use tantivy::query::{
     Bm25StatisticsProvider, BooleanQuery, ConstScoreQuery, EmptyQuery, Occur, Query, TermQuery,
@@ -125,17 +125,30 @@ impl Bm25Index {
                 continue;
             }
             for c in &dw.chunks {
-                let mut doc = TantivyDocument::default();
-                doc.add_text(self.f_chunk_id, &c.chunk_id);
-                doc.add_text(self.f_doc_id, &c.doc_id);
-                doc.add_text(self.f_body, indexed_text(&c.title, &c.section, &c.text));
-                for (k, v) in &c.metadata {
-                    doc.add_text(self.f_meta, format!("{k}{META_SEP}{v}"));
-                }
-                w.add_document(doc)?;
+                w.add_document(self.document(c))?;
             }
         }
         Ok(())
+    }
+
+    /// Adds chunks without deleting anything first (rebuilds and bulk loads).
+    pub fn stage_chunks(&self, chunks: &[Chunk]) -> Result<()> {
+        let w = self.writer.lock();
+        for c in chunks {
+            w.add_document(self.document(c))?;
+        }
+        Ok(())
+    }
+
+    fn document(&self, c: &Chunk) -> TantivyDocument {
+        let mut doc = TantivyDocument::default();
+        doc.add_text(self.f_chunk_id, &c.chunk_id);
+        doc.add_text(self.f_doc_id, &c.doc_id);
+        doc.add_text(self.f_body, indexed_text(&c.title, &c.section, &c.text));
+        for (k, v) in &c.metadata {
+            doc.add_text(self.f_meta, format!("{k}{META_SEP}{v}"));
+        }
+        doc
     }
 
     /// Removes every document (before a rebuild from RocksDB).
@@ -309,7 +322,6 @@ impl Bm25StatisticsProvider for GlobalStats<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ragcluster_proto::v1::Chunk;
 
     fn write(doc: &str, texts: &[&str]) -> DocumentWrite {
         DocumentWrite {

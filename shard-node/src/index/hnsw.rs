@@ -314,6 +314,10 @@ mod tests {
     #[test]
     fn identical_vectors_do_not_abort() {
         let v = unit(1, 8);
-        assert_eq!(UnitCosine.eval(&v, &v), 0.0);
+        let d = UnitCosine.eval(&v, &v);
+        assert!((0.0..1e-6).contains(&d), "{d}");
+        // A dot product rounding above 1 would make 1 - dot negative: clamped, not asserted.
+        let w: Vec<f32> = v.iter().map(|x| x * 1.0001).collect();
+        assert_eq!(UnitCosine.eval(&v, &w), 0.0);
     }
 }

@@ -1,0 +1,90 @@
+//! all-MiniLM-L6-v2 on candle against sentence-transformers' own output
+//! (tests/data/minilm_reference.json, made by scripts/reference_embeddings.py), and batched
+//! output against one-at-a-time output.
+
+use std::path::PathBuf;
+
+use model_worker::backend::Embedder;
+use model_worker::backend::cpu::BertEmbedder;
+
+fn model_dir() -> PathBuf {
+    std::env::var_os("RAGCLUSTER_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"))
+        .join("all-MiniLM-L6-v2")
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let n = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    dot / (n(a) * n(b))
+}
+
+#[test]
+fn matches_sentence_transformers_and_batching_is_exact() {
+    let dir = model_dir();
+    assert!(
+        dir.join("model.safetensors").exists(),
+        "model missing at {}: run scripts/fetch-models.sh",
+        dir.display()
+    );
+    let reference: serde_json::Value =
+        serde_json::from_str(include_str!("data/minilm_reference.json")).expect("reference json");
+    let sentences: Vec<String> = reference["sentences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap().to_owned())
+        .collect();
+    let expected: Vec<Vec<f32>> = reference["embeddings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect()
+        })
+        .collect();
+
+    let mut m = BertEmbedder::load("all-MiniLM-L6-v2", &dir, 0).expect("load");
+    assert_eq!(m.dimension(), 384);
+    assert_eq!(
+        m.max_sequence_length(),
+        reference["max_seq_length"].as_u64().unwrap() as usize
+    );
+    let (batched, tokens) = m.embed(&sentences).unwrap();
+    assert!(tokens > 0);
+    for (i, (got, want)) in batched.iter().zip(&expected).enumerate() {
+        let c = cosine(got, want);
+        assert!(c > 0.999, "sentence {i}: cosine {c}");
+        let norm: f32 = got.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!(
+            (norm - 1.0).abs() < 1e-4,
+            "sentence {i} not unit length: {norm}"
+        );
+    }
+    // Padding in a batch must not change any embedding.
+    for (i, s) in sentences.iter().enumerate() {
+        let (single, _) = m.embed(std::slice::from_ref(s)).unwrap();
+        let diff = single[0]
+            .iter()
+            .zip(&batched[i])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            diff < 1e-4,
+            "sentence {i}: batched differs from single by {diff}"
+        );
+    }
+}
+
+#[test]
+fn missing_model_names_the_path() {
+    let err = BertEmbedder::load("x", std::path::Path::new("/nonexistent/model"), 0)
+        .err()
+        .expect("must fail");
+    assert!(err.to_string().contains("/nonexistent/model"), "{err}");
+}

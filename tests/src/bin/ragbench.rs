@@ -1,0 +1,628 @@
+//! `ragbench`: quality and speed of ragcluster on SciFact, measured on real processes.
+//!
+//! 1. Starts a local cluster (model worker, 3 shard nodes, coordinator) on loopback.
+//! 2. Ingests the SciFact corpus through the coordinator (chunking + embedding included).
+//! 3. Quality: nDCG@10 and Recall@100 on the test queries for bm25, dense and hybrid
+//!    (rrf / cc / dbsf).
+//! 4. Latency: the same queries at top_k = 10 through the coordinator (query vectors
+//!    precomputed, so the model is out of the loop) next to one in-process tantivy index and
+//!    one in-process hnsw_rs graph over the very same chunks and vectors; HNSW recall@10
+//!    against exact brute force.
+//! 5. Scale: 100k chunks (SciFact's chunks repeated, vectors perturbed) written straight to the
+//!    shard nodes (embedding excluded), the same latency comparison, and the restart time of a
+//!    node holding 100k chunks after kill -9.
+//!
+//! `cargo run --release -p ragcluster-tests --bin ragbench -- --out bench-out/scifact.json`
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use futures::stream::{self, StreamExt};
+use hnsw_rs::hnsw::Hnsw;
+use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
+use ragcluster_proto::v1::shard_client::ShardClient;
+use ragcluster_proto::v1::*;
+use ragcluster_tests::metrics::{doc_ranking, ndcg_at, recall_at};
+use ragcluster_tests::{
+    BeirDoc, BeirQuery, Cluster, Proc, datasets_dir, percentile, read_jsonl, read_qrels,
+};
+use rand::{Rng, SeedableRng};
+use serde_json::json;
+use shard_node::index::bm25::Bm25Index;
+use shard_node::index::hnsw::{UnitCosine, dot, normalize};
+use tonic::transport::Channel;
+
+#[derive(Parser)]
+struct Args {
+    /// Documents of the corpus to ingest (default: all).
+    #[arg(long, default_value_t = usize::MAX)]
+    docs: usize,
+    /// Chunks for the scale test (0 skips it).
+    #[arg(long, default_value_t = 100_000)]
+    scale_chunks: usize,
+    /// Write all figures here as JSON.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Concurrent clients for the throughput figure.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+}
+
+#[derive(Clone)]
+struct Stored {
+    chunk: Chunk,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn lat_summary(mut v: Vec<f64>) -> serde_json::Value {
+    let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
+    json!({"p50_ms": percentile(&mut v, 50.0), "p99_ms": percentile(&mut v, 99.0), "mean_ms": mean, "qps_1_client": 1000.0 / mean})
+}
+
+fn req(
+    coll: &str,
+    q: &BeirQuery,
+    vec: &[f32],
+    mode: SearchMode,
+    fusion: &str,
+    top_k: u32,
+) -> SearchRequest {
+    SearchRequest {
+        collection: coll.into(),
+        query: q.text.clone(),
+        top_k,
+        mode: mode as i32,
+        fusion: fusion.into(),
+        query_vector: if mode == SearchMode::Bm25 {
+            vec![]
+        } else {
+            vec.to_vec()
+        },
+        timeout_ms: 30_000,
+        ..Default::default()
+    }
+}
+
+const MODES: [(&str, SearchMode, &str); 5] = [
+    ("bm25", SearchMode::Bm25, ""),
+    ("dense", SearchMode::Dense, ""),
+    ("hybrid-rrf", SearchMode::Hybrid, "rrf"),
+    ("hybrid-cc", SearchMode::Hybrid, "cc"),
+    ("hybrid-dbsf", SearchMode::Hybrid, "dbsf"),
+];
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    let dir = datasets_dir().join("scifact");
+    let corpus: Vec<BeirDoc> =
+        read_jsonl(&dir.join("corpus.jsonl"), args.docs).context("SciFact corpus")?;
+    let qrels = read_qrels(&dir.join("qrels/test.tsv"))?;
+    let queries: Vec<BeirQuery> = read_jsonl::<BeirQuery>(&dir.join("queries.jsonl"), usize::MAX)?
+        .into_iter()
+        .filter(|q| qrels.contains_key(&q.id))
+        .collect();
+    eprintln!(
+        "scifact: {} documents, {} test queries",
+        corpus.len(),
+        queries.len()
+    );
+    let mut report = serde_json::Map::new();
+
+    let cluster = Cluster::start(3)?;
+    let mut c = cluster.client().await?;
+    c.create_collection(CreateCollectionRequest {
+        name: "scifact".into(),
+        shard_count: 3,
+        ..Default::default()
+    })
+    .await?;
+
+    // Ingest with embedding.
+    let t0 = Instant::now();
+    let mut chunks_total = 0u64;
+    let batches: Vec<Vec<Document>> = corpus
+        .chunks(32)
+        .map(|b| {
+            b.iter()
+                .map(|d| Document {
+                    id: d.id.clone(),
+                    title: d.title.clone(),
+                    text: d.text.clone(),
+                    ..Default::default()
+                })
+                .collect()
+        })
+        .collect();
+    let nb = batches.len();
+    let ingest_client = c.clone();
+    let mut results = stream::iter(batches)
+        .map(|documents| {
+            let mut c = ingest_client.clone();
+            async move {
+                c.upsert_documents(UpsertDocumentsRequest {
+                    collection: "scifact".into(),
+                    documents,
+                })
+                .await
+            }
+        })
+        .buffer_unordered(2);
+    let mut done = 0;
+    while let Some(r) = results.next().await {
+        chunks_total += u64::from(r?.into_inner().chunks);
+        done += 1;
+        if done % 20 == 0 {
+            eprintln!(
+                "  ingested {done}/{nb} batches, {chunks_total} chunks, {:.0} s",
+                t0.elapsed().as_secs_f64()
+            );
+        }
+    }
+    drop(results);
+    let ingest_s = t0.elapsed().as_secs_f64();
+    eprintln!(
+        "ingest with embedding: {chunks_total} chunks in {ingest_s:.1} s = {:.1} chunks/s",
+        chunks_total as f64 / ingest_s
+    );
+    report.insert("ingest_with_embedding".into(), json!({"documents": corpus.len(), "chunks": chunks_total, "seconds": ingest_s, "chunks_per_s": chunks_total as f64 / ingest_s}));
+
+    // Query vectors, once.
+    let mut mw = ModelWorkerClient::new(
+        Channel::from_shared(cluster.model_worker.grpc.clone())?
+            .connect()
+            .await?,
+    );
+    let t0 = Instant::now();
+    let mut qvecs: Vec<Vec<f32>> = Vec::new();
+    for b in queries.chunks(64) {
+        let r = mw
+            .embed(EmbedRequest {
+                model: String::new(),
+                texts: b.iter().map(|q| q.text.clone()).collect(),
+            })
+            .await?
+            .into_inner();
+        qvecs.extend(r.embeddings.into_iter().map(|e| e.values));
+    }
+    report.insert(
+        "query_embedding_ms_per_query".into(),
+        json!(ms(t0.elapsed()) / queries.len() as f64),
+    );
+
+    // Quality.
+    let mut quality = serde_json::Map::new();
+    for (name, mode, fusion) in MODES {
+        let (mut ndcg, mut recall) = (0.0, 0.0);
+        for (q, v) in queries.iter().zip(&qvecs) {
+            let r = c
+                .search(req("scifact", q, v, mode, fusion, 300))
+                .await?
+                .into_inner();
+            let docs = doc_ranking(r.hits.iter().map(|h| h.doc_id.as_str()));
+            ndcg += ndcg_at(&docs, &qrels[&q.id], 10);
+            recall += recall_at(&docs, &qrels[&q.id], 100);
+        }
+        let n = queries.len() as f64;
+        eprintln!(
+            "quality {name:12} nDCG@10 {:.4}  Recall@100 {:.4}",
+            ndcg / n,
+            recall / n
+        );
+        quality.insert(
+            name.into(),
+            json!({"ndcg@10": ndcg / n, "recall@100": recall / n}),
+        );
+    }
+    report.insert("quality".into(), quality.into());
+
+    // Fetch every chunk with its vector from the shards, for the in-process references.
+    let stored = fetch_all(&cluster, "scifact", &corpus).await?;
+    eprintln!("fetched {} chunks with vectors", stored.len());
+    let small = compare_latency(
+        &mut c,
+        "scifact",
+        &stored,
+        &queries,
+        &qvecs,
+        args.concurrency,
+    )
+    .await?;
+    report.insert("scifact_latency".into(), small);
+
+    if args.scale_chunks > 0 {
+        let scaled = scale_up(&stored, args.scale_chunks);
+        c.create_collection(CreateCollectionRequest {
+            name: "scale".into(),
+            shard_count: 3,
+            ..Default::default()
+        })
+        .await?;
+        let info = c
+            .describe_collection(DescribeCollectionRequest {
+                name: "scale".into(),
+            })
+            .await?
+            .into_inner()
+            .collection
+            .context("info")?;
+        let t0 = Instant::now();
+        write_direct(&info, &scaled).await?;
+        let s = t0.elapsed().as_secs_f64();
+        eprintln!(
+            "ingest without embedding: {} chunks in {s:.1} s = {:.0} chunks/s",
+            scaled.len(),
+            scaled.len() as f64 / s
+        );
+        report.insert(
+            "ingest_without_embedding".into(),
+            json!({"chunks": scaled.len(), "seconds": s, "chunks_per_s": scaled.len() as f64 / s}),
+        );
+        let big =
+            compare_latency(&mut c, "scale", &scaled, &queries, &qvecs, args.concurrency).await?;
+        report.insert("scale_latency".into(), big);
+        drop(cluster);
+        report.insert("restart".into(), restart_time(&scaled).await?);
+    }
+    let out = serde_json::Value::Object(report);
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    if let Some(p) = args.out {
+        if let Some(d) = p.parent() {
+            std::fs::create_dir_all(d)?;
+        }
+        std::fs::write(p, serde_json::to_string_pretty(&out)?)?;
+    }
+    Ok(())
+}
+
+/// All chunks of the collection with their vectors (chunk ids are `doc#position`).
+async fn fetch_all(cluster: &Cluster, coll: &str, corpus: &[BeirDoc]) -> Result<Vec<Stored>> {
+    let mut out = Vec::new();
+    for (i, node) in cluster.shards.iter().enumerate() {
+        let mut sc = ShardClient::new(Channel::from_shared(node.grpc.clone())?.connect().await?)
+            .max_decoding_message_size(256 << 20);
+        // Placement puts shard i on some node; ask every node for every shard number it may hold.
+        for shard in 0..3u32 {
+            for docs in corpus.chunks(500) {
+                let ids: Vec<String> = docs
+                    .iter()
+                    .flat_map(|d| (0..32).map(move |p| format!("{}#{p}", d.id)))
+                    .collect();
+                let r = sc
+                    .get_chunks(GetChunksRequest {
+                        shard: Some(ShardRef {
+                            collection: coll.into(),
+                            shard,
+                        }),
+                        chunk_ids: ids,
+                        with_embedding: true,
+                    })
+                    .await;
+                match r {
+                    Ok(r) => out.extend(
+                        r.into_inner()
+                            .chunks
+                            .into_iter()
+                            .map(|chunk| Stored { chunk }),
+                    ),
+                    Err(s) if s.code() == tonic::Code::NotFound => break,
+                    Err(s) => return Err(s.into()),
+                }
+            }
+        }
+        let _ = i;
+    }
+    out.sort_by(|a, b| a.chunk.chunk_id.cmp(&b.chunk.chunk_id));
+    out.dedup_by(|a, b| a.chunk.chunk_id == b.chunk.chunk_id);
+    Ok(out)
+}
+
+/// `n` chunks: the real ones repeated under new document ids, vectors perturbed by Gaussian-ish
+/// noise (σ ≈ 0.02 per dimension) and renormalised.
+fn scale_up(real: &[Stored], n: usize) -> Vec<Stored> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    (0..n)
+        .map(|i| {
+            let src = &real[i % real.len()].chunk;
+            let rep = i / real.len();
+            let mut c = src.clone();
+            let doc = format!("{}~{rep}", src.doc_id);
+            c.chunk_id = format!("{doc}#{}", src.position);
+            c.prev_chunk_id = if src.prev_chunk_id.is_empty() {
+                String::new()
+            } else {
+                format!("{doc}#{}", src.position - 1)
+            };
+            c.next_chunk_id = if src.next_chunk_id.is_empty() {
+                String::new()
+            } else {
+                format!("{doc}#{}", src.position + 1)
+            };
+            c.doc_id = doc;
+            if rep > 0 {
+                for x in c.embedding.iter_mut() {
+                    let u: f32 = (0..4).map(|_| rng.random::<f32>() - 0.5).sum::<f32>() * 0.035;
+                    *x += u;
+                }
+                normalize(&mut c.embedding);
+            }
+            Stored { chunk: c }
+        })
+        .collect()
+}
+
+/// Writes chunks straight to the shard nodes through Shard.WriteBatch, by document, on the shard
+/// the coordinator's placement gives it (3 shards in parallel, 512 chunks per batch).
+async fn write_direct(info: &CollectionInfo, chunks: &[Stored]) -> Result<()> {
+    let mut by_shard: HashMap<u32, Vec<DocumentWrite>> = HashMap::new();
+    let mut by_doc: HashMap<&str, Vec<Chunk>> = HashMap::new();
+    for s in chunks {
+        by_doc
+            .entry(s.chunk.doc_id.as_str())
+            .or_default()
+            .push(s.chunk.clone());
+    }
+    for (doc, cs) in by_doc {
+        let shard = coordinator::placement::shard_for_doc(doc, info.shard_count);
+        by_shard.entry(shard).or_default().push(DocumentWrite {
+            doc_id: doc.to_owned(),
+            chunks: cs,
+            delete: false,
+        });
+    }
+    let tasks = by_shard.into_iter().map(|(shard, writes)| {
+        let node = info.shard_nodes[shard as usize].clone();
+        let coll = info.name.clone();
+        async move {
+            let mut sc = ShardClient::new(Channel::from_shared(node)?.connect().await?)
+                .max_encoding_message_size(256 << 20);
+            let mut batch = Vec::new();
+            let mut n = 0;
+            for w in writes {
+                n += w.chunks.len();
+                batch.push(w);
+                if n >= 512 {
+                    sc.write_batch(WriteBatchRequest {
+                        shard: Some(ShardRef {
+                            collection: coll.clone(),
+                            shard,
+                        }),
+                        writes: std::mem::take(&mut batch),
+                    })
+                    .await?;
+                    n = 0;
+                }
+            }
+            if !batch.is_empty() {
+                sc.write_batch(WriteBatchRequest {
+                    shard: Some(ShardRef {
+                        collection: coll.clone(),
+                        shard,
+                    }),
+                    writes: batch,
+                })
+                .await?;
+            }
+            anyhow::Ok(())
+        }
+    });
+    for r in futures::future::join_all(tasks).await {
+        r?;
+    }
+    Ok(())
+}
+
+/// Coordinator (3 shards) vs one in-process tantivy index and one hnsw_rs graph over the same
+/// chunks; plus HNSW recall@10 against brute force, in-process and through the cluster.
+async fn compare_latency(
+    c: &mut ragcluster_proto::v1::coordinator_client::CoordinatorClient<Channel>,
+    coll: &str,
+    chunks: &[Stored],
+    queries: &[BeirQuery],
+    qvecs: &[Vec<f32>],
+    concurrency: usize,
+) -> Result<serde_json::Value> {
+    let mut out = serde_json::Map::new();
+    out.insert("chunks".into(), json!(chunks.len()));
+    // Through the coordinator.
+    let mut cluster_dense_top: Vec<Vec<String>> = Vec::new();
+    for (name, mode, fusion) in MODES {
+        for (q, v) in queries.iter().zip(qvecs).take(20) {
+            c.search(req(coll, q, v, mode, fusion, 10)).await?;
+        }
+        let mut lat = Vec::new();
+        for (q, v) in queries.iter().zip(qvecs) {
+            let t = Instant::now();
+            let r = c
+                .search(req(coll, q, v, mode, fusion, 10))
+                .await?
+                .into_inner();
+            lat.push(ms(t.elapsed()));
+            if name == "dense" {
+                cluster_dense_top.push(r.hits.into_iter().map(|h| h.chunk_id).collect());
+            }
+        }
+        let t = Instant::now();
+        let reqs: Vec<SearchRequest> = queries
+            .iter()
+            .zip(qvecs)
+            .map(|(q, v)| req(coll, q, v, mode, fusion, 10))
+            .collect();
+        let n = reqs.len();
+        let done: Vec<_> = stream::iter(reqs)
+            .map(|r| {
+                let mut c = c.clone();
+                async move { c.search(r).await }
+            })
+            .buffer_unordered(concurrency)
+            .collect()
+            .await;
+        for d in done {
+            d?;
+        }
+        let qps = n as f64 / t.elapsed().as_secs_f64();
+        let mut s = lat_summary(lat);
+        s["qps_concurrent"] = json!(qps);
+        eprintln!(
+            "[{coll}] coordinator {name:12} p50 {:.3} ms p99 {:.3} ms, {qps:.0} qps at {concurrency} clients",
+            s["p50_ms"].as_f64().unwrap_or(0.0),
+            s["p99_ms"].as_f64().unwrap_or(0.0)
+        );
+        out.insert(format!("coordinator_{name}"), s);
+    }
+    // One in-process tantivy index with the same analyzer and chunks.
+    let dir = tempfile::tempdir()?;
+    let bm25 = Bm25Index::open(dir.path(), 200_000_000)?;
+    let t = Instant::now();
+    for group in chunks.chunks(5000) {
+        let group: Vec<Chunk> = group.iter().map(|s| s.chunk.clone()).collect();
+        bm25.stage_chunks(&group)?;
+    }
+    bm25.commit(1)?;
+    out.insert(
+        "inprocess_tantivy_build_s".into(),
+        json!(t.elapsed().as_secs_f64()),
+    );
+    for q in queries.iter().take(20) {
+        bm25.search(&q.text, 10, &vec![], None)?;
+    }
+    let mut lat = Vec::new();
+    for q in queries {
+        let t = Instant::now();
+        bm25.search(&q.text, 10, &vec![], None)?;
+        lat.push(ms(t.elapsed()));
+    }
+    let s = lat_summary(lat);
+    eprintln!(
+        "[{coll}] in-process tantivy   p50 {:.3} ms p99 {:.3} ms",
+        s["p50_ms"].as_f64().unwrap_or(0.0),
+        s["p99_ms"].as_f64().unwrap_or(0.0)
+    );
+    out.insert("inprocess_tantivy".into(), s);
+    // One in-process hnsw_rs graph, same parameters as the shards (M 16, ef_c 200, ef 64).
+    let t = Instant::now();
+    let hnsw: Hnsw<f32, UnitCosine> = Hnsw::new(16, chunks.len(), 16, 200, UnitCosine);
+    let data: Vec<(&Vec<f32>, usize)> = chunks
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (&s.chunk.embedding, i))
+        .collect();
+    hnsw.parallel_insert(&data);
+    out.insert(
+        "inprocess_hnsw_build_s".into(),
+        json!(t.elapsed().as_secs_f64()),
+    );
+    let mut lat = Vec::new();
+    let mut direct_top: Vec<Vec<usize>> = Vec::new();
+    for v in qvecs {
+        let t = Instant::now();
+        let r = hnsw.search(v, 10, 64);
+        lat.push(ms(t.elapsed()));
+        direct_top.push(r.into_iter().map(|n| n.d_id).collect());
+    }
+    let s = lat_summary(lat);
+    eprintln!(
+        "[{coll}] in-process hnsw_rs   p50 {:.3} ms p99 {:.3} ms",
+        s["p50_ms"].as_f64().unwrap_or(0.0),
+        s["p99_ms"].as_f64().unwrap_or(0.0)
+    );
+    out.insert("inprocess_hnsw".into(), s);
+    // Exact top-10 by brute force.
+    let (mut rec_direct, mut rec_cluster) = (0.0, 0.0);
+    for (qi, v) in qvecs.iter().enumerate() {
+        let mut scored: Vec<(f32, usize)> = chunks
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (dot(v, &s.chunk.embedding), i))
+            .collect();
+        scored.select_nth_unstable_by(9, |a, b| b.0.total_cmp(&a.0));
+        let exact: Vec<usize> = scored[..10].iter().map(|x| x.1).collect();
+        rec_direct += direct_top[qi].iter().filter(|i| exact.contains(i)).count() as f64 / 10.0;
+        let exact_ids: Vec<&str> = exact
+            .iter()
+            .map(|&i| chunks[i].chunk.chunk_id.as_str())
+            .collect();
+        rec_cluster += cluster_dense_top[qi]
+            .iter()
+            .filter(|id| exact_ids.contains(&id.as_str()))
+            .count() as f64
+            / 10.0;
+    }
+    let n = qvecs.len() as f64;
+    eprintln!(
+        "[{coll}] HNSW recall@10 vs brute force: in-process {:.4}, cluster {:.4}",
+        rec_direct / n,
+        rec_cluster / n
+    );
+    out.insert("hnsw_recall@10_inprocess".into(), json!(rec_direct / n));
+    out.insert("hnsw_recall@10_cluster".into(), json!(rec_cluster / n));
+    Ok(out.into())
+}
+
+/// One shard node with all chunks in one shard: kill -9, restart, time until it serves again.
+async fn restart_time(chunks: &[Stored]) -> Result<serde_json::Value> {
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let mut node = Proc::start(
+        "lone",
+        "shard-node",
+        vec![
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--data-dir".into(),
+            data.display().to_string(),
+        ],
+        dir.path(),
+        Duration::from_secs(60),
+    )?;
+    let info = CollectionInfo {
+        name: "restart".into(),
+        shard_count: 1,
+        shard_nodes: vec![node.grpc.clone()],
+        ..Default::default()
+    };
+    let mut sc = ShardClient::new(Channel::from_shared(node.grpc.clone())?.connect().await?);
+    sc.open_shard(OpenShardRequest {
+        shard: Some(ShardRef {
+            collection: "restart".into(),
+            shard: 0,
+        }),
+        dimension: 384,
+        hnsw: Some(HnswParams {
+            m: 16,
+            ef_construction: 200,
+            ef_search: 64,
+        }),
+    })
+    .await?;
+    let t = Instant::now();
+    write_direct(&info, chunks).await?;
+    let write_s = t.elapsed().as_secs_f64();
+    node.kill9();
+    let t = Instant::now();
+    tokio::task::block_in_place(|| node.restart(Duration::from_secs(1800)))?;
+    let restart_s = t.elapsed().as_secs_f64();
+    let mut sc = ShardClient::new(Channel::from_shared(node.grpc.clone())?.connect().await?);
+    let i = sc
+        .shard_info(ShardInfoRequest {
+            shard: Some(ShardRef {
+                collection: "restart".into(),
+                shard: 0,
+            }),
+        })
+        .await?
+        .into_inner();
+    eprintln!(
+        "restart after kill -9 with {} chunks in one shard: {restart_s:.1} s (write took {write_s:.1} s)",
+        i.chunks
+    );
+    Ok(
+        json!({"chunks": i.chunks, "hnsw_points": i.hnsw_points, "restart_s": restart_s, "single_node_write_s": write_s}),
+    )
+}

@@ -1,0 +1,94 @@
+//! Distributed BM25 must score like one index: the same SciFact slice in a 1-shard and a
+//! 4-shard collection returns the same top-10 with scores equal to 1e-4, because shards score
+//! with collection-wide statistics gathered by the coordinator.
+
+use anyhow::{Context, Result};
+use ragcluster_proto::v1::*;
+use ragcluster_tests::{BeirDoc, BeirQuery, Cluster, datasets_dir, read_jsonl};
+
+const DOCS: usize = 200;
+const QUERIES: usize = 40;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_shards_score_like_one() -> Result<()> {
+    let scifact = datasets_dir().join("scifact");
+    let corpus: Vec<BeirDoc> = read_jsonl(&scifact.join("corpus.jsonl"), DOCS)
+        .context("SciFact corpus (../shared/datasets)")?;
+    let queries: Vec<BeirQuery> = read_jsonl(&scifact.join("queries.jsonl"), QUERIES)?;
+    let cluster = Cluster::start(4)?;
+    let mut c = cluster.client().await?;
+    for (name, shards) in [("one", 1), ("four", 4)] {
+        c.create_collection(CreateCollectionRequest {
+            name: name.into(),
+            shard_count: shards,
+            ..Default::default()
+        })
+        .await?;
+        for batch in corpus.chunks(100) {
+            let documents = batch
+                .iter()
+                .map(|d| Document {
+                    id: d.id.clone(),
+                    title: d.title.clone(),
+                    text: d.text.clone(),
+                    ..Default::default()
+                })
+                .collect();
+            c.upsert_documents(UpsertDocumentsRequest {
+                collection: name.into(),
+                documents,
+            })
+            .await?;
+        }
+    }
+    let d = c
+        .describe_collection(DescribeCollectionRequest {
+            name: "four".into(),
+        })
+        .await?
+        .into_inner();
+    assert!(
+        d.shards.iter().all(|s| s.chunks > 0),
+        "every shard holds part of the corpus"
+    );
+    let mut compared = 0;
+    for q in &queries {
+        let run = |coll: &str| SearchRequest {
+            collection: coll.into(),
+            query: q.text.clone(),
+            top_k: 10,
+            mode: SearchMode::Bm25 as i32,
+            ..Default::default()
+        };
+        let one = c.search(run("one")).await?.into_inner().hits;
+        let four = c.search(run("four")).await?.into_inner().hits;
+        assert_eq!(one.len(), four.len(), "query {}", q.id);
+        for (i, (a, b)) in one.iter().zip(&four).enumerate() {
+            assert!(
+                (a.score - b.score).abs() <= 1e-4,
+                "query {} rank {i}: {} vs {}",
+                q.id,
+                a.score,
+                b.score
+            );
+        }
+        // Same chunks, apart from ties at the cut-off score (either tied chunk may make the cut).
+        let floor = one.last().map_or(0.0, |h| h.score) + 1e-4;
+        let above = |v: &[SearchHit]| {
+            let mut ids: Vec<String> = v
+                .iter()
+                .filter(|h| h.score > floor)
+                .map(|h| h.chunk_id.clone())
+                .collect();
+            ids.sort();
+            ids
+        };
+        assert_eq!(above(&one), above(&four), "query {}", q.id);
+        compared += one.len();
+    }
+    assert!(
+        compared > QUERIES * 5,
+        "queries returned too few hits to compare ({compared})"
+    );
+    Ok(())
+}
