@@ -65,10 +65,10 @@ impl From<CoordError> for Status {
             CoordError::Upstream(s) => return s.clone(),
         };
         let mut s = Status::new(code, e.to_string());
-        if let CoordError::Unavailable { retry_after_ms, .. } = e {
-            if let Ok(v) = retry_after_ms.to_string().parse() {
-                s.metadata_mut().insert("retry-after-ms", v);
-            }
+        if let CoordError::Unavailable { retry_after_ms, .. } = e
+            && let Ok(v) = retry_after_ms.to_string().parse()
+        {
+            s.metadata_mut().insert("retry-after-ms", v);
         }
         s
     }

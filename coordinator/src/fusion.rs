@@ -9,7 +9,8 @@
 //!   - CC:   φ_MM(x) = (x − m)/(M − m), m and M the list's min and max.
 //!   - DBSF: φ_ts(x) = (x − (μ − 3σ)) / ((μ + 3σ) − (μ − 3σ)), μ and σ the list's mean and
 //!     (population) standard deviation.
-//!   A degenerate list (M = m, or σ = 0) normalises every score to 1.
+//!
+//! A degenerate list (M = m, or σ = 0) normalises every score to 1.
 //!
 //! Lists are normalised over the candidates each retriever returned for the query.
 

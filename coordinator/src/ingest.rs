@@ -158,7 +158,7 @@ impl State {
     pub async fn upsert(&self, r: UpsertDocumentsRequest) -> Result<UpsertDocumentsResponse> {
         let info = self.catalog.get(&r.collection)?;
         validate_documents(&r.documents)?;
-        let chunking = info.chunking.clone().unwrap_or_default();
+        let chunking = info.chunking.unwrap_or_default();
         let params = chunk_params(&chunking);
         let label = chunking.label_with_title.unwrap_or(true);
         let tokens = self.tokens.clone();

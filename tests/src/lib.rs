@@ -195,10 +195,10 @@ impl Proc {
     /// Starts again with the same arguments, on the same port when it had one.
     pub fn restart(&mut self, timeout: Duration) -> Result<()> {
         self.kill9();
-        if let Some(port) = self.grpc.rsplit(':').next().map(str::to_owned) {
-            if let Some(i) = self.args.iter().position(|a| a == "--listen") {
-                self.args[i + 1] = format!("127.0.0.1:{port}");
-            }
+        if let Some(port) = self.grpc.rsplit(':').next().map(str::to_owned)
+            && let Some(i) = self.args.iter().position(|a| a == "--listen")
+        {
+            self.args[i + 1] = format!("127.0.0.1:{port}");
         }
         self.launch(timeout)
     }

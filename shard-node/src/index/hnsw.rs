@@ -165,11 +165,11 @@ impl HnswIndex {
         for (i, p) in points.into_iter().enumerate() {
             let id = first + i;
             s.slots[id].alive = true;
-            if let Some(old) = s.by_chunk.insert(p.chunk_id, id) {
-                if s.slots[old].alive {
-                    s.slots[old].alive = false;
-                    s.dead += 1;
-                }
+            if let Some(old) = s.by_chunk.insert(p.chunk_id, id)
+                && s.slots[old].alive
+            {
+                s.slots[old].alive = false;
+                s.dead += 1;
             }
         }
     }
@@ -179,11 +179,11 @@ impl HnswIndex {
         let g = self.graph.read();
         let mut s = g.slots.write();
         for id in chunk_ids {
-            if let Some(slot) = s.by_chunk.remove(id) {
-                if s.slots[slot].alive {
-                    s.slots[slot].alive = false;
-                    s.dead += 1;
-                }
+            if let Some(slot) = s.by_chunk.remove(id)
+                && s.slots[slot].alive
+            {
+                s.slots[slot].alive = false;
+                s.dead += 1;
             }
         }
     }

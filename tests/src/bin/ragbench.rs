@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use prost::Message;
 use futures::stream::{self, StreamExt};
 use hnsw_rs::hnsw::Hnsw;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
@@ -49,6 +50,12 @@ struct Args {
     /// Concurrent clients for the throughput figure.
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
+    /// After ingest, save every chunk with its vector here (protobuf), for --load-chunks.
+    #[arg(long)]
+    dump_chunks: Option<PathBuf>,
+    /// Skip embedding: write the chunks saved by --dump-chunks straight to the shards.
+    #[arg(long)]
+    load_chunks: Option<PathBuf>,
 }
 
 #[derive(Clone)]
@@ -124,55 +131,67 @@ async fn main() -> Result<()> {
     })
     .await?;
 
+    let loaded = match &args.load_chunks {
+        Some(p) => Some(GetChunksResponse::decode(&*std::fs::read(p).with_context(|| p.display().to_string())?)?.chunks),
+        None => None,
+    };
+    if let Some(chunks) = &loaded {
+        let info = c.describe_collection(DescribeCollectionRequest { name: "scifact".into() }).await?.into_inner().collection.context("info")?;
+        let stored: Vec<Stored> = chunks.iter().cloned().map(|chunk| Stored { chunk }).collect();
+        let t0 = Instant::now();
+        write_direct(&info, &stored).await?;
+        eprintln!("loaded {} saved chunks in {:.1} s (no embedding)", stored.len(), t0.elapsed().as_secs_f64());
+    } else {
     // Ingest with embedding.
-    let t0 = Instant::now();
-    let mut chunks_total = 0u64;
-    let batches: Vec<Vec<Document>> = corpus
-        .chunks(32)
-        .map(|b| {
-            b.iter()
-                .map(|d| Document {
-                    id: d.id.clone(),
-                    title: d.title.clone(),
-                    text: d.text.clone(),
-                    ..Default::default()
-                })
-                .collect()
-        })
-        .collect();
-    let nb = batches.len();
-    let ingest_client = c.clone();
-    let mut results = stream::iter(batches)
-        .map(|documents| {
-            let mut c = ingest_client.clone();
-            async move {
-                c.upsert_documents(UpsertDocumentsRequest {
-                    collection: "scifact".into(),
-                    documents,
-                })
-                .await
+        let t0 = Instant::now();
+        let mut chunks_total = 0u64;
+        let batches: Vec<Vec<Document>> = corpus
+            .chunks(32)
+            .map(|b| {
+                b.iter()
+                    .map(|d| Document {
+                        id: d.id.clone(),
+                        title: d.title.clone(),
+                        text: d.text.clone(),
+                        ..Default::default()
+                    })
+                    .collect()
+            })
+            .collect();
+        let nb = batches.len();
+        let ingest_client = c.clone();
+        let mut results = stream::iter(batches)
+            .map(|documents| {
+                let mut c = ingest_client.clone();
+                async move {
+                    c.upsert_documents(UpsertDocumentsRequest {
+                        collection: "scifact".into(),
+                        documents,
+                    })
+                    .await
+                }
+            })
+            .buffer_unordered(2);
+        let mut done = 0;
+        while let Some(r) = results.next().await {
+            chunks_total += u64::from(r?.into_inner().chunks);
+            done += 1;
+            if done % 20 == 0 {
+                eprintln!(
+                    "  ingested {done}/{nb} batches, {chunks_total} chunks, {:.0} s",
+                    t0.elapsed().as_secs_f64()
+                );
             }
-        })
-        .buffer_unordered(2);
-    let mut done = 0;
-    while let Some(r) = results.next().await {
-        chunks_total += u64::from(r?.into_inner().chunks);
-        done += 1;
-        if done % 20 == 0 {
-            eprintln!(
-                "  ingested {done}/{nb} batches, {chunks_total} chunks, {:.0} s",
-                t0.elapsed().as_secs_f64()
-            );
         }
+        drop(results);
+        let ingest_s = t0.elapsed().as_secs_f64();
+        eprintln!(
+            "ingest with embedding: {chunks_total} chunks in {ingest_s:.1} s = {:.1} chunks/s",
+            chunks_total as f64 / ingest_s
+        );
+        report.insert("ingest_with_embedding".into(), json!({"documents": corpus.len(), "chunks": chunks_total, "seconds": ingest_s, "chunks_per_s": chunks_total as f64 / ingest_s}));
+    
     }
-    drop(results);
-    let ingest_s = t0.elapsed().as_secs_f64();
-    eprintln!(
-        "ingest with embedding: {chunks_total} chunks in {ingest_s:.1} s = {:.1} chunks/s",
-        chunks_total as f64 / ingest_s
-    );
-    report.insert("ingest_with_embedding".into(), json!({"documents": corpus.len(), "chunks": chunks_total, "seconds": ingest_s, "chunks_per_s": chunks_total as f64 / ingest_s}));
-
     // Query vectors, once.
     let mut mw = ModelWorkerClient::new(
         Channel::from_shared(cluster.model_worker.grpc.clone())?
@@ -225,6 +244,10 @@ async fn main() -> Result<()> {
     // Fetch every chunk with its vector from the shards, for the in-process references.
     let stored = fetch_all(&cluster, "scifact", &corpus).await?;
     eprintln!("fetched {} chunks with vectors", stored.len());
+    if let Some(p) = &args.dump_chunks {
+        let msg = GetChunksResponse { chunks: stored.iter().map(|s| s.chunk.clone()).collect() };
+        std::fs::write(p, msg.encode_to_vec())?;
+    }
     let small = compare_latency(
         &mut c,
         "scifact",

@@ -1,0 +1,43 @@
+# The index of commands. CARGO_TARGET_DIR lives outside the clone so rebuilds (and CI) stay
+# incremental; everything builds with the one release profile.
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
+BIN := $(CARGO_TARGET_DIR)/release
+
+.PHONY: setup build demo test test-unit test-cluster lint fmt bench bench-quick up down
+
+setup:            ## system packages + models
+	bash scripts/setup.sh
+
+build:
+	cargo build --release --workspace
+
+demo: build       ## the main job: local cluster, ingest the sample docs, answer a query
+	$(BIN)/ragctl local up
+	$(BIN)/ragctl ingest docs/sample
+	$(BIN)/ragctl search "how does raft elect a leader?"
+
+up: build
+	$(BIN)/ragctl local up
+
+down:
+	$(BIN)/ragctl local down
+
+test: build       ## every test: unit, model reference, black-box cluster tests
+	cargo test --release --workspace
+
+test-unit:
+	cargo test --release --workspace --lib --bins
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --release --workspace --all-targets -- -D warnings
+
+fmt:
+	cargo fmt --all
+
+bench: build      ## full SciFact quality + latency + 100k scale + restart (~30 min)
+	mkdir -p bench-out
+	$(BIN)/ragbench --out bench-out/scifact.json
+
+bench-quick: build
+	$(BIN)/ragbench --docs 500 --scale-chunks 5000
