@@ -94,10 +94,11 @@ pub fn plan(r: &SearchRequest, dimension: u32, default_timeout: Duration) -> Res
             format!("must be at most {MAX_TOP_K}"),
         ));
     }
-    let candidates = if r.candidates == 0 {
-        r.top_k.max(DEFAULT_CANDIDATES)
-    } else {
-        r.candidates.max(r.top_k)
+    // A single retriever needs no more than top_k; fusion needs a deeper pool per retriever.
+    let candidates = match (r.candidates, mode) {
+        (0, SearchMode::Hybrid) => r.top_k.max(DEFAULT_CANDIDATES),
+        (0, _) => r.top_k,
+        (c, _) => c.max(r.top_k),
     };
     if !r.query_vector.is_empty() && r.query_vector.len() != dimension as usize {
         return Err(CoordError::invalid(
@@ -160,6 +161,96 @@ fn merge(
 }
 
 impl State {
+    /// Sums every shard's BM25 statistics for the analysed terms of `query`.
+    async fn global_stats(
+        &self,
+        collection: &str,
+        query: &str,
+        shards: &[(u32, &String)],
+        timeout: Duration,
+    ) -> Result<GlobalBm25Stats> {
+        let stats = join_all(shards.iter().map(|(i, node)| {
+            let req = TermStatisticsRequest {
+                shard: Some(ShardRef {
+                    collection: collection.to_owned(),
+                    shard: *i,
+                }),
+                query: query.to_owned(),
+            };
+            async move {
+                let mut c = self.clients.shard(node)?;
+                call(
+                    &format!("shard {i} on {node}"),
+                    timeout,
+                    c.term_statistics(request(req, timeout)),
+                )
+                .await
+            }
+        }))
+        .await;
+        let mut global = GlobalBm25Stats::default();
+        for s in stats {
+            let s = s?;
+            global.num_docs += s.num_docs;
+            global.total_tokens += s.total_tokens;
+            for (t, df) in s.doc_freq {
+                *global.doc_freq.entry(t).or_insert(0) += df;
+            }
+        }
+        Ok(global)
+    }
+
+    /// Loads the chunks of the final hits from their shards (the fetch of query-then-fetch).
+    async fn fetch(
+        &self,
+        collection: &str,
+        shards: &[(u32, &String)],
+        fused: &[fusion::Fused],
+        chunks: &mut HashMap<String, (Chunk, u32)>,
+        timeout: Duration,
+    ) -> Result<()> {
+        let mut wanted: HashMap<u32, Vec<String>> = HashMap::new();
+        for f in fused {
+            if let Some((_, shard)) = chunks.get(&f.id) {
+                wanted.entry(*shard).or_default().push(f.id.clone());
+            }
+        }
+        let node_of: HashMap<u32, &String> = shards.iter().map(|(i, n)| (*i, *n)).collect();
+        let loads = wanted.into_iter().map(|(shard, ids)| {
+            let node = node_of.get(&shard).copied().cloned().unwrap_or_default();
+            let req = GetChunksRequest {
+                shard: Some(ShardRef {
+                    collection: collection.to_owned(),
+                    shard,
+                }),
+                chunk_ids: ids,
+                with_embedding: false,
+            };
+            async move {
+                let mut c = self.clients.shard(&node)?;
+                let r = call(
+                    &format!("shard {shard} on {node}"),
+                    timeout,
+                    c.get_chunks(request(req, timeout)),
+                )
+                .await?;
+                Ok::<_, CoordError>((shard, r.chunks))
+            }
+        });
+        let results = join_all(loads).await;
+        // Ids whose chunk vanished between the two phases (a concurrent delete) drop out.
+        for f in fused {
+            chunks.remove(&f.id);
+        }
+        for r in results {
+            let (shard, loaded) = r?;
+            for c in loaded {
+                chunks.insert(c.chunk_id.clone(), (c, shard));
+            }
+        }
+        Ok(())
+    }
+
     pub async fn search(&self, r: SearchRequest) -> Result<SearchResponse> {
         let started = Instant::now();
         let info = self.catalog.get(&r.collection)?;
@@ -180,37 +271,24 @@ impl State {
             })
         };
         let filter = r.filter.clone();
+        // Hybrid: query-then-fetch. Shards return ids and scores of their candidates; only the
+        // fused top_k are loaded afterwards.
+        let hybrid = p.mode == SearchMode::Hybrid;
 
         let lexical = async {
             if p.mode == SearchMode::Dense {
                 return Ok(Vec::new());
             }
-            // Round 1: collection-wide statistics for the query terms.
-            let stats = join_all(shards.iter().map(|(i, node)| {
-                let req = TermStatisticsRequest {
-                    shard: sref(*i),
-                    query: r.query.clone(),
-                };
-                async move {
-                    let mut c = self.clients.shard(node)?;
-                    call(
-                        &format!("shard {i} on {node}"),
-                        left(),
-                        c.term_statistics(request(req, left())),
-                    )
-                    .await
-                }
-            }))
-            .await;
-            let mut global = GlobalBm25Stats::default();
-            for s in stats {
-                let s = s?;
-                global.num_docs += s.num_docs;
-                global.total_tokens += s.total_tokens;
-                for (t, df) in s.doc_freq {
-                    *global.doc_freq.entry(t).or_insert(0) += df;
-                }
-            }
+            // Round 1: collection-wide statistics for the query terms (a single shard's own
+            // statistics already are the collection's).
+            let global = if shards.len() == 1 {
+                None
+            } else {
+                Some(
+                    self.global_stats(&info.name, &r.query, &shards, left())
+                        .await?,
+                )
+            };
             // Round 2: score everywhere with the same statistics.
             let lists = join_all(shards.iter().map(|(i, node)| {
                 let req = Bm25SearchRequest {
@@ -218,7 +296,8 @@ impl State {
                     query: r.query.clone(),
                     top_k: p.candidates as u32,
                     filter: filter.clone(),
-                    stats: Some(global.clone()),
+                    stats: global.clone(),
+                    ids_only: hybrid,
                 };
                 async move {
                     let mut c = self.clients.shard(node)?;
@@ -261,6 +340,7 @@ impl State {
                     top_k: p.candidates as u32,
                     ef_search: ef.max(p.candidates as u32),
                     filter: filter.clone(),
+                    ids_only: hybrid,
                 };
                 async move {
                     let mut c = self.clients.shard(node)?;
@@ -301,6 +381,10 @@ impl State {
                 .collect(),
             _ => fusion::fuse(&lex, &sem, p.fusion, p.top_k),
         };
+        if hybrid {
+            self.fetch(&info.name, &shards, &fused, &mut chunks, left())
+                .await?;
+        }
         let hits = fused
             .into_iter()
             .filter_map(|f| {

@@ -20,6 +20,12 @@ impl ShardService {
     }
 }
 
+/// Runs a short read (a search, a lookup) in place: the worker thread hands its other tasks
+/// to the rest of the runtime instead of paying a thread hand-off per request.
+fn read<T>(f: impl FnOnce() -> Result<T, ShardError>) -> Result<T, Status> {
+    tokio::task::block_in_place(f).map_err(Status::from)
+}
+
 /// Runs `f` on the blocking pool and maps its error to a gRPC status.
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, ShardError> + Send + 'static,
@@ -96,15 +102,15 @@ impl ShardRpc for ShardService {
                 "top_k must be in [1, {MAX_TOP_K}]"
             )));
         }
-        let v = blocking(move || {
+        let v = read(|| {
             shard.bm25_search(
                 &r.query,
                 r.top_k as usize,
                 &filter(&r.filter),
                 r.stats.as_ref(),
+                r.ids_only,
             )
-        })
-        .await?;
+        })?;
         Ok(Response::new(hits(v)))
     }
 
@@ -124,10 +130,15 @@ impl ShardRpc for ShardService {
         } else {
             r.ef_search
         } as usize;
-        let v = blocking(move || {
-            shard.vector_search(&r.vector, r.top_k as usize, ef, &filter(&r.filter))
-        })
-        .await?;
+        let v = read(|| {
+            shard.vector_search(
+                &r.vector,
+                r.top_k as usize,
+                ef,
+                &filter(&r.filter),
+                r.ids_only,
+            )
+        })?;
         Ok(Response::new(hits(v)))
     }
 
@@ -137,7 +148,7 @@ impl ShardRpc for ShardService {
     ) -> Result<Response<TermStatisticsResponse>, Status> {
         let r = req.into_inner();
         let shard = self.node.shard(r.shard.as_ref())?;
-        let s = blocking(move || shard.term_stats(&r.query)).await?;
+        let s = read(|| shard.term_stats(&r.query))?;
         Ok(Response::new(TermStatisticsResponse {
             num_docs: s.num_docs,
             total_tokens: s.total_tokens,
@@ -151,7 +162,7 @@ impl ShardRpc for ShardService {
     ) -> Result<Response<GetChunksResponse>, Status> {
         let r = req.into_inner();
         let shard = self.node.shard(r.shard.as_ref())?;
-        let chunks = blocking(move || shard.get_chunks(&r.chunk_ids, r.with_embedding)).await?;
+        let chunks = read(|| shard.get_chunks(&r.chunk_ids, r.with_embedding))?;
         Ok(Response::new(GetChunksResponse { chunks }))
     }
 

@@ -77,7 +77,7 @@ impl Shard {
         let applied = store.applied_seq(&key)?;
         let bm25 = Bm25Index::open(bm25_dir, opts.bm25_writer_memory)?;
         let mut points = Vec::new();
-        store.for_each_chunk(&key, |c| {
+        store.for_each_chunk(&key, true, |c| {
             points.push(point(&c));
             Ok(())
         })?;
@@ -98,7 +98,8 @@ impl Shard {
             } else {
                 tracing::warn!(shard = %key, committed, applied, "op log incomplete; rebuilding bm25 from rocksdb");
                 bm25.clear()?;
-                store.for_each_chunk(&key, |c| bm25.stage_chunks(std::slice::from_ref(&c)))?;
+                store
+                    .for_each_chunk(&key, false, |c| bm25.stage_chunks(std::slice::from_ref(&c)))?;
             }
             bm25.commit(applied)?;
         }
@@ -210,7 +211,7 @@ impl Shard {
         }
         let started = std::time::Instant::now();
         let mut points = Vec::with_capacity(live);
-        self.store.for_each_chunk(&self.key, |c| {
+        self.store.for_each_chunk(&self.key, true, |c| {
             points.push(point(&c));
             Ok(())
         })?;
@@ -225,9 +226,10 @@ impl Shard {
         top_k: usize,
         filter: &Filter,
         stats: Option<&GlobalBm25Stats>,
+        ids_only: bool,
     ) -> Result<Vec<(Chunk, f32)>> {
         let hits = self.bm25.search(query, top_k, filter, stats)?;
-        self.hydrate(hits)
+        self.hydrate(hits, ids_only)
     }
 
     pub fn vector_search(
@@ -236,6 +238,7 @@ impl Shard {
         top_k: usize,
         ef: usize,
         filter: &Filter,
+        ids_only: bool,
     ) -> Result<Vec<(Chunk, f32)>> {
         if vector.len() != self.dimension as usize {
             return Err(ShardError::InvalidArgument(format!(
@@ -251,11 +254,11 @@ impl Shard {
             ));
         }
         match self.hnsw.search(&q, top_k, ef, filter) {
-            SearchPlan::Hits(h) => self.hydrate(h),
+            SearchPlan::Hits(h) => self.hydrate(h, ids_only),
             SearchPlan::Exact(ids) => {
                 let mut scored: Vec<(Chunk, f32)> = self
                     .store
-                    .get_chunks(&self.key, &ids)?
+                    .get_chunks(&self.key, &ids, true)?
                     .into_iter()
                     .flatten()
                     .map(|mut c| {
@@ -273,18 +276,27 @@ impl Shard {
 
     /// Loads hit chunks from RocksDB (without embeddings). A hit whose chunk vanished between
     /// index and store read (concurrent delete) is skipped.
-    fn hydrate(&self, hits: Vec<(String, f32)>) -> Result<Vec<(Chunk, f32)>> {
+    fn hydrate(&self, hits: Vec<(String, f32)>, ids_only: bool) -> Result<Vec<(Chunk, f32)>> {
+        if ids_only {
+            return Ok(hits
+                .into_iter()
+                .map(|(chunk_id, s)| {
+                    (
+                        Chunk {
+                            chunk_id,
+                            ..Default::default()
+                        },
+                        s,
+                    )
+                })
+                .collect());
+        }
         let ids: Vec<String> = hits.iter().map(|h| h.0.clone()).collect();
-        let chunks = self.store.get_chunks(&self.key, &ids)?;
+        let chunks = self.store.get_chunks(&self.key, &ids, false)?;
         Ok(chunks
             .into_iter()
             .zip(hits)
-            .filter_map(|(c, (_, s))| {
-                c.map(|mut c| {
-                    c.embedding.clear();
-                    (c, s)
-                })
-            })
+            .filter_map(|(c, (_, s))| c.map(|c| (c, s)))
             .collect())
     }
 
@@ -300,15 +312,9 @@ impl Shard {
     pub fn get_chunks(&self, ids: &[String], with_embedding: bool) -> Result<Vec<Chunk>> {
         Ok(self
             .store
-            .get_chunks(&self.key, ids)?
+            .get_chunks(&self.key, ids, with_embedding)?
             .into_iter()
             .flatten()
-            .map(|mut c| {
-                if !with_embedding {
-                    c.embedding.clear();
-                }
-                c
-            })
             .collect())
     }
 

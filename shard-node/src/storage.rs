@@ -6,11 +6,13 @@
 //! |----------|------------------|-------------------------------------------------|
 //! | `meta`   | `m`              | shard parameters (`OpenShardRequest`)            |
 //! | `meta`   | `s`              | applied sequence number (u64 BE)                 |
-//! | `chunks` | chunk id         | `Chunk` (prost)                                  |
+//! | `chunks` | chunk id         | `Chunk` (prost), embedding left out              |
+//! | `vectors`| chunk id         | the embedding, f32 little-endian                 |
 //! | `docs`   | doc id           | the document's chunk ids (u32-length-prefixed)   |
 //! | `oplog`  | seq (u64 BE)     | the `WriteBatchRequest` applied at that seq      |
 //!
-//! A write batch is one atomic RocksDB write (fsync'd when `sync_writes`), so after a crash a
+//! Vectors sit apart from chunk records so that loading the text of search hits never reads
+//! them. A write batch is one atomic RocksDB write (fsync'd when `sync_writes`), so after a crash a
 //! batch is either wholly present or wholly absent. The op log keeps the batches the BM25
 //! index has not committed yet, to catch it up on restart.
 
@@ -29,6 +31,8 @@ const CF_META: &str = "meta";
 const CF_CHUNKS: &str = "chunks";
 const CF_DOCS: &str = "docs";
 const CF_OPLOG: &str = "oplog";
+const CF_VECTORS: &str = "vectors";
+const ALL_CFS: [&str; 5] = [CF_META, CF_CHUNKS, CF_VECTORS, CF_DOCS, CF_OPLOG];
 
 /// Identifies a shard on a node.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -103,7 +107,7 @@ impl Store {
         opts.create_missing_column_families(true);
         opts.set_compression_type(rocksdb::DBCompressionType::Lz4);
         opts.enable_statistics();
-        let cfs = [CF_META, CF_CHUNKS, CF_DOCS, CF_OPLOG]
+        let cfs = ALL_CFS
             .into_iter()
             .map(|n| ColumnFamilyDescriptor::new(n, opts.clone()));
         let db = DB::open_cf_descriptors(&opts, path, cfs)?;
@@ -161,10 +165,17 @@ impl Store {
         }
     }
 
-    pub fn get_chunks(&self, key: &ShardKey, ids: &[String]) -> Result<Vec<Option<Chunk>>> {
+    /// Chunks by id (None where missing), with their embeddings when `with_embedding`.
+    pub fn get_chunks(
+        &self,
+        key: &ShardKey,
+        ids: &[String],
+        with_embedding: bool,
+    ) -> Result<Vec<Option<Chunk>>> {
         let cf = self.cf(CF_CHUNKS);
         let keys: Vec<_> = ids.iter().map(|id| (cf, key.key(id.as_bytes()))).collect();
-        self.db
+        let mut chunks = self
+            .db
             .multi_get_cf(keys)
             .into_iter()
             .map(|r| match r? {
@@ -173,7 +184,17 @@ impl Store {
                     .map(Some)
                     .map_err(|e| ShardError::Corrupt(format!("chunk in {key}: {e}"))),
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        if with_embedding {
+            let cf = self.cf(CF_VECTORS);
+            let keys: Vec<_> = ids.iter().map(|id| (cf, key.key(id.as_bytes()))).collect();
+            for (c, v) in chunks.iter_mut().zip(self.db.multi_get_cf(keys)) {
+                if let (Some(c), Some(v)) = (c.as_mut(), v?) {
+                    c.embedding = decode_vector(&v);
+                }
+            }
+        }
+        Ok(chunks)
     }
 
     /// Commits one write batch atomically together with its sequence number and op-log entry.
@@ -184,7 +205,8 @@ impl Store {
         seq: u64,
         req: &WriteBatchRequest,
     ) -> Result<BatchEffect> {
-        let (cf_chunks, cf_docs) = (self.cf(CF_CHUNKS), self.cf(CF_DOCS));
+        let (cf_chunks, cf_docs, cf_vectors) =
+            (self.cf(CF_CHUNKS), self.cf(CF_DOCS), self.cf(CF_VECTORS));
         let mut b = WriteBatch::default();
         let mut effect = BatchEffect::default();
         for w in &req.writes {
@@ -193,6 +215,7 @@ impl Store {
                     effect.existed += 1;
                     for id in &old {
                         b.delete_cf(cf_chunks, key.key(id.as_bytes()));
+                        b.delete_cf(cf_vectors, key.key(id.as_bytes()));
                     }
                     effect.removed_chunks.extend(old);
                 }
@@ -203,7 +226,13 @@ impl Store {
                 b.delete_cf(cf_docs, key.key(w.doc_id.as_bytes()));
             } else {
                 for c in &w.chunks {
-                    b.put_cf(cf_chunks, key.key(c.chunk_id.as_bytes()), c.encode_to_vec());
+                    let k = key.key(c.chunk_id.as_bytes());
+                    b.put_cf(cf_vectors, &k, encode_vector(&c.embedding));
+                    let bare = Chunk {
+                        embedding: Vec::new(),
+                        ..c.clone()
+                    };
+                    b.put_cf(cf_chunks, k, bare.encode_to_vec());
                 }
                 let ids: Vec<&str> = w.chunks.iter().map(|c| c.chunk_id.as_str()).collect();
                 b.put_cf(cf_docs, key.key(w.doc_id.as_bytes()), encode_ids(&ids));
@@ -219,21 +248,35 @@ impl Store {
         Ok(effect)
     }
 
-    /// Calls `f` for every chunk of the shard, in key order.
+    /// Calls `f` for every chunk of the shard in key order, with its embedding when
+    /// `with_embedding` (the two families hold the same keys, so they are walked in step).
     pub fn for_each_chunk(
         &self,
         key: &ShardKey,
+        with_embedding: bool,
         mut f: impl FnMut(Chunk) -> Result<()>,
     ) -> Result<()> {
         let prefix = key.prefix();
         let mode = IteratorMode::From(&prefix, Direction::Forward);
+        let mut vectors = self.db.iterator_cf(self.cf(CF_VECTORS), mode);
         for item in self.db.iterator_cf(self.cf(CF_CHUNKS), mode) {
             let (k, v) = item?;
             if !k.starts_with(&prefix) {
                 break;
             }
-            let c = Chunk::decode(&*v)
+            let mut c = Chunk::decode(&*v)
                 .map_err(|e| ShardError::Corrupt(format!("chunk in {key}: {e}")))?;
+            if with_embedding {
+                let (vk, vv) = vectors
+                    .next()
+                    .ok_or_else(|| ShardError::Corrupt(format!("vector missing in {key}")))??;
+                if vk != k {
+                    return Err(ShardError::Corrupt(format!(
+                        "chunk and vector keys diverge in {key}"
+                    )));
+                }
+                c.embedding = decode_vector(&vv);
+            }
             f(c)?;
         }
         Ok(())
@@ -298,14 +341,14 @@ impl Store {
 
     pub fn drop_shard(&self, key: &ShardKey) -> Result<()> {
         let mut b = WriteBatch::default();
-        for cf in [CF_CHUNKS, CF_DOCS, CF_OPLOG, CF_META] {
+        for cf in ALL_CFS {
             b.delete_range_cf(self.cf(cf), key.prefix(), key.end());
         }
         self.write(b)
     }
 
     pub fn property(&self, name: &str) -> u64 {
-        [CF_CHUNKS, CF_DOCS, CF_META, CF_OPLOG]
+        ALL_CFS
             .iter()
             .filter_map(|cf| {
                 self.db
@@ -320,6 +363,16 @@ impl Store {
         self.db.flush_wal(true)?;
         Ok(())
     }
+}
+
+fn encode_vector(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn decode_vector(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 fn encode_ids(ids: &[&str]) -> Vec<u8> {

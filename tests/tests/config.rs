@@ -34,7 +34,14 @@ fn example_config_parses_and_layers() {
     mw.validate().unwrap();
     assert_eq!(mw.models[0].name, "all-MiniLM-L6-v2");
     // Flags win over the file.
-    let sn: ShardNodeConfig = load_section(file, "shard_node", &ListenFlag { listen: "127.0.0.1:9".into() }).unwrap();
+    let sn: ShardNodeConfig = load_section(
+        file,
+        "shard_node",
+        &ListenFlag {
+            listen: "127.0.0.1:9".into(),
+        },
+    )
+    .unwrap();
     assert_eq!(sn.listen, "127.0.0.1:9");
 }
 
@@ -42,9 +49,18 @@ fn example_config_parses_and_layers() {
 fn unknown_keys_are_rejected() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("bad.toml");
-    std::fs::write(&p, "[shard_node]\nlisten = \"127.0.0.1:1\"\nsync_writez = true\n").unwrap();
-    let r: Result<ShardNodeConfig, _> = load_section(Some(Path::new(&p)), "shard_node", &NoFlags {});
+    std::fs::write(
+        &p,
+        "[shard_node]\nlisten = \"127.0.0.1:1\"\nsync_writez = true\n",
+    )
+    .unwrap();
+    let r: Result<ShardNodeConfig, _> =
+        load_section(Some(Path::new(&p)), "shard_node", &NoFlags {});
     assert!(r.unwrap_err().to_string().contains("sync_writez"));
-    let r: Result<ShardNodeConfig, _> = load_section(Some(Path::new("/nonexistent.toml")), "shard_node", &NoFlags {});
+    let r: Result<ShardNodeConfig, _> = load_section(
+        Some(Path::new("/nonexistent.toml")),
+        "shard_node",
+        &NoFlags {},
+    );
     assert!(r.is_err());
 }

@@ -275,9 +275,14 @@ async fn wait_port_file(path: &Path, log: &Path, timeout: Duration) -> Result<Po
 async fn local_up(dir: &Path, n: usize, models: &Path) -> Result<()> {
     if let Ok(s) = std::fs::read_to_string(dir.join("cluster.json"))
         && let Ok(c) = serde_json::from_str::<LocalCluster>(&s)
-        && c.pids.iter().all(|p| Path::new(&format!("/proc/{p}")).exists())
+        && c.pids
+            .iter()
+            .all(|p| Path::new(&format!("/proc/{p}")).exists())
     {
-        println!("local cluster already running; coordinator at {}", c.coordinator);
+        println!(
+            "local cluster already running; coordinator at {}",
+            c.coordinator
+        );
         return Ok(());
     }
     let bin_dir = std::env::current_exe()?

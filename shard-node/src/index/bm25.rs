@@ -16,7 +16,7 @@ use tantivy::query::{
     Bm25StatisticsProvider, BooleanQuery, ConstScoreQuery, EmptyQuery, Occur, Query, TermQuery,
 };
 use tantivy::schema::{
-    Field, IndexRecordOption, STORED, STRING, Schema, TextFieldIndexing, TextOptions, Value,
+    FAST, Field, IndexRecordOption, STRING, Schema, TextFieldIndexing, TextOptions,
 };
 use tantivy::tokenizer::{
     Language, LowerCaser, RemoveLongFilter, SimpleTokenizer, Stemmer, StopWordFilter, TextAnalyzer,
@@ -55,7 +55,8 @@ fn analyzer() -> TextAnalyzer {
 
 fn schema() -> Schema {
     let mut b = Schema::builder();
-    b.add_text_field("chunk_id", STRING | STORED);
+    // A fast (columnar) field: reading ids of hits avoids decompressing doc-store blocks.
+    b.add_text_field("chunk_id", STRING | FAST);
     b.add_text_field("doc_id", STRING);
     let body = TextOptions::default().set_indexing_options(
         TextFieldIndexing::default()
@@ -256,11 +257,24 @@ impl Bm25Index {
             }
             None => searcher.search(&*query, &collector)?,
         };
+        let mut columns: Vec<Option<tantivy::columnar::StrColumn>> =
+            vec![None; searcher.segment_readers().len()];
         let mut out = Vec::with_capacity(top.len());
+        let mut id = String::new();
         for (score, addr) in top {
-            let doc: TantivyDocument = searcher.doc(addr)?;
-            if let Some(id) = doc.get_first(self.f_chunk_id).and_then(|v| v.as_str()) {
-                out.push((id.to_owned(), score));
+            let seg = addr.segment_ord as usize;
+            if columns[seg].is_none() {
+                columns[seg] = searcher
+                    .segment_reader(addr.segment_ord)
+                    .fast_fields()
+                    .str("chunk_id")?;
+            }
+            let Some(col) = &columns[seg] else { continue };
+            if let Some(ord) = col.term_ords(addr.doc_id).next() {
+                id.clear();
+                if col.ord_to_str(ord, &mut id)? {
+                    out.push((id.clone(), score));
+                }
             }
         }
         Ok(out)

@@ -20,9 +20,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use prost::Message;
 use futures::stream::{self, StreamExt};
 use hnsw_rs::hnsw::Hnsw;
+use prost::Message;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
@@ -132,17 +132,37 @@ async fn main() -> Result<()> {
     .await?;
 
     let loaded = match &args.load_chunks {
-        Some(p) => Some(GetChunksResponse::decode(&*std::fs::read(p).with_context(|| p.display().to_string())?)?.chunks),
+        Some(p) => Some(
+            GetChunksResponse::decode(
+                &*std::fs::read(p).with_context(|| p.display().to_string())?,
+            )?
+            .chunks,
+        ),
         None => None,
     };
     if let Some(chunks) = &loaded {
-        let info = c.describe_collection(DescribeCollectionRequest { name: "scifact".into() }).await?.into_inner().collection.context("info")?;
-        let stored: Vec<Stored> = chunks.iter().cloned().map(|chunk| Stored { chunk }).collect();
+        let info = c
+            .describe_collection(DescribeCollectionRequest {
+                name: "scifact".into(),
+            })
+            .await?
+            .into_inner()
+            .collection
+            .context("info")?;
+        let stored: Vec<Stored> = chunks
+            .iter()
+            .cloned()
+            .map(|chunk| Stored { chunk })
+            .collect();
         let t0 = Instant::now();
         write_direct(&info, &stored).await?;
-        eprintln!("loaded {} saved chunks in {:.1} s (no embedding)", stored.len(), t0.elapsed().as_secs_f64());
+        eprintln!(
+            "loaded {} saved chunks in {:.1} s (no embedding)",
+            stored.len(),
+            t0.elapsed().as_secs_f64()
+        );
     } else {
-    // Ingest with embedding.
+        // Ingest with embedding.
         let t0 = Instant::now();
         let mut chunks_total = 0u64;
         let batches: Vec<Vec<Document>> = corpus
@@ -190,7 +210,6 @@ async fn main() -> Result<()> {
             chunks_total as f64 / ingest_s
         );
         report.insert("ingest_with_embedding".into(), json!({"documents": corpus.len(), "chunks": chunks_total, "seconds": ingest_s, "chunks_per_s": chunks_total as f64 / ingest_s}));
-    
     }
     // Query vectors, once.
     let mut mw = ModelWorkerClient::new(
@@ -245,7 +264,9 @@ async fn main() -> Result<()> {
     let stored = fetch_all(&cluster, "scifact", &corpus).await?;
     eprintln!("fetched {} chunks with vectors", stored.len());
     if let Some(p) = &args.dump_chunks {
-        let msg = GetChunksResponse { chunks: stored.iter().map(|s| s.chunk.clone()).collect() };
+        let msg = GetChunksResponse {
+            chunks: stored.iter().map(|s| s.chunk.clone()).collect(),
+        };
         std::fs::write(p, msg.encode_to_vec())?;
     }
     let small = compare_latency(
