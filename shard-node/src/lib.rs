@@ -40,6 +40,20 @@ pub async fn run(
         "shard node recovered"
     );
     let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
+    {
+        // Index sizes and RocksDB figures, refreshed for /metrics every 10 s.
+        let node = node.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(10));
+            loop {
+                tick.tick().await;
+                let n = node.clone();
+                if let Ok(Err(e)) = tokio::task::spawn_blocking(move || n.export_metrics()).await {
+                    tracing::warn!(error = %e, "metrics export failed");
+                }
+            }
+        });
+    }
     let (listener, addr) = server::bind(&cfg.listen).await?;
     if let Some(p) = &cfg.port_file {
         server::write_port_file(p, addr, metrics_addr)?;

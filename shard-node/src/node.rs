@@ -132,6 +132,37 @@ impl Node {
         &self.store
     }
 
+    /// Publishes per-shard index sizes and RocksDB figures as Prometheus gauges.
+    pub fn export_metrics(&self) -> Result<()> {
+        for s in self.shards() {
+            let info = s.info()?;
+            let label = s.key.to_string();
+            metrics::gauge!("shard_documents", "shard" => label.clone()).set(info.documents as f64);
+            metrics::gauge!("shard_chunks", "shard" => label.clone()).set(info.chunks as f64);
+            metrics::gauge!("shard_applied_seq", "shard" => label.clone())
+                .set(info.applied_seq as f64);
+            metrics::gauge!("shard_bm25_index_bytes", "shard" => label.clone())
+                .set(info.bm25_index_bytes as f64);
+            metrics::gauge!("shard_hnsw_points", "shard" => label.clone())
+                .set(info.hnsw_points as f64);
+            metrics::gauge!("shard_hnsw_tombstones", "shard" => label)
+                .set(info.hnsw_tombstones as f64);
+        }
+        for (name, prop) in [
+            ("rocksdb_live_sst_bytes", "rocksdb.live-sst-files-size"),
+            ("rocksdb_memtable_bytes", "rocksdb.cur-size-all-mem-tables"),
+            ("rocksdb_estimated_keys", "rocksdb.estimate-num-keys"),
+            (
+                "rocksdb_pending_compaction_bytes",
+                "rocksdb.estimate-pending-compaction-bytes",
+            ),
+        ] {
+            metrics::gauge!(name).set(self.store.property(prop) as f64);
+        }
+        metrics::gauge!("shard_node_shards").set(self.shard_count() as f64);
+        Ok(())
+    }
+
     pub fn flush(&self) -> Result<()> {
         for s in self.shards() {
             s.flush()?;

@@ -184,25 +184,6 @@ impl ShardRpc for ShardService {
     ) -> Result<Response<ShardInfoResponse>, Status> {
         let shard = self.node.shard(req.get_ref().shard.as_ref())?;
         let info = blocking(move || shard.info()).await?;
-        metrics::gauge!("shard_chunks", "shard" => shard_label(req.get_ref().shard.as_ref()))
-            .set(info.chunks as f64);
-        metrics::gauge!("shard_bm25_index_bytes", "shard" => shard_label(req.get_ref().shard.as_ref())).set(info.bm25_index_bytes as f64);
-        metrics::gauge!("shard_hnsw_points", "shard" => shard_label(req.get_ref().shard.as_ref()))
-            .set(info.hnsw_points as f64);
-        metrics::gauge!("rocksdb_live_sst_bytes")
-            .set(self.node.store().property("rocksdb.live-sst-files-size") as f64);
-        metrics::gauge!("rocksdb_memtable_bytes").set(
-            self.node
-                .store()
-                .property("rocksdb.cur-size-all-mem-tables") as f64,
-        );
-        metrics::gauge!("rocksdb_estimated_keys")
-            .set(self.node.store().property("rocksdb.estimate-num-keys") as f64);
         Ok(Response::new(info))
     }
-}
-
-fn shard_label(r: Option<&ShardRef>) -> String {
-    r.map(|r| format!("{}/{}", r.collection, r.shard))
-        .unwrap_or_default()
 }

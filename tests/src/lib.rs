@@ -96,6 +96,18 @@ impl Proc {
         Ok(p)
     }
 
+    /// A shard node named `name` with its data under `dir/name/data`.
+    pub fn shard_node(name: &str, dir: &Path) -> Result<Self> {
+        let data = dir.join(name).join("data");
+        let args = vec![
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--data-dir".into(),
+            data.display().to_string(),
+        ];
+        Self::start(name, "shard-node", args, dir, Duration::from_secs(120))
+    }
+
     fn port_file(&self) -> PathBuf {
         self.dir.join("port.json")
     }
@@ -238,20 +250,7 @@ impl Cluster {
         )?;
         let mut shards = Vec::new();
         for i in 0..shard_nodes {
-            let name = format!("shard-{i}");
-            let data = dir.path().join(&name).join("data");
-            shards.push(Proc::start(
-                &name,
-                "shard-node",
-                vec![
-                    "--listen".into(),
-                    "127.0.0.1:0".into(),
-                    "--data-dir".into(),
-                    data.display().to_string(),
-                ],
-                dir.path(),
-                Duration::from_secs(120),
-            )?);
+            shards.push(Proc::shard_node(&format!("shard-{i}"), dir.path())?);
         }
         let coordinator = Proc::start(
             "coordinator",

@@ -219,6 +219,7 @@ async fn cluster_end_to_end() -> Result<()> {
     }
 
     bad_input(&mut c).await?;
+    operability(&cluster).await?;
 
     // The catalog survives a coordinator restart (graceful this time: exit status 0).
     let status = cluster.coordinator.terminate()?;
@@ -240,6 +241,55 @@ async fn cluster_end_to_end() -> Result<()> {
     );
 
     kill_during_writes(&mut cluster).await
+}
+
+/// Every process answers grpc.health.v1 and serves Prometheus metrics per RPC.
+async fn operability(cluster: &Cluster) -> Result<()> {
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let procs = std::iter::once(&cluster.coordinator)
+        .chain(&cluster.shards)
+        .chain([&cluster.model_worker]);
+    for p in procs {
+        let ch = tonic::transport::Channel::from_shared(p.grpc.clone())?
+            .connect()
+            .await?;
+        let r = HealthClient::new(ch)
+            .check(HealthCheckRequest {
+                service: String::new(),
+            })
+            .await?
+            .into_inner();
+        ensure!(r.status == 1, "{} is not SERVING", p.name);
+        let body = http_get(&p.metrics).await?;
+        ensure!(
+            body.contains("grpc_server_requests_total"),
+            "{} /metrics lacks request counts",
+            p.name
+        );
+    }
+    let body = http_get(&cluster.coordinator.metrics).await?;
+    ensure!(
+        body.contains("method=\"Search\"") && body.contains("coordinator_search_seconds"),
+        "coordinator metrics: {body}"
+    );
+    Ok(())
+}
+
+async fn http_get(url: &str) -> Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rest = url.trim_start_matches("http://");
+    let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let mut s = tokio::net::TcpStream::connect(host).await?;
+    s.write_all(format!("GET /{path} HTTP/1.1\r\nhost: {host}\r\n\r\n").as_bytes())
+        .await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    ensure!(
+        out.starts_with("HTTP/1.1 200"),
+        "GET {url}: {}",
+        out.lines().next().unwrap_or_default()
+    );
+    Ok(out)
 }
 
 async fn bad_input(

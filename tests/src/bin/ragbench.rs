@@ -612,19 +612,7 @@ async fn compare_latency(
 /// One shard node with all chunks in one shard: kill -9, restart, time until it serves again.
 async fn restart_time(chunks: &[Stored]) -> Result<serde_json::Value> {
     let dir = tempfile::tempdir()?;
-    let data = dir.path().join("data");
-    let mut node = Proc::start(
-        "lone",
-        "shard-node",
-        vec![
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--data-dir".into(),
-            data.display().to_string(),
-        ],
-        dir.path(),
-        Duration::from_secs(60),
-    )?;
+    let mut node = Proc::shard_node("lone", dir.path())?;
     let info = CollectionInfo {
         name: "restart".into(),
         shard_count: 1,
