@@ -15,7 +15,9 @@ pub fn init_logging(cfg: &TelemetryConfig) {
     let filter = EnvFilter::try_new(&cfg.log_level).unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // Colours only for a terminal: launchers redirect stderr to log files.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let result = if cfg.log_format == "json" {
         builder.json().try_init()
     } else {
