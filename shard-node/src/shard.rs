@@ -374,3 +374,149 @@ impl Shard {
         self.bm25.commit(self.applied_seq())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ragcluster_proto::v1::DocumentWrite;
+
+    const DIM: usize = 8;
+
+    fn opts(compact_min: usize) -> ShardOptions {
+        ShardOptions {
+            bm25_writer_memory: 20_000_000,
+            compact_ratio: 0.25,
+            compact_min,
+        }
+    }
+
+    fn params() -> HnswParams {
+        HnswParams {
+            m: 8,
+            ef_construction: 50,
+            ef_search: 32,
+        }
+    }
+
+    fn doc(id: &str, words: &str, seed: f32) -> DocumentWrite {
+        let embedding: Vec<f32> = (0..DIM).map(|i| (seed + i as f32).sin()).collect();
+        DocumentWrite {
+            doc_id: id.into(),
+            chunks: vec![Chunk {
+                chunk_id: format!("{id}#0"),
+                doc_id: id.into(),
+                text: words.into(),
+                embedding,
+                ..Default::default()
+            }],
+            delete: false,
+        }
+    }
+
+    fn batch(writes: Vec<DocumentWrite>) -> WriteBatchRequest {
+        WriteBatchRequest {
+            shard: None,
+            writes,
+        }
+    }
+
+    /// The crash window of the write path: the batch is in RocksDB (and the op log) but the
+    /// process died before tantivy committed. Reopening must make it searchable by both indexes.
+    #[test]
+    fn batch_committed_only_to_rocksdb_is_replayed_on_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = ShardKey::new("c", 0);
+        let store = Arc::new(Store::open(&dir.path().join("db"), true).unwrap());
+        let bm25_dir = dir.path().join("bm25");
+        {
+            let shard = Shard::open(
+                key.clone(),
+                DIM as u32,
+                params(),
+                store.clone(),
+                &bm25_dir,
+                &opts(1000),
+            )
+            .unwrap();
+            shard
+                .apply(batch(vec![doc("a", "alpha apples", 1.0)]))
+                .unwrap();
+        }
+        // Simulated crash after step 1 of the write path: RocksDB only.
+        let mut b = batch(vec![doc("b", "bravo bananas", 2.0)]);
+        hnsw::normalize(&mut b.writes[0].chunks[0].embedding);
+        store.commit_batch(&key, 2, &b).unwrap();
+        let shard = Shard::open(key, DIM as u32, params(), store, &bm25_dir, &opts(1000)).unwrap();
+        assert_eq!(shard.applied_seq(), 2);
+        let hits = shard
+            .bm25_search("bananas", 5, &vec![], None, false)
+            .unwrap();
+        assert_eq!(hits.len(), 1);
+        assert_eq!(hits[0].0.doc_id, "b");
+        let v: Vec<f32> = (0..DIM).map(|i| (2.0 + i as f32).sin()).collect();
+        let hits = shard.vector_search(&v, 1, 16, &vec![], false).unwrap();
+        assert_eq!(hits[0].0.doc_id, "b");
+        assert!(
+            hits[0].0.embedding.is_empty(),
+            "search hits carry no vectors"
+        );
+    }
+
+    #[test]
+    fn replacements_leave_tombstones_until_compaction() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Store::open(&dir.path().join("db"), false).unwrap());
+        let shard = Shard::open(
+            ShardKey::new("c", 1),
+            DIM as u32,
+            params(),
+            store,
+            &dir.path().join("bm25"),
+            &opts(3),
+        )
+        .unwrap();
+        shard
+            .apply(batch(
+                (0..8)
+                    .map(|i| doc(&format!("d{i}"), "words", i as f32))
+                    .collect(),
+            ))
+            .unwrap();
+        // Replacing d0 twice leaves two tombstones: under the compaction minimum of 3.
+        shard.apply(batch(vec![doc("d0", "words", 10.0)])).unwrap();
+        shard.apply(batch(vec![doc("d0", "words", 11.0)])).unwrap();
+        let info = shard.info().unwrap();
+        assert_eq!((info.hnsw_points, info.hnsw_tombstones), (8, 2));
+        // A third replacement crosses the minimum (3 of 11 >= 25 %): the graph is rebuilt.
+        shard.apply(batch(vec![doc("d1", "words", 12.0)])).unwrap();
+        let info = shard.info().unwrap();
+        assert_eq!((info.hnsw_points, info.hnsw_tombstones), (8, 0));
+        assert_eq!(info.documents, 8);
+        assert_eq!(info.chunks, 8);
+        // Deleting and bad batches.
+        let mut del = batch(vec![DocumentWrite {
+            doc_id: "d2".into(),
+            chunks: vec![],
+            delete: true,
+        }]);
+        let applied = shard.apply(del.clone()).unwrap();
+        assert_eq!(applied.effect.existed, 1);
+        del.writes[0].doc_id = "nope".into();
+        assert_eq!(
+            shard.apply(del).unwrap().effect.not_found,
+            vec!["nope".to_string()]
+        );
+        let mut wrong = doc("x", "w", 1.0);
+        wrong.chunks[0].embedding.pop();
+        assert!(matches!(
+            shard.apply(batch(vec![wrong])),
+            Err(ShardError::InvalidArgument(_))
+        ));
+        let seq = shard.applied_seq();
+        assert!(matches!(
+            shard.apply(batch(vec![doc("y", "w", 1.0), doc("y", "w", 2.0)])),
+            Err(ShardError::InvalidArgument(_))
+        ));
+        assert_eq!(shard.applied_seq(), seq, "a rejected batch changes nothing");
+    }
+}
