@@ -56,6 +56,10 @@ struct Args {
     /// Skip embedding: write the chunks saved by --dump-chunks straight to the shards.
     #[arg(long)]
     load_chunks: Option<PathBuf>,
+    /// Sweep fusion parameters on SciFact's train queries (the dev set) and score the best
+    /// setting of each fusion on the test queries.
+    #[arg(long)]
+    tune: bool,
 }
 
 #[derive(Clone)]
@@ -259,6 +263,12 @@ async fn main() -> Result<()> {
         );
     }
     report.insert("quality".into(), quality.into());
+    if args.tune {
+        report.insert(
+            "tuning".into(),
+            tune(&mut c, &mut mw, &dir, &queries, &qvecs, &qrels).await?,
+        );
+    }
 
     // Fetch every chunk with its vector from the shards, for the in-process references.
     let stored = fetch_all(&cluster, "scifact", &corpus).await?;
@@ -323,6 +333,90 @@ async fn main() -> Result<()> {
         std::fs::write(p, serde_json::to_string_pretty(&out)?)?;
     }
     Ok(())
+}
+
+/// Mean nDCG@10 of one hybrid setting over a query set.
+async fn ndcg_of(
+    c: &mut ragcluster_proto::v1::coordinator_client::CoordinatorClient<Channel>,
+    qs: &[BeirQuery],
+    vs: &[Vec<f32>],
+    qrels: &HashMap<String, HashMap<String, u32>>,
+    fusion: &str,
+    weight: f32,
+    rrf_k: u32,
+) -> Result<f64> {
+    let mut sum = 0.0;
+    for (q, v) in qs.iter().zip(vs) {
+        let mut r = req("scifact", q, v, SearchMode::Hybrid, fusion, 100);
+        r.dense_weight = Some(weight);
+        r.rrf_k = Some(rrf_k);
+        let hits = c.search(r).await?.into_inner().hits;
+        sum += ndcg_at(
+            &doc_ranking(hits.iter().map(|h| h.doc_id.as_str())),
+            &qrels[&q.id],
+            10,
+        );
+    }
+    Ok(sum / qs.len() as f64)
+}
+
+/// Grid over dense weight (cc, dbsf) and k (rrf) on the train split; the best of each is then
+/// scored on the test split.
+async fn tune(
+    c: &mut ragcluster_proto::v1::coordinator_client::CoordinatorClient<Channel>,
+    mw: &mut ModelWorkerClient<Channel>,
+    dir: &std::path::Path,
+    test_q: &[BeirQuery],
+    test_v: &[Vec<f32>],
+    test_rels: &HashMap<String, HashMap<String, u32>>,
+) -> Result<serde_json::Value> {
+    let train_rels = read_qrels(&dir.join("qrels/train.tsv"))?;
+    let train_q: Vec<BeirQuery> = read_jsonl::<BeirQuery>(&dir.join("queries.jsonl"), usize::MAX)?
+        .into_iter()
+        .filter(|q| train_rels.contains_key(&q.id))
+        .collect();
+    let mut train_v = Vec::new();
+    for b in train_q.chunks(64) {
+        let r = mw
+            .embed(EmbedRequest {
+                model: String::new(),
+                texts: b.iter().map(|q| q.text.clone()).collect(),
+            })
+            .await?
+            .into_inner();
+        train_v.extend(r.embeddings.into_iter().map(|e| e.values));
+    }
+    let mut out = serde_json::Map::new();
+    out.insert("train_queries".into(), json!(train_q.len()));
+    let mut grid: Vec<(&str, f32, u32)> = Vec::new();
+    for w in [0.3f32, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9] {
+        grid.push(("cc", w, 60));
+        grid.push(("dbsf", w, 60));
+    }
+    for k in [10u32, 30, 60, 100] {
+        grid.push(("rrf", 0.5, k));
+    }
+    let mut trials = Vec::new();
+    let mut best: HashMap<&str, (f64, f32, u32)> = HashMap::new();
+    for (f, w, k) in grid {
+        let n = ndcg_of(c, &train_q, &train_v, &train_rels, f, w, k).await?;
+        eprintln!("tune {f:5} dense_weight {w:.1} k {k:3}: train nDCG@10 {n:.4}");
+        trials.push(json!({"fusion": f, "dense_weight": w, "rrf_k": k, "train_ndcg@10": n}));
+        let e = best.entry(f).or_insert((f64::MIN, w, k));
+        if n > e.0 {
+            *e = (n, w, k);
+        }
+    }
+    out.insert("trials".into(), trials.into());
+    for (f, (n, w, k)) in best {
+        let t = ndcg_of(c, test_q, test_v, test_rels, f, w, k).await?;
+        eprintln!("tune best {f}: dense_weight {w:.1} k {k}: train {n:.4}, test nDCG@10 {t:.4}");
+        out.insert(
+            format!("best_{f}"),
+            json!({"dense_weight": w, "rrf_k": k, "train_ndcg@10": n, "test_ndcg@10": t}),
+        );
+    }
+    Ok(out.into())
 }
 
 /// All chunks of the collection with their vectors (chunk ids are `doc#position`).
