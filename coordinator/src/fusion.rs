@@ -4,7 +4,7 @@
 //! * RRF:  f(d) = 1/(η + π_LEX(d)) + 1/(η + π_SEM(d)), π the 1-based rank; a list that does not
 //!   contain d contributes nothing.
 //! * Convex: f(d) = α·φ_LEX(f_LEX(d)) + (1 − α)·φ_SEM(f_SEM(d)), α the lexical weight
-//!   (UniversalRAG eq. 4: α = 0.2 sparse, 0.8 dense). A list that does not contain d
+//!   (UniversalRAG eq. 4 uses α = 0.2; our default is 0.5, see `search`). A list that does not contain d
 //!   contributes 0 (the bottom of its normalised range).
 //!   - CC:   φ_MM(x) = (x − m)/(M − m), m and M the list's min and max.
 //!   - DBSF: φ_ts(x) = (x − (μ − 3σ)) / ((μ + 3σ) − (μ − 3σ)), μ and σ the list's mean and

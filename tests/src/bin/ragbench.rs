@@ -56,6 +56,12 @@ struct Args {
     /// Skip embedding: write the chunks saved by --dump-chunks straight to the shards.
     #[arg(long)]
     load_chunks: Option<PathBuf>,
+    /// Skip the kill -9 restart measurement.
+    #[arg(long)]
+    skip_restart: bool,
+    /// Skip the quality section (reload runs that only want speed figures).
+    #[arg(long)]
+    skip_quality: bool,
     /// Sweep fusion parameters on SciFact's train queries (the dev set) and score the best
     /// setting of each fusion on the test queries.
     #[arg(long)]
@@ -240,7 +246,8 @@ async fn main() -> Result<()> {
 
     // Quality.
     let mut quality = serde_json::Map::new();
-    for (name, mode, fusion) in MODES {
+    let quality_modes: &[(&str, SearchMode, &str)] = if args.skip_quality { &[] } else { &MODES };
+    for &(name, mode, fusion) in quality_modes {
         let (mut ndcg, mut recall) = (0.0, 0.0);
         for (q, v) in queries.iter().zip(&qvecs) {
             let r = c
@@ -322,7 +329,9 @@ async fn main() -> Result<()> {
             compare_latency(&mut c, "scale", &scaled, &queries, &qvecs, args.concurrency).await?;
         report.insert("scale_latency".into(), big);
         drop(cluster);
-        report.insert("restart".into(), restart_time(&scaled).await?);
+        if !args.skip_restart {
+            report.insert("restart".into(), restart_time(&scaled).await?);
+        }
     }
     let out = serde_json::Value::Object(report);
     println!("{}", serde_json::to_string_pretty(&out)?);
@@ -557,7 +566,8 @@ async fn write_direct(info: &CollectionInfo, chunks: &[Stored]) -> Result<()> {
 }
 
 /// Coordinator (3 shards) vs one in-process tantivy index and one hnsw_rs graph over the same
-/// chunks; plus HNSW recall@10 against brute force, in-process and through the cluster.
+/// chunks, timed query by query in turn so both sides see the same machine; plus HNSW
+/// recall@10 against brute force, in-process and through the cluster.
 async fn compare_latency(
     c: &mut ragcluster_proto::v1::coordinator_client::CoordinatorClient<Channel>,
     coll: &str,
@@ -568,24 +578,73 @@ async fn compare_latency(
 ) -> Result<serde_json::Value> {
     let mut out = serde_json::Map::new();
     out.insert("chunks".into(), json!(chunks.len()));
-    // Through the coordinator.
-    let mut cluster_dense_top: Vec<Vec<String>> = Vec::new();
-    for (name, mode, fusion) in MODES {
-        for (q, v) in queries.iter().zip(qvecs).take(20) {
+    // The in-process references, same analyzer and HNSW parameters (M 16, ef_c 200, ef 64).
+    let dir = tempfile::tempdir()?;
+    let bm25 = Bm25Index::open(dir.path(), 200_000_000)?;
+    let t = Instant::now();
+    for group in chunks.chunks(5000) {
+        let group: Vec<Chunk> = group.iter().map(|s| s.chunk.clone()).collect();
+        bm25.stage_chunks(&group)?;
+    }
+    bm25.commit(1)?;
+    out.insert(
+        "inprocess_tantivy_build_s".into(),
+        json!(t.elapsed().as_secs_f64()),
+    );
+    let t = Instant::now();
+    let hnsw: Hnsw<f32, UnitCosine> = Hnsw::new(16, chunks.len(), 16, 200, UnitCosine);
+    let data: Vec<(&Vec<f32>, usize)> = chunks
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (&s.chunk.embedding, i))
+        .collect();
+    hnsw.parallel_insert(&data);
+    out.insert(
+        "inprocess_hnsw_build_s".into(),
+        json!(t.elapsed().as_secs_f64()),
+    );
+    // Let the shard nodes finish background segment merges and compactions of the load.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+
+    // Warm-up, then every query through every path in turn.
+    for (q, v) in queries.iter().zip(qvecs).take(20) {
+        for (_, mode, fusion) in MODES {
             c.search(req(coll, q, v, mode, fusion, 10)).await?;
         }
-        let mut lat = Vec::new();
-        for (q, v) in queries.iter().zip(qvecs) {
+        bm25.search(&q.text, 10, &vec![], None)?;
+        hnsw.search(v, 10, 64);
+    }
+    let mut lat: HashMap<&str, Vec<f64>> = HashMap::new();
+    let mut cluster_dense_top: Vec<Vec<String>> = Vec::new();
+    let mut direct_top: Vec<Vec<usize>> = Vec::new();
+    for (q, v) in queries.iter().zip(qvecs) {
+        for (name, mode, fusion) in MODES {
             let t = Instant::now();
             let r = c
                 .search(req(coll, q, v, mode, fusion, 10))
                 .await?
                 .into_inner();
-            lat.push(ms(t.elapsed()));
+            lat.entry(name).or_default().push(ms(t.elapsed()));
             if name == "dense" {
                 cluster_dense_top.push(r.hits.into_iter().map(|h| h.chunk_id).collect());
             }
         }
+        let t = Instant::now();
+        bm25.search(&q.text, 10, &vec![], None)?;
+        lat.entry("inprocess_tantivy")
+            .or_default()
+            .push(ms(t.elapsed()));
+        let t = Instant::now();
+        let r = hnsw.search(v, 10, 64);
+        lat.entry("inprocess_hnsw")
+            .or_default()
+            .push(ms(t.elapsed()));
+        direct_top.push(r.into_iter().map(|n| n.d_id).collect());
+    }
+    let p50 = |v: &[f64]| percentile(&mut v.to_vec(), 50.0);
+    let (t50, h50) = (p50(&lat["inprocess_tantivy"]), p50(&lat["inprocess_hnsw"]));
+    for (name, mode, fusion) in MODES {
+        // Throughput with several clients in flight.
         let t = Instant::now();
         let reqs: Vec<SearchRequest> = queries
             .iter()
@@ -605,72 +664,32 @@ async fn compare_latency(
             d?;
         }
         let qps = n as f64 / t.elapsed().as_secs_f64();
-        let mut s = lat_summary(lat);
+        let v = &lat[name];
+        let reference = match mode {
+            SearchMode::Bm25 => t50,
+            SearchMode::Dense => h50,
+            _ => t50 + h50,
+        };
+        let mut s = lat_summary(v.clone());
         s["qps_concurrent"] = json!(qps);
+        s["p50_ratio_to_inprocess"] = json!(p50(v) / reference);
         eprintln!(
-            "[{coll}] coordinator {name:12} p50 {:.3} ms p99 {:.3} ms, {qps:.0} qps at {concurrency} clients",
+            "[{coll}] coordinator {name:12} p50 {:.3} ms p99 {:.3} ms ({:.1}x in-process p50), {qps:.0} qps at {concurrency} clients",
             s["p50_ms"].as_f64().unwrap_or(0.0),
-            s["p99_ms"].as_f64().unwrap_or(0.0)
+            s["p99_ms"].as_f64().unwrap_or(0.0),
+            p50(v) / reference
         );
         out.insert(format!("coordinator_{name}"), s);
     }
-    // One in-process tantivy index with the same analyzer and chunks.
-    let dir = tempfile::tempdir()?;
-    let bm25 = Bm25Index::open(dir.path(), 200_000_000)?;
-    let t = Instant::now();
-    for group in chunks.chunks(5000) {
-        let group: Vec<Chunk> = group.iter().map(|s| s.chunk.clone()).collect();
-        bm25.stage_chunks(&group)?;
+    for name in ["inprocess_tantivy", "inprocess_hnsw"] {
+        let s = lat_summary(lat[name].clone());
+        eprintln!(
+            "[{coll}] {name:20} p50 {:.3} ms p99 {:.3} ms",
+            s["p50_ms"].as_f64().unwrap_or(0.0),
+            s["p99_ms"].as_f64().unwrap_or(0.0)
+        );
+        out.insert(name.into(), s);
     }
-    bm25.commit(1)?;
-    out.insert(
-        "inprocess_tantivy_build_s".into(),
-        json!(t.elapsed().as_secs_f64()),
-    );
-    for q in queries.iter().take(20) {
-        bm25.search(&q.text, 10, &vec![], None)?;
-    }
-    let mut lat = Vec::new();
-    for q in queries {
-        let t = Instant::now();
-        bm25.search(&q.text, 10, &vec![], None)?;
-        lat.push(ms(t.elapsed()));
-    }
-    let s = lat_summary(lat);
-    eprintln!(
-        "[{coll}] in-process tantivy   p50 {:.3} ms p99 {:.3} ms",
-        s["p50_ms"].as_f64().unwrap_or(0.0),
-        s["p99_ms"].as_f64().unwrap_or(0.0)
-    );
-    out.insert("inprocess_tantivy".into(), s);
-    // One in-process hnsw_rs graph, same parameters as the shards (M 16, ef_c 200, ef 64).
-    let t = Instant::now();
-    let hnsw: Hnsw<f32, UnitCosine> = Hnsw::new(16, chunks.len(), 16, 200, UnitCosine);
-    let data: Vec<(&Vec<f32>, usize)> = chunks
-        .iter()
-        .enumerate()
-        .map(|(i, s)| (&s.chunk.embedding, i))
-        .collect();
-    hnsw.parallel_insert(&data);
-    out.insert(
-        "inprocess_hnsw_build_s".into(),
-        json!(t.elapsed().as_secs_f64()),
-    );
-    let mut lat = Vec::new();
-    let mut direct_top: Vec<Vec<usize>> = Vec::new();
-    for v in qvecs {
-        let t = Instant::now();
-        let r = hnsw.search(v, 10, 64);
-        lat.push(ms(t.elapsed()));
-        direct_top.push(r.into_iter().map(|n| n.d_id).collect());
-    }
-    let s = lat_summary(lat);
-    eprintln!(
-        "[{coll}] in-process hnsw_rs   p50 {:.3} ms p99 {:.3} ms",
-        s["p50_ms"].as_f64().unwrap_or(0.0),
-        s["p99_ms"].as_f64().unwrap_or(0.0)
-    );
-    out.insert("inprocess_hnsw".into(), s);
     // Exact top-10 by brute force.
     let (mut rec_direct, mut rec_cluster) = (0.0, 0.0);
     for (qi, v) in qvecs.iter().enumerate() {
