@@ -228,17 +228,7 @@ async fn main() -> Result<()> {
             .await?,
     );
     let t0 = Instant::now();
-    let mut qvecs: Vec<Vec<f32>> = Vec::new();
-    for b in queries.chunks(64) {
-        let r = mw
-            .embed(EmbedRequest {
-                model: String::new(),
-                texts: b.iter().map(|q| q.text.clone()).collect(),
-            })
-            .await?
-            .into_inner();
-        qvecs.extend(r.embeddings.into_iter().map(|e| e.values));
-    }
+    let qvecs = embed_queries(&mut mw, &queries).await?;
     report.insert(
         "query_embedding_ms_per_query".into(),
         json!(ms(t0.elapsed()) / queries.len() as f64),
@@ -344,6 +334,26 @@ async fn main() -> Result<()> {
     Ok(())
 }
 
+/// Query embeddings from the model worker, 64 per call.
+async fn embed_queries(
+    mw: &mut ModelWorkerClient<Channel>,
+    queries: &[BeirQuery],
+) -> Result<Vec<Vec<f32>>> {
+    let mut out = Vec::with_capacity(queries.len());
+    for b in queries.chunks(64) {
+        let texts = b.iter().map(|q| q.text.clone()).collect();
+        let r = mw
+            .embed(EmbedRequest {
+                model: String::new(),
+                texts,
+            })
+            .await?
+            .into_inner();
+        out.extend(r.embeddings.into_iter().map(|e| e.values));
+    }
+    Ok(out)
+}
+
 /// Mean nDCG@10 of one hybrid setting over a query set.
 async fn ndcg_of(
     c: &mut ragcluster_proto::v1::coordinator_client::CoordinatorClient<Channel>,
@@ -384,17 +394,7 @@ async fn tune(
         .into_iter()
         .filter(|q| train_rels.contains_key(&q.id))
         .collect();
-    let mut train_v = Vec::new();
-    for b in train_q.chunks(64) {
-        let r = mw
-            .embed(EmbedRequest {
-                model: String::new(),
-                texts: b.iter().map(|q| q.text.clone()).collect(),
-            })
-            .await?
-            .into_inner();
-        train_v.extend(r.embeddings.into_iter().map(|e| e.values));
-    }
+    let train_v = embed_queries(mw, &train_q).await?;
     let mut out = serde_json::Map::new();
     out.insert("train_queries".into(), json!(train_q.len()));
     let mut grid: Vec<(&str, f32, u32)> = Vec::new();
