@@ -36,6 +36,8 @@ pub struct Shard {
     /// Serialises batches: seq assignment, RocksDB and index updates happen in one order.
     write_lock: Mutex<()>,
     applied: AtomicU64,
+    /// Live documents: counted once at open, then kept by the write path.
+    documents: AtomicU64,
     compact_ratio: f64,
     compact_min: usize,
 }
@@ -104,7 +106,8 @@ impl Shard {
             bm25.commit(applied)?;
         }
         store.truncate_oplog(&key, applied)?;
-        tracing::info!(shard = %key, applied, chunks = live, "shard open");
+        let documents = store.count_docs(&key)?;
+        tracing::info!(shard = %key, applied, chunks = live, documents, "shard open");
         Ok(Self {
             key,
             dimension,
@@ -114,6 +117,7 @@ impl Shard {
             hnsw,
             write_lock: Mutex::new(()),
             applied: AtomicU64::new(applied),
+            documents: AtomicU64::new(documents),
             compact_ratio: opts.compact_ratio,
             compact_min: opts.compact_min,
         })
@@ -196,6 +200,12 @@ impl Shard {
         // we report the error so the write is not acknowledged as searchable.
         self.bm25.stage(&req.writes)?;
         self.bm25.commit(seq)?;
+        // Under the write lock: every upsert adds one document, every document that existed
+        // before the batch (replaced or deleted) takes one away.
+        let upserts = req.writes.iter().filter(|w| !w.delete).count() as u64;
+        let docs = (self.documents.load(Ordering::Relaxed) + upserts)
+            .saturating_sub(u64::from(effect.existed));
+        self.documents.store(docs, Ordering::Relaxed);
         self.applied.store(seq, Ordering::Release);
         self.store.truncate_oplog(&self.key, seq)?;
         self.maybe_compact()?;
@@ -358,7 +368,7 @@ impl Shard {
     pub fn info(&self) -> Result<ragcluster_proto::v1::ShardInfoResponse> {
         let (live, dead) = self.hnsw.counts();
         Ok(ragcluster_proto::v1::ShardInfoResponse {
-            documents: self.store.count_docs(&self.key)?,
+            documents: self.documents.load(Ordering::Relaxed),
             chunks: self.bm25.num_docs(),
             applied_seq: self.applied_seq(),
             bm25_index_bytes: self.bm25.size_bytes(),
@@ -501,6 +511,7 @@ mod tests {
         }]);
         let applied = shard.apply(del.clone()).unwrap();
         assert_eq!(applied.effect.existed, 1);
+        assert_eq!(shard.info().unwrap().documents, 7);
         del.writes[0].doc_id = "nope".into();
         assert_eq!(
             shard.apply(del).unwrap().effect.not_found,

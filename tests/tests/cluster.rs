@@ -421,32 +421,42 @@ async fn bad_input(
         })
         .await;
     assert_eq!(r.unwrap_err().code(), Code::NotFound);
-    let r = c
-        .create_collection(CreateCollectionRequest {
-            name: "Bad Name".into(),
-            ..Default::default()
-        })
-        .await;
-    assert_eq!(r.unwrap_err().code(), Code::InvalidArgument);
-    let r = c
-        .create_collection(CreateCollectionRequest {
-            name: "e2e".into(),
-            ..Default::default()
-        })
-        .await;
-    assert_eq!(r.unwrap_err().code(), Code::AlreadyExists);
-    let r = c
-        .create_collection(CreateCollectionRequest {
-            name: "hnswbad".into(),
-            hnsw: Some(HnswParams {
-                m: 300,
-                ef_construction: 0,
-                ef_search: 0,
-            }),
-            ..Default::default()
-        })
-        .await;
-    assert_eq!(r.unwrap_err().code(), Code::InvalidArgument);
+    let bad_creates = [
+        (
+            CreateCollectionRequest {
+                name: "Bad Name".into(),
+                ..Default::default()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            CreateCollectionRequest {
+                name: "e2e".into(),
+                ..Default::default()
+            },
+            Code::AlreadyExists,
+        ),
+        (
+            CreateCollectionRequest {
+                name: "hnswbad".into(),
+                hnsw: Some(HnswParams {
+                    m: 300,
+                    ef_construction: 0,
+                    ef_search: 0,
+                }),
+                ..Default::default()
+            },
+            Code::InvalidArgument,
+        ),
+    ];
+    for (req, code) in bad_creates {
+        let name = req.name.clone();
+        assert_eq!(
+            c.create_collection(req).await.unwrap_err().code(),
+            code,
+            "create {name}"
+        );
+    }
     // No state changed.
     let after = c
         .describe_collection(DescribeCollectionRequest { name: "e2e".into() })
