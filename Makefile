@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: setup build demo test test-unit test-cluster lint fmt bench bench-quick up down
+.PHONY: setup build demo test test-faults test-unit test-cluster lint fmt bench bench-quick up down
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -24,6 +24,9 @@ down:
 
 test: build       ## every test: unit, model reference, black-box cluster tests
 	cargo test --release --workspace
+
+test-faults: build ## Raft fault schedules: 200 random seeds (CI runs 20)
+	RAGCLUSTER_FAULT_SEEDS=200 cargo test --release -p ragcluster-tests --test raft -- --nocapture
 
 test-unit:
 	cargo test --release --workspace --lib --bins

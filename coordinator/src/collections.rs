@@ -93,10 +93,11 @@ impl State {
         } else {
             r.replication_factor
         };
-        if rf != 1 {
+        let nodes = self.cfg.shard_nodes.len() as u32;
+        if rf > nodes || rf > 7 {
             return Err(CoordError::invalid(
                 "replication_factor",
-                "only 1 is supported until Raft replication lands",
+                format!("must be in [1, min(7, shard nodes = {nodes})]"),
             ));
         }
         let mut hnsw = r.hnsw.unwrap_or_default();
@@ -151,7 +152,14 @@ impl State {
                 )
             })?;
         let chunking = normalize_chunking(r.chunking, model.max_sequence_length)?;
-        let shard_nodes = placement::place_shards(&r.name, shard_count, &self.cfg.shard_nodes);
+        let placed = placement::place_shards(&r.name, shard_count, rf, &self.cfg.shard_nodes);
+        // Raft ids of every node involved, asked before anything is created.
+        let mut ids = std::collections::HashMap::new();
+        for n in placed.iter().flatten() {
+            if !ids.contains_key(n) {
+                ids.insert(n.clone(), self.node_id(n).await?);
+            }
+        }
         let info = CollectionInfo {
             name: r.name.clone(),
             shard_count,
@@ -160,7 +168,12 @@ impl State {
             embedding_model,
             dimension: model.dimension,
             hnsw: Some(hnsw),
-            shard_nodes: shard_nodes.clone(),
+            shards: placed
+                .iter()
+                .map(|nodes| ShardPlacement {
+                    nodes: nodes.clone(),
+                })
+                .collect(),
             created_at_ms: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_millis() as u64)
@@ -168,7 +181,17 @@ impl State {
         };
         // Shards with this name are leftovers of a create that crashed before the catalog
         // write: the name is not in the catalog, so they hold nothing acknowledged. Drop them.
-        let opens = shard_nodes.iter().enumerate().map(|(i, node)| {
+        let opens = placed.iter().enumerate().flat_map(|(i, nodes)| {
+            let peers: Vec<Peer> = nodes
+                .iter()
+                .map(|n| Peer {
+                    node_id: ids[n],
+                    address: n.clone(),
+                })
+                .collect();
+            nodes.iter().map(move |node| (i, node, peers.clone()))
+        });
+        let opens = opens.map(|(i, node, peers)| {
             let shard = ShardRef {
                 collection: r.name.clone(),
                 shard: i as u32,
@@ -177,6 +200,8 @@ impl State {
                 shard: Some(shard.clone()),
                 dimension: model.dimension,
                 hnsw: Some(hnsw),
+                peers,
+                join: false,
             };
             async move {
                 let mut c = self.clients.shard(node)?;
@@ -204,7 +229,12 @@ impl State {
 
     pub async fn drop_collection(&self, name: &str) -> Result<()> {
         let info = self.catalog.remove(name)?;
-        let drops = info.shard_nodes.iter().enumerate().map(|(i, node)| {
+        let drops = info
+            .shards
+            .iter()
+            .enumerate()
+            .flat_map(|(i, p)| p.nodes.iter().map(move |node| (i, node)));
+        let drops = drops.map(|(i, node)| {
             let req = DropShardRequest {
                 shard: Some(ShardRef {
                     collection: info.name.clone(),
@@ -231,49 +261,102 @@ impl State {
         Ok(())
     }
 
+    /// The Raft id of the shard node at `addr` (cached).
+    pub async fn node_id(&self, addr: &str) -> Result<u64> {
+        if let Some(id) = self.node_ids.lock().get(addr) {
+            return Ok(*id);
+        }
+        let mut c = self.clients.shard(addr)?;
+        let r = call(
+            &format!("shard node {addr}"),
+            Duration::from_secs(5),
+            c.node_info(request(NodeInfoRequest {}, Duration::from_secs(5))),
+        )
+        .await?;
+        self.node_ids.lock().insert(addr.to_owned(), r.node_id);
+        Ok(r.node_id)
+    }
+
+    /// Every replica of every shard asked for its figures and Raft view; the shard's row shows
+    /// the leader's figures (or the first replica that answered).
     pub async fn shard_stats(&self, info: &CollectionInfo) -> Vec<ShardStats> {
-        let calls = info
-            .shard_nodes
-            .iter()
-            .enumerate()
-            .map(|(i, node)| async move {
-                let req = ShardInfoRequest {
-                    shard: Some(ShardRef {
-                        collection: info.name.clone(),
-                        shard: i as u32,
-                    }),
-                };
-                let res = match self.clients.shard(node) {
-                    Ok(mut c) => {
-                        call(
-                            node,
-                            Duration::from_secs(5),
-                            c.shard_info(request(req, Duration::from_secs(5))),
-                        )
-                        .await
-                    }
-                    Err(e) => Err(e),
-                };
-                match res {
-                    Ok(s) => ShardStats {
-                        shard: i as u32,
-                        node: node.clone(),
-                        documents: s.documents,
-                        chunks: s.chunks,
-                        applied_seq: s.applied_seq,
-                        bm25_index_bytes: s.bm25_index_bytes,
-                        hnsw_points: s.hnsw_points,
-                        hnsw_tombstones: s.hnsw_tombstones,
-                        error: String::new(),
-                    },
-                    Err(e) => ShardStats {
-                        shard: i as u32,
-                        node: node.clone(),
-                        error: e.to_string(),
-                        ..Default::default()
-                    },
+        let calls = info.shards.iter().enumerate().map(|(i, p)| async move {
+            let req = ShardInfoRequest {
+                shard: Some(ShardRef {
+                    collection: info.name.clone(),
+                    shard: i as u32,
+                }),
+            };
+            let answers = join_all(p.nodes.iter().map(|node| {
+                let req = req.clone();
+                async move {
+                    let res = match self.clients.shard(node) {
+                        Ok(mut c) => {
+                            call(
+                                node,
+                                Duration::from_secs(5),
+                                c.shard_info(request(req, Duration::from_secs(5))),
+                            )
+                            .await
+                        }
+                        Err(e) => Err(e),
+                    };
+                    (node.clone(), res)
                 }
-            });
+            }))
+            .await;
+            let mut stats = ShardStats {
+                shard: i as u32,
+                ..Default::default()
+            };
+            let mut errors = Vec::new();
+            let mut best: Option<(bool, ShardInfoResponse, String)> = None;
+            for (node, res) in answers {
+                match res {
+                    Ok(s) => {
+                        let raft = s.raft.clone().unwrap_or_default();
+                        stats.replicas.push(ReplicaStatus {
+                            node: node.clone(),
+                            role: raft.role.clone(),
+                            applied_index: raft.applied_index,
+                            chunks: s.chunks,
+                        });
+                        let leads = raft.role == "leader";
+                        if leads {
+                            self.routing.set_leader(&info.name, i as u32, &node);
+                        }
+                        if best.as_ref().is_none_or(|b| !b.0 && leads) {
+                            best = Some((leads, s, node));
+                        }
+                    }
+                    Err(e) => {
+                        stats.replicas.push(ReplicaStatus {
+                            node: node.clone(),
+                            role: "unreachable".into(),
+                            ..Default::default()
+                        });
+                        errors.push(format!("{node}: {e}"));
+                    }
+                }
+            }
+            match best {
+                Some((leads, s, node)) => {
+                    let raft = s.raft.unwrap_or_default();
+                    stats.node = node.clone();
+                    stats.documents = s.documents;
+                    stats.chunks = s.chunks;
+                    stats.applied_seq = s.applied_seq;
+                    stats.bm25_index_bytes = s.bm25_index_bytes;
+                    stats.hnsw_points = s.hnsw_points;
+                    stats.hnsw_tombstones = s.hnsw_tombstones;
+                    stats.term = raft.term;
+                    stats.commit_index = raft.commit_index;
+                    stats.leader = if leads { node } else { raft.leader_address };
+                }
+                None => stats.error = errors.join("; "),
+            }
+            stats
+        });
         join_all(calls).await
     }
 }

@@ -4,6 +4,7 @@
 //! searchable. Upserts replace whole documents, so retrying a failed call is safe.
 
 use std::collections::{BTreeMap, HashSet};
+use std::time::{Duration, Instant};
 
 use futures::stream::{self, StreamExt, TryStreamExt};
 use ragcluster_proto::v1::*;
@@ -164,35 +165,63 @@ impl State {
         let tokens = self.tokens.clone();
         let docs = r.documents;
         // Chunking is CPU work: keep it off the async workers.
+        for (i, d) in docs.iter().enumerate() {
+            if !d.embedding.is_empty() && d.embedding.len() != info.dimension as usize {
+                return Err(CoordError::invalid(
+                    format!("documents[{i}].embedding"),
+                    format!(
+                        "has dimension {}, the collection has {}",
+                        d.embedding.len(),
+                        info.dimension
+                    ),
+                ));
+            }
+        }
         let (docs, pieces) = tokio::task::spawn_blocking(move || {
+            // A document with its own embedding is one chunk, as given.
             let pieces: Vec<Vec<chunking::ChunkText>> = docs
                 .iter()
-                .map(|d| chunking::chunk(&d.text, &params, tokens.as_ref()))
+                .map(|d| {
+                    if d.embedding.is_empty() {
+                        chunking::chunk(&d.text, &params, tokens.as_ref())
+                    } else {
+                        vec![chunking::ChunkText {
+                            text: d.text.clone(),
+                            section: String::new(),
+                        }]
+                    }
+                })
                 .collect();
             (docs, pieces)
         })
         .await
         .map_err(|e| CoordError::Catalog(e.to_string()))?;
         let mut texts = Vec::new();
+        let mut total_chunks = 0;
         for (d, ps) in docs.iter().zip(&pieces) {
-            for p in ps {
-                texts.push(embedding_text(&d.title, &p.section, &p.text, label));
+            total_chunks += ps.len();
+            if d.embedding.is_empty() {
+                for p in ps {
+                    texts.push(embedding_text(&d.title, &p.section, &p.text, label));
+                }
             }
         }
-        let total_chunks = texts.len();
-        let mut vectors = self.embed(&info.embedding_model, texts).await?.into_iter();
-        if vectors.len() != total_chunks {
+        let to_embed = texts.len();
+        let mut vectors = if to_embed == 0 {
+            Vec::new().into_iter()
+        } else {
+            self.embed(&info.embedding_model, texts).await?.into_iter()
+        };
+        if vectors.len() != to_embed {
             return Err(CoordError::Unavailable {
                 what: "model worker".into(),
-                reason: format!(
-                    "returned {} embeddings for {total_chunks} texts",
-                    vectors.len()
-                ),
+                reason: format!("returned {} embeddings for {to_embed} texts", vectors.len()),
                 retry_after_ms: 100,
             });
         }
         let mut per_shard: BTreeMap<u32, Vec<DocumentWrite>> = BTreeMap::new();
-        for (d, ps) in docs.into_iter().zip(pieces) {
+        for (mut d, ps) in docs.into_iter().zip(pieces) {
+            let own = std::mem::take(&mut d.embedding);
             let ids: Vec<String> = (0..ps.len()).map(|i| format!("{}#{i}", d.id)).collect();
             let chunks = ps
                 .into_iter()
@@ -216,7 +245,11 @@ impl State {
                         section: p.section,
                         text: p.text,
                         metadata,
-                        embedding: vectors.next().unwrap_or_default(),
+                        embedding: if own.is_empty() {
+                            vectors.next().unwrap_or_default()
+                        } else {
+                            own.clone()
+                        },
                     }
                 })
                 .collect();
@@ -280,32 +313,114 @@ impl State {
         info: &CollectionInfo,
         per_shard: BTreeMap<u32, Vec<DocumentWrite>>,
     ) -> Result<Vec<WriteBatchResponse>> {
-        let timeout = self.cfg.write_timeout;
-        let writes = per_shard.into_iter().map(|(shard, writes)| {
-            let node = info.shard_nodes[shard as usize].clone();
-            let req = WriteBatchRequest {
-                shard: Some(ShardRef {
-                    collection: info.name.clone(),
-                    shard,
-                }),
-                writes,
-            };
-            async move {
-                let mut c = self.clients.shard(&node)?;
-                call(
-                    &format!("shard {shard} on {node}"),
-                    timeout,
-                    c.write_batch(request(req, timeout)),
-                )
-                .await
-            }
-        });
+        let writes = per_shard
+            .into_iter()
+            .map(|(shard, writes)| self.write_shard(info, shard, writes));
         futures::future::join_all(writes)
             .await
             .into_iter()
             .collect()
     }
+
+    /// Writes one shard's batch through its Raft leader: follows NotLeader hints, tries the
+    /// other replicas with backoff when the leader is unknown or down, all within
+    /// `write_timeout`. Every attempt carries the same request id, so a batch whose first
+    /// attempt timed out but did commit is not applied twice.
+    async fn write_shard(
+        &self,
+        info: &CollectionInfo,
+        shard: u32,
+        writes: Vec<DocumentWrite>,
+    ) -> Result<WriteBatchResponse> {
+        let replicas = &info
+            .shards
+            .get(shard as usize)
+            .ok_or_else(|| CoordError::Catalog(format!("{} has no shard {shard}", info.name)))?
+            .nodes;
+        let req = WriteBatchRequest {
+            shard: Some(ShardRef {
+                collection: info.name.clone(),
+                shard,
+            }),
+            writes,
+            request_id: format!("{:032x}", rand::random::<u128>()),
+        };
+        let deadline = Instant::now() + self.cfg.write_timeout;
+        let mut target = self.routing.leader(&info.name, shard, replicas);
+        let mut backoff = Duration::from_millis(20);
+        let mut last_error = String::from("no attempt");
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                metrics::counter!("coordinator_write_failures_total").increment(1);
+                return Err(CoordError::Unavailable {
+                    what: format!("shard {shard} of {}", info.name),
+                    reason: format!(
+                        "not committed within {} ms (last error: {last_error}); retrying the \
+                         same call is safe",
+                        self.cfg.write_timeout.as_millis()
+                    ),
+                    retry_after_ms: 500,
+                });
+            }
+            // One attempt may hang on a cut-off leader; keep time for the others.
+            let attempt = left.min(ATTEMPT_TIMEOUT);
+            let mut c = self.clients.shard(&target)?;
+            let res =
+                tokio::time::timeout(attempt, c.write_batch(request(req.clone(), attempt))).await;
+            let status = match res {
+                Ok(Ok(r)) => {
+                    self.routing.set_leader(&info.name, shard, &target);
+                    return Ok(r.into_inner());
+                }
+                Ok(Err(s)) => s,
+                Err(_) => tonic::Status::deadline_exceeded("attempt timed out"),
+            };
+            metrics::counter!("coordinator_write_retries_total").increment(1);
+            last_error = format!("{target}: {}", status.message());
+            match status.code() {
+                tonic::Code::Unavailable
+                | tonic::Code::DeadlineExceeded
+                | tonic::Code::Unknown
+                | tonic::Code::Cancelled => {}
+                // Bad input or a missing shard: retrying cannot help.
+                _ => {
+                    return Err(CoordError::upstream(
+                        &format!("shard {shard} on {target}"),
+                        status,
+                    ));
+                }
+            }
+            let hint = status
+                .metadata()
+                .get("x-ragcluster-leader")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.split_once(' '))
+                .map(|(_, addr)| addr.to_owned())
+                .filter(|a| !a.is_empty() && *a != target);
+            match hint {
+                Some(addr) => {
+                    self.routing.set_leader(&info.name, shard, &addr);
+                    target = addr;
+                }
+                None => {
+                    if status.metadata().get("x-ragcluster-leader").is_none()
+                        && !status.message().contains("not the shard leader")
+                    {
+                        // Unreachable or timed out: avoid it for a moment.
+                        self.routing.mark_down(&target);
+                    }
+                    target = self.routing.next_replica(replicas, &target);
+                    tokio::time::sleep(backoff.min(left)).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
+            }
+        }
+    }
 }
+
+/// Per-attempt limit of a shard write (the whole write gets `write_timeout`).
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(3);
 
 #[cfg(test)]
 mod tests {

@@ -13,6 +13,7 @@ pub mod fanout;
 pub mod fusion;
 pub mod ingest;
 pub mod placement;
+pub mod routing;
 pub mod search;
 pub mod service;
 
@@ -28,6 +29,9 @@ pub struct State {
     pub cfg: CoordinatorConfig,
     pub catalog: catalog::Catalog,
     pub clients: fanout::Clients,
+    pub routing: routing::Routing,
+    /// Raft id of each shard node, by address (asked once with Shard.NodeInfo).
+    pub node_ids: parking_lot::Mutex<std::collections::HashMap<String, u64>>,
     pub tokens: Arc<dyn chunking::Tokens>,
 }
 
@@ -41,6 +45,8 @@ impl State {
             cfg,
             catalog,
             clients,
+            routing: Default::default(),
+            node_ids: Default::default(),
             tokens,
         })
     }

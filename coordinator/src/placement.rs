@@ -16,13 +16,23 @@ pub fn shard_for_doc(doc_id: &str, shard_count: u32) -> u32 {
     (stable_hash(doc_id) % u64::from(shard_count.max(1))) as u32
 }
 
-/// Node of each shard: consecutive shards on consecutive nodes, starting at an offset derived
-/// from the collection name so small collections do not all start on node 0.
-pub fn place_shards(collection: &str, shard_count: u32, nodes: &[String]) -> Vec<String> {
+/// Replicas of each shard: shard i on `rf` consecutive nodes starting at node (offset + i),
+/// the offset derived from the collection name so small collections do not all start on node
+/// 0. The first replica is the preferred leader, so leaders spread like shards do.
+pub fn place_shards(
+    collection: &str,
+    shard_count: u32,
+    rf: u32,
+    nodes: &[String],
+) -> Vec<Vec<String>> {
     let n = nodes.len() as u64;
     let start = stable_hash(collection) % n;
     (0..u64::from(shard_count))
-        .map(|i| nodes[((start + i) % n) as usize].clone())
+        .map(|i| {
+            (0..u64::from(rf).min(n))
+                .map(|j| nodes[((start + i + j) % n) as usize].clone())
+                .collect()
+        })
         .collect()
 }
 
@@ -40,9 +50,19 @@ mod tests {
     #[test]
     fn spreads_shards_over_nodes() {
         let nodes: Vec<String> = (0..3).map(|i| format!("n{i}")).collect();
-        let p = place_shards("docs", 6, &nodes);
+        let p = place_shards("docs", 6, 1, &nodes);
         for n in &nodes {
-            assert_eq!(p.iter().filter(|x| *x == n).count(), 2);
+            assert_eq!(p.iter().filter(|x| x[0] == *n).count(), 2);
+        }
+        // rf 3 on 3 nodes: every node holds every shard, each leads two.
+        let p = place_shards("docs", 6, 3, &nodes);
+        for r in &p {
+            let mut s = r.clone();
+            s.sort();
+            assert_eq!(s, nodes);
+        }
+        for n in &nodes {
+            assert_eq!(p.iter().filter(|x| x[0] == *n).count(), 2);
         }
         let counts = (0..1000).fold([0; 4], |mut c, i| {
             c[shard_for_doc(&format!("doc-{i}"), 4) as usize] += 1;

@@ -228,6 +228,7 @@ impl State {
                 }),
                 chunk_ids: ids,
                 with_embedding: false,
+                consistency: Consistency::Eventual as i32,
             };
             async move {
                 let mut c = self.clients.shard(&node)?;
@@ -260,12 +261,21 @@ impl State {
         let p = plan(&r, info.dimension, self.cfg.search_timeout)?;
         let deadline = started + p.timeout;
         let left = || deadline.saturating_duration_since(Instant::now());
-        let shards: Vec<(u32, &String)> = info
-            .shard_nodes
+        let consistency = Consistency::try_from(r.consistency).unwrap_or(Consistency::Eventual);
+        // One replica per shard for every phase of this search.
+        let targets: Vec<(u32, String)> = info
+            .shards
             .iter()
             .enumerate()
-            .map(|(i, n)| (i as u32, n))
+            .map(|(i, p)| {
+                let t = self
+                    .routing
+                    .read_target(&info.name, i as u32, &p.nodes, consistency);
+                (i as u32, t)
+            })
             .collect();
+        let _inflight: Vec<_> = targets.iter().map(|(_, n)| self.routing.track(n)).collect();
+        let shards: Vec<(u32, &String)> = targets.iter().map(|(i, n)| (*i, n)).collect();
         let shard_ids: Vec<u32> = shards.iter().map(|s| s.0).collect();
         let sref = |i: u32| {
             Some(ShardRef {
@@ -301,6 +311,7 @@ impl State {
                     filter: filter.clone(),
                     stats: global.clone(),
                     ids_only: hybrid,
+                    consistency: consistency as i32,
                 };
                 async move {
                     let mut c = self.clients.shard(node)?;
@@ -344,6 +355,7 @@ impl State {
                     ef_search: ef.max(p.candidates as u32),
                     filter: filter.clone(),
                     ids_only: hybrid,
+                    consistency: consistency as i32,
                 };
                 async move {
                     let mut c = self.clients.shard(node)?;

@@ -116,7 +116,7 @@ impl Admin for AdminService {
             join_all(s.cfg.shard_nodes.iter().map(|addr| async move {
                 let shards = collections
                     .iter()
-                    .map(|c| c.shard_nodes.iter().filter(|n| *n == addr).count() as u32)
+                    .map(|c| c.shards.iter().filter(|p| p.nodes.contains(addr)).count() as u32)
                     .sum();
                 NodeStatus {
                     address: addr.clone(),

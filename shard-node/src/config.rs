@@ -22,6 +22,21 @@ pub struct ShardNodeConfig {
     pub bm25_writer_memory: usize,
     /// Where to write `{"grpc": addr, "metrics": addr}` once listening.
     pub port_file: Option<PathBuf>,
+    /// Raft tick. Elections time out after `raft_election_ticks` ticks (randomised up to
+    /// twice that); leaders heartbeat every `raft_heartbeat_ticks`.
+    #[serde(with = "humantime_serde")]
+    pub raft_tick: std::time::Duration,
+    pub raft_election_ticks: usize,
+    pub raft_heartbeat_ticks: usize,
+    /// Compact a shard's Raft log once it holds this many entries (keeping the newest half);
+    /// replicas further behind catch up from a snapshot.
+    pub raft_log_gc_threshold: u64,
+    /// How long a write waits to be committed and applied before UNAVAILABLE.
+    #[serde(with = "humantime_serde")]
+    pub write_timeout: std::time::Duration,
+    /// Enables `Shard.SetFaults` (partitions, corrupted snapshots) for fault tests. Never in
+    /// production.
+    pub fault_injection: bool,
 }
 
 impl Default for ShardNodeConfig {
@@ -34,6 +49,12 @@ impl Default for ShardNodeConfig {
             hnsw_compact_min: 1000,
             bm25_writer_memory: 32 * 1024 * 1024,
             port_file: None,
+            raft_tick: std::time::Duration::from_millis(100),
+            raft_election_ticks: 10,
+            raft_heartbeat_ticks: 2,
+            raft_log_gc_threshold: 10_000,
+            write_timeout: std::time::Duration::from_secs(10),
+            fault_injection: false,
         }
     }
 }
@@ -46,6 +67,23 @@ impl ShardNodeConfig {
         if self.bm25_writer_memory < 15_000_000 {
             return Err("shard_node.bm25_writer_memory must be at least 15000000 bytes".into());
         }
+        if self.raft_heartbeat_ticks == 0 || self.raft_election_ticks <= self.raft_heartbeat_ticks {
+            return Err(
+                "shard_node.raft_election_ticks must exceed raft_heartbeat_ticks (>= 1)".into(),
+            );
+        }
+        if self.raft_tick.is_zero() || self.raft_log_gc_threshold < 2 {
+            return Err("shard_node.raft_tick must be > 0 and raft_log_gc_threshold >= 2".into());
+        }
         Ok(())
+    }
+
+    pub fn raft(&self) -> crate::raft::RaftOptions {
+        crate::raft::RaftOptions {
+            tick: self.raft_tick,
+            election_ticks: self.raft_election_ticks,
+            heartbeat_ticks: self.raft_heartbeat_ticks,
+            log_gc_threshold: self.raft_log_gc_threshold,
+        }
     }
 }

@@ -26,6 +26,12 @@ pub enum ShardError {
     Io(#[from] std::io::Error),
     #[error("internal task failed: {0}")]
     Join(String),
+    #[error("not the shard leader{}", .0.as_ref().map(|(id, a)| format!("; leader is node {id} at {a}")).unwrap_or_default())]
+    NotLeader(crate::raft::LeaderHint),
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    #[error("failed precondition: {0}")]
+    FailedPrecondition(String),
 }
 
 impl From<ShardError> for Status {
@@ -37,7 +43,25 @@ impl From<ShardError> for Status {
             // Storage failures leave the write unacknowledged; the client may retry.
             ShardError::Storage(_) | ShardError::Io(_) | ShardError::Join(_) => Code::Unavailable,
             ShardError::Bm25(_) | ShardError::Corrupt(_) => Code::Internal,
+            ShardError::NotLeader(_) | ShardError::Unavailable(_) => Code::Unavailable,
+            ShardError::FailedPrecondition(_) => Code::FailedPrecondition,
         };
-        Status::new(code, e.to_string())
+        let mut status = Status::new(code, e.to_string());
+        match &e {
+            // The coordinator follows the hint instead of guessing.
+            ShardError::NotLeader(Some((id, addr))) => {
+                if let Ok(v) = format!("{id} {addr}").parse() {
+                    status.metadata_mut().insert("x-ragcluster-leader", v);
+                }
+            }
+            ShardError::NotLeader(None) | ShardError::Unavailable(_) => {
+                status.metadata_mut().insert(
+                    "retry-after-ms",
+                    tonic::metadata::MetadataValue::from(200u32),
+                );
+            }
+            _ => {}
+        }
+        status
     }
 }

@@ -9,6 +9,7 @@ pub mod config;
 pub mod error;
 pub mod index;
 pub mod node;
+pub mod raft;
 pub mod service;
 pub mod shard;
 pub mod storage;
@@ -31,7 +32,8 @@ pub async fn run(
     let started = std::time::Instant::now();
     let node = {
         let cfg = cfg.clone();
-        tokio::task::spawn_blocking(move || Node::open(cfg)).await??
+        let rt = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || Node::open(cfg, rt)).await??
     };
     let node = Arc::new(node);
     tracing::info!(
@@ -61,7 +63,7 @@ pub async fn run(
     tracing::info!(%addr, %metrics_addr, data_dir = %cfg.data_dir.display(), "shard node listening");
     let (_reporter, health, reflection) =
         server::health_and_reflection(&["ragcluster.v1.Shard"]).await;
-    let svc = ShardServer::new(service::ShardService::new(node.clone()))
+    let svc = ShardServer::new(service::ShardService::new(node.clone(), &cfg))
         .max_decoding_message_size(64 * 1024 * 1024)
         .max_encoding_message_size(64 * 1024 * 1024);
     tonic::transport::Server::builder()

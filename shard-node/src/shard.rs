@@ -1,10 +1,13 @@
 //! One shard replica: the write path that keeps RocksDB and the two indexes in step, and the
 //! recovery that brings the indexes back after a crash.
 //!
+//! The shard is the state machine of its Raft group (`crate::raft`): batches arrive here only
+//! as committed log entries, in log order, and the seq of a batch is its Raft index.
+//!
 //! Write path (one batch at a time per shard):
-//!   1. RocksDB: chunks, document records, applied seq and the op-log entry in one atomic,
-//!      fsync'd write. From here on the batch is durable; a crash before step 3 is repaired
-//!      on restart from the op log.
+//!   1. RocksDB: chunks, document records, applied index, request-id record and the op-log
+//!      entry in one atomic write (the Raft log before it is already durable). A crash before
+//!      step 3 is repaired on restart from the op log.
 //!   2. HNSW: insert new points, tombstone replaced ones.
 //!   3. tantivy: delete by doc id, add chunks, commit with the seq as payload, reload.
 //!   4. Acknowledge. Op-log entries up to the committed seq are then dropped.
@@ -18,7 +21,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
-use ragcluster_proto::v1::{Chunk, GlobalBm25Stats, HnswParams, WriteBatchRequest};
+use ragcluster_proto::v1::{
+    Chunk, GlobalBm25Stats, HnswParams, WriteBatchRequest, WriteBatchResponse,
+};
 
 use crate::error::{Result, ShardError};
 use crate::index::Filter;
@@ -127,9 +132,13 @@ impl Shard {
         self.applied.load(Ordering::Acquire)
     }
 
-    /// Checks a batch before anything is written. Normalises embeddings in place.
-    fn validate(&self, req: &mut WriteBatchRequest) -> Result<()> {
+    /// Checks a batch before anything is written. Normalises embeddings in place. Runs on the
+    /// leader before proposing and again at apply (deterministic, so replicas agree).
+    pub fn validate(&self, req: &mut WriteBatchRequest) -> Result<()> {
         let bad = |m: String| Err(ShardError::InvalidArgument(m));
+        if req.request_id.len() > 128 {
+            return bad("request_id is longer than 128 bytes".into());
+        }
         let mut seen = std::collections::HashSet::new();
         for (i, w) in req.writes.iter_mut().enumerate() {
             if w.doc_id.is_empty() {
@@ -173,13 +182,62 @@ impl Shard {
         Ok(())
     }
 
-    /// Applies a batch durably and makes it searchable; returns once both are true.
-    pub fn apply(&self, mut req: WriteBatchRequest) -> Result<Applied> {
-        self.validate(&mut req)?;
+    /// Applies the committed log entry `seq` carrying a batch proposed at `proposed_at_ms`.
+    /// A request id applied before is not applied again (its first outcome is returned with
+    /// `duplicate`); a batch failing validation changes nothing but the applied index.
+    /// `Err` only for storage failures, which stop the replica.
+    pub fn apply_entry(
+        &self,
+        seq: u64,
+        mut req: WriteBatchRequest,
+        proposed_at_ms: u64,
+    ) -> Result<std::result::Result<WriteBatchResponse, ShardError>> {
+        if !req.request_id.is_empty()
+            && let Some(mut first) = self.store.request_result(&self.key, &req.request_id)?
+        {
+            self.apply_noop(seq, None)?;
+            first.duplicate = true;
+            metrics::counter!("shard_duplicate_requests_total").increment(1);
+            return Ok(Ok(first));
+        }
+        if let Err(e) = self.validate(&mut req) {
+            self.apply_noop(seq, None)?;
+            return Ok(Err(e));
+        }
+        let applied = self.apply_at(seq, req, Some(proposed_at_ms))?;
+        Ok(Ok(WriteBatchResponse {
+            applied_seq: applied.seq,
+            existed: applied.effect.existed,
+            not_found: applied.effect.not_found,
+            duplicate: false,
+        }))
+    }
+
+    /// Moves the applied index over an entry without chunk changes (see `Store::commit_noop`).
+    pub fn apply_noop(&self, seq: u64, conf: Option<&raft::eraftpb::ConfState>) -> Result<()> {
         let _guard = self.write_lock.lock();
-        let seq = self.applied_seq() + 1;
+        self.store.commit_noop(&self.key, seq, conf)?;
+        self.applied.store(seq, Ordering::Release);
+        Ok(())
+    }
+
+    /// Applies a validated batch as `seq` durably and makes it searchable.
+    fn apply_at(
+        &self,
+        seq: u64,
+        req: WriteBatchRequest,
+        proposed_at_ms: Option<u64>,
+    ) -> Result<Applied> {
+        let _guard = self.write_lock.lock();
         // 1. Durable. A failure here leaves nothing behind (atomic write) and nothing acknowledged.
-        let effect = self.store.commit_batch(&self.key, seq, &req)?;
+        let respond = |e: &BatchEffect| WriteBatchResponse {
+            applied_seq: seq,
+            existed: e.existed,
+            not_found: e.not_found.clone(),
+            duplicate: false,
+        };
+        let dedupe = proposed_at_ms.map(|ts| (ts, &respond as &crate::storage::Respond<'_>));
+        let effect = self.store.commit_batch(&self.key, seq, &req, dedupe)?;
         // 2. Dense index: new points first, then drop replaced chunks not re-inserted.
         let points: Vec<Point> = req
             .writes
@@ -375,7 +433,48 @@ impl Shard {
             hnsw_points: live as u64,
             hnsw_tombstones: dead as u64,
             dimension: self.dimension,
+            shard: Some(ragcluster_proto::v1::ShardRef {
+                collection: self.key.collection.clone(),
+                shard: self.key.shard,
+            }),
+            raft: None,
         })
+    }
+
+    /// Replaces the replica's state with a received snapshot (`Store::install_snapshot`) and
+    /// rebuilds both indexes from it.
+    pub fn install_snapshot(
+        &self,
+        input: &mut impl std::io::Read,
+        meta: &raft::eraftpb::SnapshotMetadata,
+        hs: &raft::eraftpb::HardState,
+    ) -> Result<u64> {
+        let _guard = self.write_lock.lock();
+        let started = std::time::Instant::now();
+        let cs = meta.conf_state.clone().unwrap_or_default();
+        let records = self
+            .store
+            .install_snapshot(&self.key, input, meta.index, meta.term, &cs, hs)?;
+        let mut points = Vec::new();
+        self.store.for_each_chunk(&self.key, true, |c| {
+            points.push(point(&c));
+            Ok(())
+        })?;
+        self.hnsw.rebuild(points);
+        self.bm25.clear()?;
+        self.store.for_each_chunk(&self.key, false, |c| {
+            self.bm25.stage_chunks(std::slice::from_ref(&c))
+        })?;
+        self.bm25.commit(meta.index)?;
+        self.documents
+            .store(self.store.count_docs(&self.key)?, Ordering::Relaxed);
+        self.applied.store(meta.index, Ordering::Release);
+        tracing::info!(shard = %self.key, index = meta.index, records, ms = started.elapsed().as_millis() as u64, "snapshot installed");
+        Ok(records)
+    }
+
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
     }
 
     /// Commits any staged BM25 state (a no-op when every batch was committed).
@@ -427,7 +526,13 @@ mod tests {
         WriteBatchRequest {
             shard: None,
             writes,
+            request_id: String::new(),
         }
+    }
+
+    /// Applies as the next log entry, as the Raft apply loop does.
+    fn apply(shard: &Shard, b: WriteBatchRequest) -> Result<WriteBatchResponse> {
+        shard.apply_entry(shard.applied_seq() + 1, b, 1_000)?
     }
 
     /// The crash window of the write path: the batch is in RocksDB (and the op log) but the
@@ -448,14 +553,12 @@ mod tests {
                 &opts(1000),
             )
             .unwrap();
-            shard
-                .apply(batch(vec![doc("a", "alpha apples", 1.0)]))
-                .unwrap();
+            apply(&shard, batch(vec![doc("a", "alpha apples", 1.0)])).unwrap();
         }
         // Simulated crash after step 1 of the write path: RocksDB only.
         let mut b = batch(vec![doc("b", "bravo bananas", 2.0)]);
         hnsw::normalize(&mut b.writes[0].chunks[0].embedding);
-        store.commit_batch(&key, 2, &b).unwrap();
+        store.commit_batch(&key, 2, &b, None).unwrap();
         let shard = Shard::open(key, DIM as u32, params(), store, &bm25_dir, &opts(1000)).unwrap();
         assert_eq!(shard.applied_seq(), 2);
         let hits = shard
@@ -485,20 +588,22 @@ mod tests {
             &opts(3),
         )
         .unwrap();
-        shard
-            .apply(batch(
+        apply(
+            &shard,
+            batch(
                 (0..8)
                     .map(|i| doc(&format!("d{i}"), "words", i as f32))
                     .collect(),
-            ))
-            .unwrap();
+            ),
+        )
+        .unwrap();
         // Replacing d0 twice leaves two tombstones: under the compaction minimum of 3.
-        shard.apply(batch(vec![doc("d0", "words", 10.0)])).unwrap();
-        shard.apply(batch(vec![doc("d0", "words", 11.0)])).unwrap();
+        apply(&shard, batch(vec![doc("d0", "words", 10.0)])).unwrap();
+        apply(&shard, batch(vec![doc("d0", "words", 11.0)])).unwrap();
         let info = shard.info().unwrap();
         assert_eq!((info.hnsw_points, info.hnsw_tombstones), (8, 2));
         // A third replacement crosses the minimum (3 of 11 >= 25 %): the graph is rebuilt.
-        shard.apply(batch(vec![doc("d1", "words", 12.0)])).unwrap();
+        apply(&shard, batch(vec![doc("d1", "words", 12.0)])).unwrap();
         let info = shard.info().unwrap();
         assert_eq!((info.hnsw_points, info.hnsw_tombstones), (8, 0));
         assert_eq!(info.documents, 8);
@@ -509,25 +614,57 @@ mod tests {
             chunks: vec![],
             delete: true,
         }]);
-        let applied = shard.apply(del.clone()).unwrap();
-        assert_eq!(applied.effect.existed, 1);
+        let applied = apply(&shard, del.clone()).unwrap();
+        assert_eq!(applied.existed, 1);
         assert_eq!(shard.info().unwrap().documents, 7);
         del.writes[0].doc_id = "nope".into();
         assert_eq!(
-            shard.apply(del).unwrap().effect.not_found,
+            apply(&shard, del).unwrap().not_found,
             vec!["nope".to_string()]
         );
         let mut wrong = doc("x", "w", 1.0);
         wrong.chunks[0].embedding.pop();
         assert!(matches!(
-            shard.apply(batch(vec![wrong])),
+            apply(&shard, batch(vec![wrong])),
             Err(ShardError::InvalidArgument(_))
         ));
         let seq = shard.applied_seq();
         assert!(matches!(
-            shard.apply(batch(vec![doc("y", "w", 1.0), doc("y", "w", 2.0)])),
+            apply(&shard, batch(vec![doc("y", "w", 1.0), doc("y", "w", 2.0)])),
             Err(ShardError::InvalidArgument(_))
         ));
-        assert_eq!(shard.applied_seq(), seq, "a rejected batch changes nothing");
+        assert_eq!(
+            shard.applied_seq(),
+            seq + 1,
+            "a rejected entry only moves the applied index"
+        );
+        assert_eq!(shard.info().unwrap().documents, 7);
+    }
+
+    /// Retried request ids are applied once, and their first outcome is returned.
+    #[test]
+    fn request_ids_apply_at_most_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Store::open(&dir.path().join("db"), false).unwrap());
+        let shard = Shard::open(
+            ShardKey::new("c", 2),
+            DIM as u32,
+            params(),
+            store,
+            &dir.path().join("bm25"),
+            &opts(1000),
+        )
+        .unwrap();
+        let mut first = batch(vec![doc("a", "one", 1.0)]);
+        first.request_id = "req-1".into();
+        let r1 = apply(&shard, first.clone()).unwrap();
+        assert!(!r1.duplicate);
+        // A newer write of the same document, then a late retry of the first request.
+        apply(&shard, batch(vec![doc("a", "two", 2.0)])).unwrap();
+        let r2 = apply(&shard, first).unwrap();
+        assert!(r2.duplicate);
+        assert_eq!(r2.applied_seq, r1.applied_seq);
+        let hits = shard.bm25_search("two", 5, &vec![], None, false).unwrap();
+        assert_eq!(hits.len(), 1, "the retry did not overwrite the newer write");
     }
 }

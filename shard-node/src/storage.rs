@@ -9,8 +9,16 @@
 //! | `chunks` | chunk id         | `Chunk` (prost), embedding left out              |
 //! | `vectors`| chunk id         | the embedding, f32 little-endian                 |
 //! | `docs`   | doc id           | the document's chunk ids (u32-length-prefixed)   |
+//! | `meta`   | `r` request id   | ts (u64 BE) + first `WriteBatchResponse` (dedupe) |
+//! | `meta`   | `q` ts + id      | empty: request ids in time order, for pruning    |
 //! | `oplog`  | seq (u64 BE)     | the `WriteBatchRequest` applied at that seq      |
+//! | `raft`   | `h` / `c` / `t`  | hard state, conf state, truncated (index, term)  |
+//! | `raft`   | `e` index (BE)   | a Raft log entry (`eraftpb.Entry`)               |
 //!
+//! The applied seq is the Raft index of the last applied entry: the state machine and its
+//! applied index change in one atomic write, so replaying the log after a crash never applies
+//! an entry twice. Node-wide records (`~node/...` in `meta`) hold the node's Raft id and the
+//! addresses of its peers.
 //! Vectors sit apart from chunk records so that loading the text of search hits never reads
 //! them. A write batch is one atomic RocksDB write (fsync'd when `sync_writes`), so after a crash a
 //! batch is either wholly present or wholly absent. The op log keeps the batches the BM25
@@ -20,7 +28,8 @@ use std::fmt;
 use std::path::Path;
 
 use prost::Message;
-use ragcluster_proto::v1::{Chunk, OpenShardRequest, WriteBatchRequest};
+use raft::eraftpb::{ConfState, Entry, HardState};
+use ragcluster_proto::v1::{Chunk, OpenShardRequest, WriteBatchRequest, WriteBatchResponse};
 use rocksdb::{
     ColumnFamilyDescriptor, DB, Direction, IteratorMode, Options, WriteBatch, WriteOptions,
 };
@@ -32,7 +41,15 @@ const CF_CHUNKS: &str = "chunks";
 const CF_DOCS: &str = "docs";
 const CF_OPLOG: &str = "oplog";
 const CF_VECTORS: &str = "vectors";
-const ALL_CFS: [&str; 5] = [CF_META, CF_CHUNKS, CF_VECTORS, CF_DOCS, CF_OPLOG];
+const CF_RAFT: &str = "raft";
+const ALL_CFS: [&str; 6] = [CF_META, CF_CHUNKS, CF_VECTORS, CF_DOCS, CF_OPLOG, CF_RAFT];
+/// Families whose shard range is the state machine, i.e. what a snapshot carries.
+const STATE_CFS: [&str; 4] = [CF_META, CF_CHUNKS, CF_VECTORS, CF_DOCS];
+const NODE_ID_KEY: &[u8] = b"~node/id";
+const PEERS_KEY: &[u8] = b"~node/peers";
+/// Request ids are remembered this long (by the proposal timestamp in the log, so every
+/// replica forgets the same ids at the same log position).
+pub const DEDUPE_WINDOW_MS: u64 = 3_600_000;
 
 /// Identifies a shard on a node.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -121,10 +138,296 @@ impl Store {
     }
 
     fn write(&self, batch: WriteBatch) -> Result<()> {
+        self.write_opt(batch, self.sync)
+    }
+
+    fn write_opt(&self, batch: WriteBatch, sync: bool) -> Result<()> {
         let mut wo = WriteOptions::default();
-        wo.set_sync(self.sync);
+        wo.set_sync(sync);
         self.db.write_opt(batch, &wo)?;
         Ok(())
+    }
+
+    pub fn sync_enabled(&self) -> bool {
+        self.sync
+    }
+
+    /// This node's Raft id, chosen at random on first start and kept.
+    pub fn node_id(&self) -> Result<u64> {
+        let cf = self.cf(CF_META);
+        if let Some(v) = self.db.get_cf(cf, NODE_ID_KEY)? {
+            let b: [u8; 8] = v
+                .as_slice()
+                .try_into()
+                .map_err(|_| ShardError::Corrupt("node id".into()))?;
+            return Ok(u64::from_be_bytes(b));
+        }
+        // Below 2^53 so that JSON tooling shows it exactly.
+        let id = rand::random_range(1..(1u64 << 53));
+        let mut b = WriteBatch::default();
+        b.put_cf(cf, NODE_ID_KEY, id.to_be_bytes());
+        self.write_opt(b, true)?;
+        Ok(id)
+    }
+
+    /// Known peer addresses (node id -> gRPC address).
+    pub fn peers(&self) -> Result<Vec<(u64, String)>> {
+        let Some(v) = self.db.get_cf(self.cf(CF_META), PEERS_KEY)? else {
+            return Ok(Vec::new());
+        };
+        let list = ragcluster_proto::v1::OpenShardRequest::decode(&*v)
+            .map_err(|e| ShardError::Corrupt(format!("peer table: {e}")))?;
+        Ok(list
+            .peers
+            .into_iter()
+            .map(|p| (p.node_id, p.address))
+            .collect())
+    }
+
+    pub fn put_peers(&self, peers: &[(u64, String)]) -> Result<()> {
+        // The peer list rides in an OpenShardRequest: a prost message we already have.
+        let list = ragcluster_proto::v1::OpenShardRequest {
+            peers: peers
+                .iter()
+                .map(|(id, a)| ragcluster_proto::v1::Peer {
+                    node_id: *id,
+                    address: a.clone(),
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let mut b = WriteBatch::default();
+        b.put_cf(self.cf(CF_META), PEERS_KEY, list.encode_to_vec());
+        self.write(b)
+    }
+
+    // ---- Raft log and state ----
+
+    /// The group's persisted Raft state, or None when the group was never initialised here.
+    pub fn raft_state(&self, key: &ShardKey) -> Result<Option<RaftPersisted>> {
+        let cf = self.cf(CF_RAFT);
+        let Some(hs) = self.db.get_cf(cf, key.key(b"h"))? else {
+            return Ok(None);
+        };
+        let hs: HardState = unpb(&hs, "hard state")?;
+        let cs: ConfState = match self.db.get_cf(cf, key.key(b"c"))? {
+            Some(v) => unpb(&v, "conf state")?,
+            None => ConfState::default(),
+        };
+        let (truncated_index, truncated_term) = match self.db.get_cf(cf, key.key(b"t"))? {
+            Some(v) if v.len() == 16 => (
+                u64::from_be_bytes(v[..8].try_into().unwrap_or_default()),
+                u64::from_be_bytes(v[8..].try_into().unwrap_or_default()),
+            ),
+            _ => (0, 0),
+        };
+        // The last entry: seek to the end of the shard's entry range.
+        let upper = key.key(b"f");
+        let mut last_index = truncated_index;
+        let mut it = self.db.raw_iterator_cf(cf);
+        it.seek_for_prev(&upper);
+        if let Some(k) = it.key()
+            && let Some(idx) = entry_index(key, k)
+        {
+            last_index = last_index.max(idx);
+        }
+        it.status()?;
+        Ok(Some(RaftPersisted {
+            hs,
+            cs,
+            truncated_index,
+            truncated_term,
+            last_index,
+        }))
+    }
+
+    /// Initialises a group: empty log, the given voters.
+    pub fn raft_init(&self, key: &ShardKey, cs: &ConfState) -> Result<()> {
+        let cf = self.cf(CF_RAFT);
+        let mut b = WriteBatch::default();
+        b.delete_range_cf(cf, key.prefix(), key.end());
+        b.put_cf(cf, key.key(b"h"), pb(&HardState::default())?);
+        b.put_cf(cf, key.key(b"c"), pb(cs)?);
+        self.write_opt(b, true)
+    }
+
+    /// Entries in [lo, hi), stopping once `max_size` bytes are exceeded (at least one entry).
+    pub fn raft_entries(
+        &self,
+        key: &ShardKey,
+        lo: u64,
+        hi: u64,
+        max_size: Option<u64>,
+    ) -> Result<Vec<Entry>> {
+        let cf = self.cf(CF_RAFT);
+        let start = entry_key(key, lo);
+        let end = entry_key(key, hi);
+        let mut out = Vec::with_capacity((hi - lo).min(1024) as usize);
+        let mut size = 0u64;
+        for item in self
+            .db
+            .iterator_cf(cf, IteratorMode::From(&start, Direction::Forward))
+        {
+            let (k, v) = item?;
+            if *k >= *end {
+                break;
+            }
+            size += v.len() as u64;
+            if !out.is_empty() && max_size.is_some_and(|m| size > m) {
+                break;
+            }
+            out.push(unpb::<Entry>(&v, "raft entry")?);
+        }
+        if out.is_empty() && lo < hi
+            || out
+                .iter()
+                .enumerate()
+                .any(|(i, e)| e.index != lo + i as u64)
+        {
+            return Err(ShardError::Corrupt(format!(
+                "raft log of {key} has a gap at {lo}"
+            )));
+        }
+        Ok(out)
+    }
+
+    pub fn raft_term(&self, key: &ShardKey, idx: u64) -> Result<Option<u64>> {
+        Ok(
+            match self.db.get_cf(self.cf(CF_RAFT), entry_key(key, idx))? {
+                Some(v) => Some(unpb::<Entry>(&v, "raft entry")?.term),
+                None => None,
+            },
+        )
+    }
+
+    /// Appends entries (dropping any old entries from the first new index up to `old_last`)
+    /// and the hard state, in one write, synced when the node syncs writes.
+    pub fn raft_append(
+        &self,
+        key: &ShardKey,
+        entries: &[Entry],
+        old_last: u64,
+        hs: Option<&HardState>,
+    ) -> Result<()> {
+        let cf = self.cf(CF_RAFT);
+        let mut b = WriteBatch::default();
+        if let Some(first) = entries.first()
+            && first.index <= old_last
+        {
+            b.delete_range_cf(
+                cf,
+                entry_key(key, first.index),
+                entry_key(key, old_last + 1),
+            );
+        }
+        for e in entries {
+            b.put_cf(cf, entry_key(key, e.index), pb(e)?);
+        }
+        if let Some(hs) = hs {
+            b.put_cf(cf, key.key(b"h"), pb(hs)?);
+        }
+        self.write(b)
+    }
+
+    /// Only the hard state (a commit index that moved), not synced: raft recovers commit.
+    pub fn raft_put_hard_state(&self, key: &ShardKey, hs: &HardState) -> Result<()> {
+        let mut b = WriteBatch::default();
+        b.put_cf(self.cf(CF_RAFT), key.key(b"h"), pb(hs)?);
+        self.write_opt(b, false)
+    }
+
+    /// Drops log entries up to and including `index` (already applied), remembering its term.
+    /// Synced, so the applied state it relies on is durable first (same WAL).
+    pub fn raft_compact(&self, key: &ShardKey, index: u64, term: u64) -> Result<()> {
+        let cf = self.cf(CF_RAFT);
+        let mut b = WriteBatch::default();
+        b.delete_range_cf(cf, entry_key(key, 0), entry_key(key, index + 1));
+        let mut t = index.to_be_bytes().to_vec();
+        t.extend(term.to_be_bytes());
+        b.put_cf(cf, key.key(b"t"), t);
+        self.write_opt(b, true)
+    }
+
+    // ---- Snapshots ----
+
+    /// Writes the shard's state-machine records to `out` as (family, key suffix, value)
+    /// records; the caller makes sure nothing is applied meanwhile.
+    pub fn dump_shard(&self, key: &ShardKey, out: &mut impl std::io::Write) -> Result<u64> {
+        let prefix = key.prefix();
+        let mut n = 0;
+        for (i, name) in STATE_CFS.iter().enumerate() {
+            for item in self.db.iterator_cf(
+                self.cf(name),
+                IteratorMode::From(&prefix, Direction::Forward),
+            ) {
+                let (k, v) = item?;
+                if !k.starts_with(&prefix) {
+                    break;
+                }
+                let suffix = &k[prefix.len()..];
+                // Dedupe records are part of the state; node records never match a prefix.
+                out.write_all(&[i as u8])?;
+                out.write_all(&(suffix.len() as u32).to_be_bytes())?;
+                out.write_all(suffix)?;
+                out.write_all(&(v.len() as u32).to_be_bytes())?;
+                out.write_all(&v)?;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Replaces the shard's state and Raft log with a snapshot in one atomic write: its
+    /// records (read from `input`), applied index = `index`, the log truncated at
+    /// (`index`, `term`) and the snapshot's conf state.
+    pub fn install_snapshot(
+        &self,
+        key: &ShardKey,
+        input: &mut impl std::io::Read,
+        index: u64,
+        term: u64,
+        cs: &ConfState,
+        hs: &HardState,
+    ) -> Result<u64> {
+        let mut b = WriteBatch::default();
+        for name in ALL_CFS {
+            if name == CF_META {
+                // Keep the shard parameters ("m"); everything else is replaced.
+                b.delete_range_cf(self.cf(name), key.key(b"n"), key.end());
+                b.delete_range_cf(self.cf(name), key.prefix(), key.key(b"m"));
+            } else {
+                b.delete_range_cf(self.cf(name), key.prefix(), key.end());
+            }
+        }
+        let mut n = 0;
+        let bad = |what: &str| ShardError::Corrupt(format!("snapshot of {key}: {what}"));
+        loop {
+            let mut cf = [0u8; 1];
+            match input.read_exact(&mut cf) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
+                Err(e) => return Err(e.into()),
+            }
+            let name = STATE_CFS
+                .get(cf[0] as usize)
+                .ok_or_else(|| bad("unknown column family"))?;
+            let k = read_block(input).map_err(|_| bad("truncated key"))?;
+            let v = read_block(input).map_err(|_| bad("truncated value"))?;
+            if *name == CF_META && k == b"m" {
+                continue;
+            }
+            b.put_cf(self.cf(name), key.key(&k), v);
+            n += 1;
+        }
+        b.put_cf(self.cf(CF_META), key.key(b"s"), index.to_be_bytes());
+        let cfr = self.cf(CF_RAFT);
+        let mut t = index.to_be_bytes().to_vec();
+        t.extend(term.to_be_bytes());
+        b.put_cf(cfr, key.key(b"t"), t);
+        b.put_cf(cfr, key.key(b"c"), pb(cs)?);
+        b.put_cf(cfr, key.key(b"h"), pb(hs)?);
+        self.write_opt(b, true)?;
+        Ok(n)
     }
 
     /// Every shard recorded on this node with its parameters.
@@ -204,6 +507,7 @@ impl Store {
         key: &ShardKey,
         seq: u64,
         req: &WriteBatchRequest,
+        dedupe: Option<(u64, &Respond<'_>)>,
     ) -> Result<BatchEffect> {
         let (cf_chunks, cf_docs, cf_vectors) =
             (self.cf(CF_CHUNKS), self.cf(CF_DOCS), self.cf(CF_VECTORS));
@@ -238,14 +542,80 @@ impl Store {
                 b.put_cf(cf_docs, key.key(w.doc_id.as_bytes()), encode_ids(&ids));
             }
         }
+        if let Some((ts, response)) = dedupe {
+            if !req.request_id.is_empty() {
+                let mut v = ts.to_be_bytes().to_vec();
+                v.extend(response(&effect).encode_to_vec());
+                b.put_cf(self.cf(CF_META), request_key(key, &req.request_id), v);
+                b.put_cf(
+                    self.cf(CF_META),
+                    request_order_key(key, ts, &req.request_id),
+                    [],
+                );
+            }
+            self.prune_requests(key, ts.saturating_sub(DEDUPE_WINDOW_MS), &mut b)?;
+        }
         b.put_cf(self.cf(CF_META), key.key(b"s"), seq.to_be_bytes());
         b.put_cf(
             self.cf(CF_OPLOG),
             key.key(&seq.to_be_bytes()),
             req.encode_to_vec(),
         );
-        self.write(b)?;
+        self.write_opt(b, false)?;
         Ok(effect)
+    }
+
+    /// Moves the applied index over an entry that changes no chunk (an empty entry of a new
+    /// leader, a rejected batch, a conf change with its new conf state). The empty op-log
+    /// record keeps the log contiguous for BM25 replay.
+    pub fn commit_noop(&self, key: &ShardKey, seq: u64, conf: Option<&ConfState>) -> Result<()> {
+        let mut b = WriteBatch::default();
+        b.put_cf(self.cf(CF_META), key.key(b"s"), seq.to_be_bytes());
+        b.put_cf(
+            self.cf(CF_OPLOG),
+            key.key(&seq.to_be_bytes()),
+            WriteBatchRequest::default().encode_to_vec(),
+        );
+        if let Some(cs) = conf {
+            b.put_cf(self.cf(CF_RAFT), key.key(b"c"), pb(cs)?);
+        }
+        // A conf change must survive a crash like any applied entry; a no-op may be lost and
+        // re-applied from the log.
+        self.write_opt(b, conf.is_some() && self.sync)
+    }
+
+    /// The recorded outcome of an applied request id, if it is still remembered.
+    pub fn request_result(&self, key: &ShardKey, id: &str) -> Result<Option<WriteBatchResponse>> {
+        let Some(v) = self.db.get_cf(self.cf(CF_META), request_key(key, id))? else {
+            return Ok(None);
+        };
+        let body = v
+            .get(8..)
+            .ok_or_else(|| ShardError::Corrupt(format!("request record in {key}")))?;
+        WriteBatchResponse::decode(body)
+            .map(Some)
+            .map_err(|e| ShardError::Corrupt(format!("request record in {key}: {e}")))
+    }
+
+    /// Forgets request ids recorded before `before_ms` (at most 256 per call).
+    fn prune_requests(&self, key: &ShardKey, before_ms: u64, b: &mut WriteBatch) -> Result<()> {
+        let start = key.key(b"q");
+        let end = request_order_key(key, before_ms, "");
+        let cf = self.cf(CF_META);
+        for item in self
+            .db
+            .iterator_cf(cf, IteratorMode::From(&start, Direction::Forward))
+            .take(256)
+        {
+            let (k, _) = item?;
+            if *k >= *end {
+                break;
+            }
+            let id = &k[start.len() + 8..];
+            b.delete_cf(cf, request_key(key, &String::from_utf8_lossy(id)));
+            b.delete_cf(cf, &k);
+        }
+        Ok(())
     }
 
     /// Calls `f` for every chunk of the shard in key order, with its embedding when
@@ -363,6 +733,70 @@ impl Store {
         self.db.flush_wal(true)?;
         Ok(())
     }
+}
+
+/// Builds the response recorded for a request id from what its batch changed.
+pub type Respond<'a> = dyn Fn(&BatchEffect) -> WriteBatchResponse + 'a;
+
+/// What `raft_state` returns.
+#[derive(Debug, Clone)]
+pub struct RaftPersisted {
+    pub hs: HardState,
+    pub cs: ConfState,
+    pub truncated_index: u64,
+    pub truncated_term: u64,
+    pub last_index: u64,
+}
+
+fn entry_key(key: &ShardKey, index: u64) -> Vec<u8> {
+    let mut k = key.key(b"e");
+    k.extend_from_slice(&index.to_be_bytes());
+    k
+}
+
+fn entry_index(key: &ShardKey, k: &[u8]) -> Option<u64> {
+    let rest = k.strip_prefix(key.key(b"e").as_slice())?;
+    Some(u64::from_be_bytes(rest.try_into().ok()?))
+}
+
+fn request_key(key: &ShardKey, id: &str) -> Vec<u8> {
+    let mut k = key.key(b"r");
+    k.extend_from_slice(id.as_bytes());
+    k
+}
+
+fn request_order_key(key: &ShardKey, ts: u64, id: &str) -> Vec<u8> {
+    let mut k = key.key(b"q");
+    k.extend_from_slice(&ts.to_be_bytes());
+    k.extend_from_slice(id.as_bytes());
+    k
+}
+
+fn read_block(input: &mut impl std::io::Read) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    input.read_exact(&mut len)?;
+    let len = u32::from_be_bytes(len) as usize;
+    if len > 256 << 20 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "record too large",
+        ));
+    }
+    let mut v = vec![0u8; len];
+    input.read_exact(&mut v)?;
+    Ok(v)
+}
+
+fn pb(m: &impl protobuf::Message) -> Result<Vec<u8>> {
+    m.write_to_bytes()
+        .map_err(|e| ShardError::Corrupt(format!("encode raft record: {e}")))
+}
+
+fn unpb<M: protobuf::Message + Default>(b: &[u8], what: &str) -> Result<M> {
+    let mut m = M::default();
+    m.merge_from_bytes(b)
+        .map_err(|e| ShardError::Corrupt(format!("{what}: {e}")))?;
+    Ok(m)
 }
 
 fn encode_vector(v: &[f32]) -> Vec<u8> {

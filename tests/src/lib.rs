@@ -98,13 +98,22 @@ impl Proc {
 
     /// A shard node named `name` with its data under `dir/name/data`.
     pub fn shard_node(name: &str, dir: &Path) -> Result<Self> {
+        Self::shard_node_with(name, dir, None)
+    }
+
+    /// A shard node reading the `[shard_node]` settings of the TOML file `config`.
+    pub fn shard_node_with(name: &str, dir: &Path, config: Option<&Path>) -> Result<Self> {
         let data = dir.join(name).join("data");
-        let args = vec![
+        let mut args = vec![
             "--listen".into(),
             "127.0.0.1:0".into(),
             "--data-dir".into(),
             data.display().to_string(),
         ];
+        if let Some(c) = config {
+            args.push("--config".into());
+            args.push(c.display().to_string());
+        }
         Self::start(name, "shard-node", args, dir, Duration::from_secs(120))
     }
 
@@ -232,9 +241,22 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn start(shard_nodes: usize) -> Result<Self> {
+        Self::start_with(shard_nodes, None)
+    }
+
+    /// As `start`, the shard nodes configured by `shard_config` (a TOML document).
+    pub fn start_with(shard_nodes: usize, shard_config: Option<&str>) -> Result<Self> {
         let dir = tempfile::Builder::new()
             .prefix("ragcluster-test-")
             .tempdir()?;
+        let config = match shard_config {
+            Some(toml) => {
+                let p = dir.path().join("shard-node.toml");
+                std::fs::write(&p, toml)?;
+                Some(p)
+            }
+            None => None,
+        };
         let model = embed_model()?;
         let mw = Proc::start(
             "model-worker",
@@ -250,7 +272,11 @@ impl Cluster {
         )?;
         let mut shards = Vec::new();
         for i in 0..shard_nodes {
-            shards.push(Proc::shard_node(&format!("shard-{i}"), dir.path())?);
+            shards.push(Proc::shard_node_with(
+                &format!("shard-{i}"),
+                dir.path(),
+                config.as_deref(),
+            )?);
         }
         let coordinator = Proc::start(
             "coordinator",

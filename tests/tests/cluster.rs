@@ -46,6 +46,7 @@ fn sample_docs() -> Result<Vec<Document>> {
             title,
             text,
             metadata: HashMap::from([("topic".into(), topic.into())]),
+            embedding: vec![],
         });
     }
     Ok(docs)
@@ -85,7 +86,7 @@ async fn cluster_end_to_end() -> Result<()> {
         .collection
         .unwrap();
     assert_eq!(info.dimension, 384);
-    assert_eq!(info.shard_nodes.len(), 3);
+    assert_eq!(info.shards.len(), 3);
     let docs = sample_docs()?;
     let n_docs = docs.len() as u32;
     let up = c
@@ -161,6 +162,7 @@ async fn cluster_end_to_end() -> Result<()> {
         title: "Volcanoes".into(),
         text: "Volcanoes erupt molten lava and ash when magma rises through the crust.".into(),
         metadata: HashMap::from([("topic".into(), "life".into())]),
+        embedding: vec![],
     };
     c.upsert_documents(UpsertDocumentsRequest {
         collection: "e2e".into(),
@@ -496,6 +498,7 @@ async fn kill_during_writes(cluster: &mut Cluster) -> Result<()> {
                         "Stream document number {i} carries the unique marker zq{i}x for the crash test."
                     ),
                     metadata: HashMap::from([("doc".into(), format!("w-{i}"))]),
+                    embedding: vec![],
                 };
                 match c
                     .upsert_documents(UpsertDocumentsRequest {

@@ -96,6 +96,9 @@ enum CollectionCmd {
         name: String,
         #[arg(long, default_value_t = 3)]
         shards: u32,
+        /// Replicas per shard (Raft group size); at most the number of shard nodes.
+        #[arg(long, default_value_t = 1)]
+        replication_factor: u32,
         #[arg(long, value_enum, default_value_t = Chunker::Markdown)]
         chunking: Chunker,
         #[arg(long, default_value_t = 200)]
@@ -512,6 +515,7 @@ async fn ingest(cli: &Cli, paths: &[PathBuf], collection: &str, batch: usize) ->
                 title: title_of(f, &text),
                 text,
                 metadata,
+                embedding: vec![],
             });
         }
         let r = client
@@ -595,6 +599,7 @@ async fn collection(cli: &Cli, cmd: &CollectionCmd) -> Result<()> {
         CollectionCmd::Create {
             name,
             shards,
+            replication_factor,
             chunking,
             chunk_size,
             chunk_overlap,
@@ -608,6 +613,7 @@ async fn collection(cli: &Cli, cmd: &CollectionCmd) -> Result<()> {
                 .create_collection(CreateCollectionRequest {
                     name: name.clone(),
                     shard_count: *shards,
+                    replication_factor: *replication_factor,
                     chunking: Some(ChunkingConfig {
                         strategy: strategy as i32,
                         chunk_size: *chunk_size,
@@ -658,10 +664,12 @@ fn print_shards(shards: &[ShardStats]) {
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED).set_header([
         "shard",
-        "node",
+        "leader",
+        "term",
+        "replicas",
         "docs",
         "chunks",
-        "seq",
+        "applied",
         "bm25 bytes",
         "hnsw",
         "tombstones",
@@ -670,7 +678,13 @@ fn print_shards(shards: &[ShardStats]) {
     for s in shards {
         t.add_row([
             s.shard.to_string(),
-            s.node.clone(),
+            s.leader.clone(),
+            s.term.to_string(),
+            s.replicas
+                .iter()
+                .map(|r| format!("{} {} @{}", r.node, r.role, r.applied_index))
+                .collect::<Vec<_>>()
+                .join("\n"),
             s.documents.to_string(),
             s.chunks.to_string(),
             s.applied_seq.to_string(),
@@ -694,7 +708,7 @@ async fn status(cli: &Cli, json: bool) -> Result<()> {
             .collections
             .iter()
             .map(|c| {
-                let shards: Vec<_> = c.shards.iter().map(|s| serde_json::json!({"shard": s.shard, "node": s.node, "documents": s.documents, "chunks": s.chunks, "error": s.error})).collect();
+                let shards: Vec<_> = c.shards.iter().map(|s| serde_json::json!({"shard": s.shard, "leader": s.leader, "term": s.term, "replicas": s.replicas.iter().map(|r| serde_json::json!({"node": r.node, "role": r.role, "applied": r.applied_index, "chunks": r.chunks})).collect::<Vec<_>>(), "documents": s.documents, "chunks": s.chunks, "error": s.error})).collect();
                 serde_json::json!({"name": c.collection.as_ref().map(|x| x.name.clone()), "shards": shards})
             })
             .collect();

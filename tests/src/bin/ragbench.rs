@@ -449,6 +449,7 @@ async fn fetch_all(cluster: &Cluster, coll: &str, corpus: &[BeirDoc]) -> Result<
                         }),
                         chunk_ids: ids,
                         with_embedding: true,
+                        consistency: 0,
                     })
                     .await;
                 match r {
@@ -504,6 +505,20 @@ fn scale_up(real: &[Stored], n: usize) -> Vec<Stored> {
         .collect()
 }
 
+/// Retries a write while the shard's Raft group is still electing its leader.
+async fn write_retrying(sc: &mut ShardClient<Channel>, req: WriteBatchRequest) -> Result<()> {
+    for _ in 0..100 {
+        match sc.write_batch(req.clone()).await {
+            Ok(_) => return Ok(()),
+            Err(s) if s.code() == tonic::Code::Unavailable => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(s) => return Err(s.into()),
+        }
+    }
+    anyhow::bail!("shard {:?} has no leader", req.shard)
+}
+
 /// Writes chunks straight to the shard nodes through Shard.WriteBatch, by document, on the shard
 /// the coordinator's placement gives it (3 shards in parallel, 512 chunks per batch).
 async fn write_direct(info: &CollectionInfo, chunks: &[Stored]) -> Result<()> {
@@ -524,7 +539,8 @@ async fn write_direct(info: &CollectionInfo, chunks: &[Stored]) -> Result<()> {
         });
     }
     let tasks = by_shard.into_iter().map(|(shard, writes)| {
-        let node = info.shard_nodes[shard as usize].clone();
+        // The preferred leader; a fresh group may still be electing it (retried below).
+        let node = info.shards[shard as usize].nodes[0].clone();
         let coll = info.name.clone();
         async move {
             let mut sc = ShardClient::new(Channel::from_shared(node)?.connect().await?)
@@ -535,26 +551,28 @@ async fn write_direct(info: &CollectionInfo, chunks: &[Stored]) -> Result<()> {
                 n += w.chunks.len();
                 batch.push(w);
                 if n >= 512 {
-                    sc.write_batch(WriteBatchRequest {
+                    let req = WriteBatchRequest {
                         shard: Some(ShardRef {
                             collection: coll.clone(),
                             shard,
                         }),
                         writes: std::mem::take(&mut batch),
-                    })
-                    .await?;
+                        request_id: String::new(),
+                    };
+                    write_retrying(&mut sc, req).await?;
                     n = 0;
                 }
             }
             if !batch.is_empty() {
-                sc.write_batch(WriteBatchRequest {
+                let req = WriteBatchRequest {
                     shard: Some(ShardRef {
                         collection: coll.clone(),
                         shard,
                     }),
                     writes: batch,
-                })
-                .await?;
+                    request_id: String::new(),
+                };
+                write_retrying(&mut sc, req).await?;
             }
             anyhow::Ok(())
         }
@@ -729,7 +747,9 @@ async fn restart_time(chunks: &[Stored]) -> Result<serde_json::Value> {
     let info = CollectionInfo {
         name: "restart".into(),
         shard_count: 1,
-        shard_nodes: vec![node.grpc.clone()],
+        shards: vec![ShardPlacement {
+            nodes: vec![node.grpc.clone()],
+        }],
         ..Default::default()
     };
     let mut sc = ShardClient::new(Channel::from_shared(node.grpc.clone())?.connect().await?);
@@ -744,6 +764,8 @@ async fn restart_time(chunks: &[Stored]) -> Result<serde_json::Value> {
             ef_construction: 200,
             ef_search: 64,
         }),
+        peers: vec![],
+        join: false,
     })
     .await?;
     let t = Instant::now();

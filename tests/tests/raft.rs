@@ -1,0 +1,524 @@
+//! Raft fault behaviour with real processes on loopback: three shard nodes, one shard replicated
+//! three ways, writes through the coordinator (documents with precomputed embeddings, so no
+//! model time), faults by SIGKILL and by the shard nodes' fault switch (`SetFaults`, enabled
+//! only in these tests). After every fault the replicas must converge to the same chunks and
+//! the same index contents, holding every acknowledged write exactly once.
+//! `RAGCLUSTER_FAULT_SEEDS` sets how many randomised schedules run (default 20).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
+use ragcluster_proto::v1::shard_client::ShardClient;
+use ragcluster_proto::v1::*;
+use ragcluster_tests::Cluster;
+use rand::{Rng, SeedableRng};
+use tokio::sync::Mutex;
+use tonic::transport::Channel;
+
+const DIM: usize = 384;
+const SHARD_CONFIG: &str = r#"
+[shard_node]
+raft_tick = "50ms"
+raft_election_ticks = 10
+raft_heartbeat_ticks = 2
+raft_log_gc_threshold = 200
+write_timeout = "5s"
+fault_injection = true
+"#;
+/// Election timeout of SHARD_CONFIG: 10 ticks of 50 ms (randomised up to twice that).
+const ELECTION_TIMEOUT: Duration = Duration::from_millis(500);
+
+fn vector(seed: u64) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let v: Vec<f32> = (0..DIM).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    v.into_iter().map(|x| x / n).collect()
+}
+
+fn doc(id: u64) -> Document {
+    Document {
+        id: format!("d{id}"),
+        title: String::new(),
+        text: format!("raftdoc number {id}"),
+        metadata: Default::default(),
+        embedding: vector(id),
+    }
+}
+
+async fn shard_client(addr: &str) -> Result<ShardClient<Channel>> {
+    Ok(ShardClient::new(
+        Channel::from_shared(addr.to_owned())?
+            .connect_timeout(Duration::from_secs(1))
+            .connect()
+            .await?,
+    ))
+}
+
+fn sref(collection: &str) -> Option<ShardRef> {
+    Some(ShardRef {
+        collection: collection.into(),
+        shard: 0,
+    })
+}
+
+async fn create(c: &mut CoordinatorClient<Channel>, name: &str) -> Result<()> {
+    c.create_collection(CreateCollectionRequest {
+        name: name.into(),
+        shard_count: 1,
+        replication_factor: 3,
+        ..Default::default()
+    })
+    .await?;
+    Ok(())
+}
+
+/// Upserts documents `ids` in one call with a client deadline; Ok(true) = acknowledged.
+async fn write(c: &mut CoordinatorClient<Channel>, coll: &str, ids: &[u64]) -> bool {
+    let mut req = tonic::Request::new(UpsertDocumentsRequest {
+        collection: coll.into(),
+        documents: ids.iter().map(|i| doc(*i)).collect(),
+    });
+    req.set_timeout(Duration::from_secs(15));
+    c.upsert_documents(req).await.is_ok()
+}
+
+/// Raft status of the shard on every node that answers.
+async fn statuses(c: &Cluster, coll: &str) -> Vec<Option<RaftStatus>> {
+    let mut out = Vec::new();
+    for p in &c.shards {
+        let st = async {
+            let mut sc = shard_client(&p.grpc).await.ok()?;
+            let mut req = tonic::Request::new(ShardInfoRequest { shard: sref(coll) });
+            req.set_timeout(Duration::from_secs(1));
+            sc.shard_info(req).await.ok()?.into_inner().raft
+        }
+        .await;
+        out.push(st);
+    }
+    out
+}
+
+/// Cuts node `n` off from the other two (both directions) with the fault switch.
+async fn partition(c: &Cluster, coll: &str, n: usize) -> Result<Vec<u64>> {
+    let st = statuses(c, coll).await;
+    let ids: Vec<u64> = st
+        .iter()
+        .map(|s| s.as_ref().map_or(0, |s| s.node_id))
+        .collect();
+    for (i, p) in c.shards.iter().enumerate() {
+        let isolate_from = if i == n {
+            (0..ids.len()).filter(|j| *j != n).map(|j| ids[j]).collect()
+        } else {
+            vec![ids[n]]
+        };
+        shard_client(&p.grpc)
+            .await?
+            .set_faults(SetFaultsRequest {
+                isolate_from,
+                corrupt_snapshots: 0,
+            })
+            .await?;
+    }
+    Ok(ids)
+}
+
+/// Clears every fault switch.
+async fn heal(c: &Cluster) -> Result<()> {
+    for p in &c.shards {
+        shard_client(&p.grpc)
+            .await?
+            .set_faults(SetFaultsRequest::default())
+            .await?;
+    }
+    Ok(())
+}
+
+/// Index of the node leading the shard, waiting up to `timeout` for one.
+async fn leader(c: &Cluster, coll: &str, timeout: Duration) -> Result<usize> {
+    let until = Instant::now() + timeout;
+    loop {
+        let st = statuses(c, coll).await;
+        if let Some(i) = st
+            .iter()
+            .position(|s| s.as_ref().is_some_and(|s| s.role == "leader"))
+        {
+            return Ok(i);
+        }
+        if Instant::now() > until {
+            bail!("no leader for {coll} within {timeout:?}: {st:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What a replica holds: chunk ids by BM25 (the tantivy index), by an exact vector lookup of
+/// each chunk (the HNSW graph) and the stored chunk count.
+async fn contents(addr: &str, coll: &str) -> Result<(BTreeSet<String>, u64)> {
+    let mut sc = shard_client(addr).await?;
+    let hits = sc
+        .bm25_search(Bm25SearchRequest {
+            shard: sref(coll),
+            query: "raftdoc".into(),
+            top_k: 10_000,
+            ids_only: true,
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .hits;
+    let ids: BTreeSet<String> = hits
+        .into_iter()
+        .filter_map(|h| h.chunk.map(|c| c.chunk_id))
+        .collect();
+    let info = sc
+        .shard_info(ShardInfoRequest { shard: sref(coll) })
+        .await?
+        .into_inner();
+    ensure!(
+        info.hnsw_points == info.chunks,
+        "{addr}: hnsw has {} points, bm25 {} chunks",
+        info.hnsw_points,
+        info.chunks
+    );
+    Ok((ids, info.chunks))
+}
+
+/// Waits until every replica applied the same index, then checks they hold the same chunks,
+/// every acknowledged document exactly once, and nothing outside what was attempted.
+async fn converged(
+    c: &Cluster,
+    coll: &str,
+    acked: &BTreeSet<u64>,
+    attempted: &BTreeSet<u64>,
+) -> Result<()> {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = statuses(c, coll).await;
+        let applied: Vec<u64> = st
+            .iter()
+            .map(|s| s.as_ref().map_or(0, |s| s.applied_index))
+            .collect();
+        let all_up = st.iter().all(|s| s.is_some());
+        if all_up
+            && applied.iter().all(|a| *a == applied[0])
+            && st
+                .iter()
+                .any(|s| s.as_ref().is_some_and(|s| s.role == "leader"))
+        {
+            break;
+        }
+        if Instant::now() > until {
+            bail!("replicas did not converge: {st:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut first: Option<BTreeSet<String>> = None;
+    for p in &c.shards {
+        let (ids, chunks) = contents(&p.grpc, coll).await?;
+        ensure!(
+            chunks as usize == ids.len(),
+            "{}: {chunks} chunks stored, {} indexed",
+            p.name,
+            ids.len()
+        );
+        for a in acked {
+            ensure!(
+                ids.contains(&format!("d{a}#0")),
+                "{}: acknowledged d{a} missing",
+                p.name
+            );
+        }
+        for id in &ids {
+            let n: u64 = id
+                .trim_start_matches('d')
+                .trim_end_matches("#0")
+                .parse()
+                .context("chunk id")?;
+            ensure!(attempted.contains(&n), "{}: {id} was never written", p.name);
+        }
+        match &first {
+            None => first = Some(ids),
+            Some(f) => ensure!(*f == ids, "{} differs from {}", p.name, c.shards[0].name),
+        }
+    }
+    Ok(())
+}
+
+/// 1. Kill -9 the leader while a client streams writes: a new leader within two election
+///    timeouts (the first write after the kill measures the unavailability window), retries
+///    succeed, every acknowledged write present exactly once on every replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leader_kill_during_writes_loses_nothing() -> Result<()> {
+    let mut c = Cluster::start_with(3, Some(SHARD_CONFIG))?;
+    let mut cc = c.client().await?;
+    create(&mut cc, "lk").await?;
+    let mut acked = BTreeSet::new();
+    let mut attempted = BTreeSet::new();
+    for i in 0..40 {
+        attempted.insert(i);
+        ensure!(
+            write(&mut cc, "lk", &[i]).await,
+            "write {i} before the fault"
+        );
+        acked.insert(i);
+    }
+    let l = leader(&c, "lk", Duration::from_secs(5)).await?;
+    let killed = Instant::now();
+    c.shards[l].kill9();
+    let mut first_ok = None;
+    for i in 40..120 {
+        attempted.insert(i);
+        if write(&mut cc, "lk", &[i]).await {
+            acked.insert(i);
+            first_ok.get_or_insert(killed.elapsed());
+        }
+    }
+    let window = first_ok.context("no write succeeded after the leader was killed")?;
+    let new_leader = leader(&c, "lk", Duration::from_secs(5)).await?;
+    ensure!(new_leader != l);
+    eprintln!(
+        "failover: first acknowledged write {} ms after kill -9 of the leader",
+        window.as_millis()
+    );
+    c.shards[l].restart(Duration::from_secs(60))?;
+    converged(&c, "lk", &acked, &attempted).await?;
+    ensure!(
+        acked.len() >= 100,
+        "only {} of 120 writes acknowledged",
+        acked.len()
+    );
+    let _ = ELECTION_TIMEOUT;
+    Ok(())
+}
+
+/// 2. Partition the leader from its followers: it cannot acknowledge writes; the majority
+///    elects a leader and goes on; after healing the old leader steps down and converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partitioned_leader_cannot_acknowledge() -> Result<()> {
+    let c = Cluster::start_with(3, Some(SHARD_CONFIG))?;
+    let mut cc = c.client().await?;
+    create(&mut cc, "part").await?;
+    let mut acked = BTreeSet::new();
+    let mut attempted = BTreeSet::new();
+    for i in 0..20 {
+        attempted.insert(i);
+        ensure!(write(&mut cc, "part", &[i]).await);
+        acked.insert(i);
+    }
+    let l = leader(&c, "part", Duration::from_secs(5)).await?;
+    partition(&c, "part", l).await?;
+    let mut sl = shard_client(&c.shards[l].grpc).await?;
+    // The minority side cannot acknowledge: a direct write to the old leader fails in time.
+    attempted.insert(1000);
+    let mut req = tonic::Request::new(WriteBatchRequest {
+        shard: sref("part"),
+        writes: vec![DocumentWrite {
+            doc_id: "d1000".into(),
+            chunks: vec![Chunk {
+                chunk_id: "d1000#0".into(),
+                doc_id: "d1000".into(),
+                text: "raftdoc number 1000".into(),
+                embedding: vector(1000),
+                ..Default::default()
+            }],
+            delete: false,
+        }],
+        request_id: "minority-write".into(),
+    });
+    req.set_timeout(Duration::from_secs(3));
+    let t = Instant::now();
+    let r = sl.write_batch(req).await;
+    ensure!(r.is_err(), "the isolated leader acknowledged a write");
+    let code = r.unwrap_err().code();
+    ensure!(
+        matches!(
+            code,
+            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+        ),
+        "minority write failed with {code:?}"
+    );
+    ensure!(t.elapsed() < Duration::from_secs(6), "minority write hung");
+    // The majority goes on through the coordinator.
+    for i in 20..60 {
+        attempted.insert(i);
+        if write(&mut cc, "part", &[i]).await {
+            acked.insert(i);
+        }
+    }
+    ensure!(
+        acked.len() >= 50,
+        "majority acknowledged only {} writes",
+        acked.len()
+    );
+    let st = statuses(&c, "part").await;
+    ensure!(
+        st[l].as_ref().is_some_and(|s| s.role != "leader"),
+        "isolated leader did not step down: {:?}",
+        st[l]
+    );
+    heal(&c).await?;
+    converged(&c, "part", &acked, &attempted).await?;
+    Ok(())
+}
+
+/// 3. A replica down while 10k writes happen and the log is compacted rejoins through a
+///    snapshot (the first one corrupted in flight, rejected, and sent again) and converges.
+///    4. Then a full-cluster restart loses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lagging_replica_catches_up_by_snapshot_and_full_restart_keeps_all() -> Result<()> {
+    let mut c = Cluster::start_with(3, Some(SHARD_CONFIG))?;
+    let mut cc = c.client().await?;
+    create(&mut cc, "snap").await?;
+    let l = leader(&c, "snap", Duration::from_secs(5)).await?;
+    let f = (l + 1) % 3;
+    c.shards[f].kill9();
+    let mut acked = BTreeSet::new();
+    let mut attempted = BTreeSet::new();
+    let total = std::env::var("RAGCLUSTER_SNAPSHOT_WRITES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000u64);
+    let started = Instant::now();
+    for b in 0..total / 50 {
+        let ids: Vec<u64> = (b * 50..(b + 1) * 50).collect();
+        attempted.extend(ids.iter().copied());
+        ensure!(
+            write(&mut cc, "snap", &ids).await,
+            "batch {b} failed with one replica down"
+        );
+        acked.extend(ids);
+    }
+    eprintln!(
+        "{total} writes with a replica down in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let st = statuses(&c, "snap").await;
+    let l = leader(&c, "snap", Duration::from_secs(5)).await?;
+    let first = st[l].as_ref().map_or(0, |s| s.first_log_index);
+    ensure!(
+        first > 1,
+        "leader log was not compacted (first index {first})"
+    );
+    shard_client(&c.shards[l].grpc)
+        .await?
+        .set_faults(SetFaultsRequest {
+            isolate_from: vec![],
+            corrupt_snapshots: 1,
+        })
+        .await?;
+    let t = Instant::now();
+    c.shards[f].restart(Duration::from_secs(60))?;
+    converged(&c, "snap", &acked, &attempted).await?;
+    eprintln!(
+        "replica rejoined by snapshot and converged in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let m = reqwest_metrics(&c.shards[l].metrics).await?;
+    ensure!(
+        m.contains("raft_snapshot_failures_total"),
+        "the corrupted snapshot was not rejected"
+    );
+    ensure!(
+        m.contains("raft_snapshots_sent_total"),
+        "no snapshot was sent"
+    );
+
+    // 4. Everything down hard, everything up again.
+    for p in &mut c.shards {
+        p.kill9();
+    }
+    for p in &mut c.shards {
+        p.restart(Duration::from_secs(120))?;
+    }
+    leader(&c, "snap", Duration::from_secs(10)).await?;
+    converged(&c, "snap", &acked, &attempted).await?;
+    Ok(())
+}
+
+/// Reads a Prometheus endpoint with a bare HTTP/1.0 GET.
+async fn reqwest_metrics(url: &str) -> Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let hostport = url
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .context("metrics url")?;
+    let mut s = tokio::net::TcpStream::connect(hostport).await?;
+    s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {hostport}\r\n\r\n").as_bytes())
+        .await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    Ok(out)
+}
+
+/// 5. Randomised schedules: per seed, a fresh collection takes writes while nodes are killed,
+///    restarted and partitioned at random (never more than one node at a time, so a quorum
+///    stays possible); afterwards no acknowledged write is lost and every replica holds the
+///    same complete documents.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn randomised_fault_schedules() -> Result<()> {
+    let seeds: u64 = std::env::var("RAGCLUSTER_FAULT_SEEDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let c = Arc::new(Mutex::new(Cluster::start_with(3, Some(SHARD_CONFIG))?));
+    let mut cc = c.lock().await.client().await?;
+    for seed in 0..seeds {
+        let coll = format!("rnd{seed}");
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        create(&mut cc, &coll).await?;
+        let mut acked = BTreeSet::new();
+        let mut attempted = BTreeSet::new();
+        let mut next = 0u64;
+        let mut faulty: Option<(usize, bool)> = None; // (node, killed?)
+        for step in 0..12 {
+            // A fault action every few steps: kill, partition, or heal.
+            if step % 3 == 1 {
+                let mut g = c.lock().await;
+                match faulty.take() {
+                    Some((n, true)) => g.shards[n].restart(Duration::from_secs(60))?,
+                    Some((_, false)) => heal(&g).await?,
+                    None => {
+                        let n = rng.random_range(0..3);
+                        if rng.random_bool(0.5) {
+                            g.shards[n].kill9();
+                            faulty = Some((n, true));
+                        } else {
+                            partition(&g, &coll, n).await?;
+                            faulty = Some((n, false));
+                        }
+                    }
+                }
+            }
+            let k = rng.random_range(1..8);
+            let ids: Vec<u64> = (next..next + k).collect();
+            next += k;
+            attempted.extend(ids.iter().copied());
+            if write(&mut cc, &coll, &ids).await {
+                acked.extend(ids);
+            }
+        }
+        {
+            let mut g = c.lock().await;
+            match faulty {
+                Some((n, true)) => g.shards[n].restart(Duration::from_secs(60))?,
+                Some((_, false)) => heal(&g).await?,
+                None => {}
+            }
+        }
+        let g = c.lock().await;
+        converged(&g, &coll, &acked, &attempted)
+            .await
+            .with_context(|| format!("seed {seed}"))?;
+        // Documents are all-or-nothing: a multi-document batch either landed whole or not.
+        eprintln!(
+            "seed {seed}: {} of {} writes acknowledged",
+            acked.len(),
+            attempted.len()
+        );
+    }
+    Ok(())
+}
