@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: setup build demo test test-faults test-unit test-cluster lint fmt bench bench-quick up down
+.PHONY: setup build demo test test-faults test-unit test-cluster lint fmt bench bench-raft bench-quick up down
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -41,6 +41,9 @@ fmt:
 bench: build      ## full SciFact quality + latency + 100k scale + restart (~30 min)
 	mkdir -p bench-out
 	$(BIN)/ragbench --out bench-out/scifact.json
+
+bench-raft: build ## write throughput + commit latency, replication factor 1 vs 3
+	$(BIN)/raftbench --docs 5000
 
 bench-quick: build
 	$(BIN)/ragbench --docs 500 --scale-chunks 5000
