@@ -26,7 +26,7 @@ test: build       ## every test: unit, model reference, black-box cluster tests
 	cargo test --release --workspace
 
 test-faults: build ## Raft fault schedules: 200 random seeds (CI runs 20)
-	RAGCLUSTER_FAULT_SEEDS=200 cargo test --release -p ragcluster-tests --test raft -- --nocapture
+	RAGCLUSTER_FAULT_SEEDS=200 cargo test --release --workspace --test raft -- --nocapture
 
 test-unit:
 	cargo test --release --workspace --lib --bins
@@ -42,7 +42,7 @@ bench: build      ## full SciFact quality + latency + 100k scale + restart (~30 
 	mkdir -p bench-out
 	$(BIN)/ragbench --out bench-out/scifact.json
 
-bench-raft: build ## write throughput + commit latency, replication factor 1 vs 3
+bench-raft: build ## write throughput + commit latency (rf 1 vs 3), snapshot transfer rate
 	$(BIN)/raftbench --docs 5000
 
 bench-quick: build

@@ -10,6 +10,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "ragcluster/v1/shard.proto",
         "ragcluster/v1/model_worker.proto",
         "ragcluster/v1/admin.proto",
+        "ragcluster/v1/catalog.proto",
     ];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");

@@ -6,6 +6,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use futures::future::join_all;
 use ragcluster_proto::v1::*;
 
+use crate::catalog::Leader;
 use crate::error::{CoordError, Result};
 use crate::fanout::{call, request};
 use crate::{State, placement};
@@ -16,6 +17,17 @@ pub const DEFAULT_CHUNK_SIZE: u32 = 200;
 pub const DEFAULT_OVERLAP: u32 = 32;
 pub const DEFAULT_MIN_CHUNK: u32 = 16;
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a coordinator that forwarded a catalog change waits to see it applied locally.
+const CATCH_UP: Duration = Duration::from_secs(5);
+/// Marks a catalog change forwarded by another coordinator.
+pub const FORWARDED: &str = "x-ragcluster-forwarded";
+
+fn forward<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
+    let mut r = request(msg, timeout);
+    r.metadata_mut()
+        .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
+    r
+}
 
 fn valid_name(n: &str) -> bool {
     !n.is_empty()
@@ -73,7 +85,28 @@ pub fn normalize_chunking(c: Option<ChunkingConfig>, max_seq: u32) -> Result<Chu
 }
 
 impl State {
-    pub async fn create_collection(&self, r: CreateCollectionRequest) -> Result<CollectionInfo> {
+    pub async fn create_collection(
+        &self,
+        r: CreateCollectionRequest,
+        forwarded: bool,
+    ) -> Result<CollectionInfo> {
+        if let Some(addr) = self.catalog_leader(forwarded).await? {
+            let name = r.name.clone();
+            let info = call(
+                &format!("leader coordinator {addr}"),
+                ADMIN_TIMEOUT,
+                self.clients
+                    .coordinator(&addr)?
+                    .create_collection(forward(r, ADMIN_TIMEOUT)),
+            )
+            .await?
+            .collection
+            .unwrap_or_default();
+            self.catalog
+                .wait_for(|v| v.collections.contains_key(&name), CATCH_UP)
+                .await;
+            return Ok(info);
+        }
         if !valid_name(&r.name) {
             return Err(CoordError::invalid("name", "must match [a-z0-9_-]{1,64}"));
         }
@@ -119,6 +152,7 @@ impl State {
                 "ef_construction and ef_search must be at most 4096",
             ));
         }
+        let _serial = self.catalog_changes.lock().await;
         if self.catalog.contains(&r.name) {
             return Err(CoordError::CollectionExists(r.name));
         }
@@ -222,13 +256,31 @@ impl State {
         for r in join_all(opens).await {
             r?;
         }
-        self.catalog.insert(info.clone())?;
+        self.catalog.insert(info.clone(), ADMIN_TIMEOUT).await?;
         tracing::info!(collection = %info.name, shards = shard_count, "collection created");
         Ok(info)
     }
 
-    pub async fn drop_collection(&self, name: &str) -> Result<()> {
-        let info = self.catalog.remove(name)?;
+    pub async fn drop_collection(&self, name: &str, forwarded: bool) -> Result<()> {
+        if let Some(addr) = self.catalog_leader(forwarded).await? {
+            let req = DropCollectionRequest {
+                name: name.to_owned(),
+            };
+            call(
+                &format!("leader coordinator {addr}"),
+                ADMIN_TIMEOUT,
+                self.clients
+                    .coordinator(&addr)?
+                    .drop_collection(forward(req, ADMIN_TIMEOUT)),
+            )
+            .await?;
+            self.catalog
+                .wait_for(|v| !v.collections.contains_key(name), CATCH_UP)
+                .await;
+            return Ok(());
+        }
+        let _serial = self.catalog_changes.lock().await;
+        let info = self.catalog.remove(name, ADMIN_TIMEOUT).await?;
         let drops = info
             .shards
             .iter()
@@ -259,6 +311,28 @@ impl State {
             }
         }
         Ok(())
+    }
+
+    /// Where a catalog change must be made: `None` here (this coordinator leads the catalog),
+    /// or the leader's address. A change forwarded once is not forwarded again.
+    async fn catalog_leader(&self, forwarded: bool) -> Result<Option<String>> {
+        let unavailable = |reason: &str| CoordError::Unavailable {
+            what: "catalog".into(),
+            reason: reason.into(),
+            retry_after_ms: 500,
+        };
+        // Two election timeouts: a change sent during an election waits for its outcome.
+        let election = self.cfg.raft_tick * (2 * self.cfg.raft_election_ticks as u32);
+        match self.catalog.wait_leader(election).await {
+            Leader::Me => Ok(None),
+            Leader::Other(_) if forwarded => Err(unavailable(
+                "catalog leadership is moving between coordinators",
+            )),
+            Leader::Other(addr) => Ok(Some(addr)),
+            Leader::Unknown => Err(unavailable(
+                "no coordinator leads the catalog (election in progress or no quorum)",
+            )),
+        }
     }
 
     /// The Raft id of the shard node at `addr` (cached).

@@ -1,5 +1,6 @@
 //! `[coordinator]` section of the cluster config.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use serde::{Deserialize, Serialize};
 pub struct CoordinatorConfig {
     /// gRPC listen address for clients (Coordinator and Admin services); port 0 = any free port.
     pub listen: String,
-    /// The catalog (collections and their shard placement) is persisted here.
+    /// The catalog's Raft log and applied state are persisted here (`catalog/`).
     pub data_dir: PathBuf,
     /// Shard node addresses ("http://host:port"). Static placement in this version: shard i of
     /// a collection goes to node (hash(collection) + i) mod N.
@@ -33,6 +34,21 @@ pub struct CoordinatorConfig {
     /// Embed calls in flight per ingest request.
     pub embed_concurrency: usize,
     pub port_file: Option<PathBuf>,
+    /// This coordinator's Raft id in the catalog group (unique among `peers`, non-zero).
+    pub node_id: u64,
+    /// Every coordinator of the cluster as "ID=URL" (this one included), the same list on each;
+    /// URL is the address other coordinators and clients reach it at. Empty: a lone
+    /// coordinator. Use 3 to survive the loss of one.
+    pub peers: Vec<String>,
+    /// Raft tick of the catalog group; elections take `raft_election_ticks` to
+    /// 2 x `raft_election_ticks` ticks, heartbeats go every `raft_heartbeat_ticks`.
+    #[serde(with = "humantime_serde")]
+    pub raft_tick: Duration,
+    pub raft_election_ticks: usize,
+    pub raft_heartbeat_ticks: usize,
+    /// Catalog log entries kept behind the applied index; a coordinator further behind gets
+    /// the (small) catalog as a snapshot.
+    pub raft_log_gc_threshold: u64,
 }
 
 impl Default for CoordinatorConfig {
@@ -49,6 +65,12 @@ impl Default for CoordinatorConfig {
             embed_batch: 32,
             embed_concurrency: 2,
             port_file: None,
+            node_id: 1,
+            peers: Vec::new(),
+            raft_tick: Duration::from_millis(100),
+            raft_election_ticks: 10,
+            raft_heartbeat_ticks: 2,
+            raft_log_gc_threshold: 64,
         }
     }
 }
@@ -71,6 +93,60 @@ impl CoordinatorConfig {
         if self.embed_concurrency == 0 {
             return Err("coordinator.embed_concurrency must be positive".into());
         }
+        if self.raft_heartbeat_ticks == 0 || self.raft_election_ticks <= self.raft_heartbeat_ticks {
+            return Err(
+                "coordinator.raft_election_ticks must exceed raft_heartbeat_ticks (> 0)".into(),
+            );
+        }
+        if self.raft_tick.is_zero() {
+            return Err("coordinator.raft_tick must be positive".into());
+        }
+        let members = self.catalog_members()?;
+        if members.len() % 2 == 0 {
+            tracing::warn!(
+                coordinators = members.len(),
+                "an even number of coordinators tolerates no more failures than one fewer"
+            );
+        }
         Ok(())
+    }
+
+    /// The catalog group's members by Raft id, parsed from `peers` (or this coordinator alone).
+    pub fn catalog_members(&self) -> Result<BTreeMap<u64, String>, String> {
+        if self.node_id == 0 {
+            return Err("coordinator.node_id must be non-zero".into());
+        }
+        let mut m = BTreeMap::new();
+        if self.peers.is_empty() {
+            m.insert(self.node_id, format!("http://{}", self.listen));
+            return Ok(m);
+        }
+        for p in &self.peers {
+            let (id, url) = p
+                .split_once('=')
+                .ok_or_else(|| format!("coordinator.peers: {p:?} is not ID=URL"))?;
+            let id: u64 = id.trim().parse().ok().filter(|i| *i != 0).ok_or_else(|| {
+                format!("coordinator.peers: {p:?}: ID must be a positive integer")
+            })?;
+            let url = url.trim();
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(format!(
+                    "coordinator.peers: {p:?}: URL must start with http:// or https://"
+                ));
+            }
+            if m.insert(id, url.to_owned()).is_some() {
+                return Err(format!("coordinator.peers: id {id} appears twice"));
+            }
+        }
+        if !m.contains_key(&self.node_id) {
+            return Err(format!(
+                "coordinator.peers does not list this coordinator's node_id {}",
+                self.node_id
+            ));
+        }
+        if m.len() > 7 {
+            return Err("coordinator.peers: at most 7 coordinators".into());
+        }
+        Ok(m)
     }
 }

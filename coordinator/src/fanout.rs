@@ -1,4 +1,4 @@
-//! Clients of shard nodes and the model worker, one lazily connected channel per address, and
+//! Clients of shard nodes, the model worker and other coordinators, one lazily connected channel per address, and
 //! the parallel fan-out of per-shard calls under a deadline.
 
 use std::collections::HashMap;
@@ -6,6 +6,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::shard_client::ShardClient;
 use tonic::transport::{Channel, Endpoint};
@@ -44,6 +45,13 @@ impl Clients {
 
     pub fn shard(&self, addr: &str) -> Result<ShardClient<Channel>> {
         Ok(ShardClient::new(self.channel(addr)?)
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE))
+    }
+
+    /// Another coordinator (catalog changes are forwarded to the leader).
+    pub fn coordinator(&self, addr: &str) -> Result<CoordinatorClient<Channel>> {
+        Ok(CoordinatorClient::new(self.channel(addr)?)
             .max_decoding_message_size(MAX_MESSAGE)
             .max_encoding_message_size(MAX_MESSAGE))
     }

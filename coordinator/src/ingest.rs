@@ -404,15 +404,18 @@ impl State {
                     target = addr;
                 }
                 None => {
-                    if status.metadata().get("x-ragcluster-leader").is_none()
-                        && !status.message().contains("not the shard leader")
-                    {
+                    // A live replica without a leader means an election is running: poll
+                    // again soon (those answers are cheap) so the write lands right after it.
+                    let electing = status.metadata().get("x-ragcluster-leader").is_some()
+                        || status.message().contains("not the shard leader");
+                    if !electing {
                         // Unreachable or timed out: avoid it for a moment.
                         self.routing.mark_down(&target);
                     }
                     target = self.routing.next_replica(replicas, &target);
                     tokio::time::sleep(backoff.min(left)).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                    let cap = if electing { 50 } else { 500 };
+                    backoff = (backoff * 2).min(Duration::from_millis(cap));
                 }
             }
         }

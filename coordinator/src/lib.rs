@@ -1,5 +1,5 @@
-//! The ragcluster coordinator: the public gRPC API. It owns the collection catalog
-//! (`catalog`), static shard placement (`placement`), chunking (`chunking`), ingest through the
+//! The ragcluster coordinator: the public gRPC API. It owns the collection catalog, replicated
+//! among coordinators with raft-rs (`catalog`), static shard placement (`placement`), chunking (`chunking`), ingest through the
 //! model worker to shard nodes (`ingest`), and distributed hybrid search with the seeds'
 //! fusion formulas (`search`, `fusion`). It talks to shard nodes and model workers only over
 //! gRPC (`fanout`), never through their crates. `ragctl` (the CLI) lives here too.
@@ -22,6 +22,7 @@ use std::sync::Arc;
 pub use config::CoordinatorConfig;
 use ragcluster_common::{server, telemetry};
 use ragcluster_proto::v1::admin_server::AdminServer;
+use ragcluster_proto::v1::catalog_peer_server::CatalogPeerServer;
 use ragcluster_proto::v1::coordinator_server::CoordinatorServer;
 
 /// Shared state behind every RPC.
@@ -33,11 +34,14 @@ pub struct State {
     /// Raft id of each shard node, by address (asked once with Shard.NodeInfo).
     pub node_ids: parking_lot::Mutex<std::collections::HashMap<String, u64>>,
     pub tokens: Arc<dyn chunking::Tokens>,
+    /// Serialises collection creates and drops on the catalog leader, so two creates of one
+    /// name cannot both open (and drop each other's) shards.
+    pub catalog_changes: tokio::sync::Mutex<()>,
 }
 
 impl State {
     pub fn open(cfg: CoordinatorConfig) -> anyhow::Result<Self> {
-        let catalog = catalog::Catalog::open(&cfg.data_dir)?;
+        let catalog = catalog::Catalog::open(&cfg, &tokio::runtime::Handle::current())?;
         let tokens: Arc<dyn chunking::Tokens> =
             Arc::new(chunking::HfTokens::load(&cfg.embedding_tokenizer)?);
         let clients = fanout::Clients::new(cfg.model_worker.clone());
@@ -48,6 +52,7 @@ impl State {
             routing: Default::default(),
             node_ids: Default::default(),
             tokens,
+            catalog_changes: Default::default(),
         })
     }
 }
@@ -66,8 +71,12 @@ pub async fn run(
         server::write_port_file(p, addr, metrics_addr)?;
     }
     tracing::info!(%addr, %metrics_addr, shard_nodes = cfg.shard_nodes.len(), "coordinator listening");
-    let (_reporter, health, reflection) =
-        server::health_and_reflection(&["ragcluster.v1.Coordinator", "ragcluster.v1.Admin"]).await;
+    let (_reporter, health, reflection) = server::health_and_reflection(&[
+        "ragcluster.v1.Coordinator",
+        "ragcluster.v1.Admin",
+        "ragcluster.v1.CatalogPeer",
+    ])
+    .await;
     let incoming = futures::stream::unfold(listener, |l| async move {
         let r = l.accept().await.map(|(s, _)| {
             let _ = s.set_nodelay(true);
@@ -84,8 +93,13 @@ pub async fn run(
                 .max_decoding_message_size(300 * 1024 * 1024)
                 .max_encoding_message_size(64 * 1024 * 1024),
         )
-        .add_service(AdminServer::new(service::AdminService(state)))
+        .add_service(AdminServer::new(service::AdminService(state.clone())))
+        .add_service(
+            CatalogPeerServer::new(catalog::CatalogPeerService(state.clone()))
+                .max_decoding_message_size(64 * 1024 * 1024),
+        )
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await?;
+    state.catalog.stop();
     Ok(())
 }

@@ -22,7 +22,8 @@ impl Coordinator for CoordinatorService {
         &self,
         req: Request<CreateCollectionRequest>,
     ) -> Result<Response<CreateCollectionResponse>, Status> {
-        let c = self.0.create_collection(req.into_inner()).await?;
+        let fwd = req.metadata().contains_key(crate::collections::FORWARDED);
+        let c = self.0.create_collection(req.into_inner(), fwd).await?;
         Ok(Response::new(CreateCollectionResponse {
             collection: Some(c),
         }))
@@ -32,7 +33,8 @@ impl Coordinator for CoordinatorService {
         &self,
         req: Request<DropCollectionRequest>,
     ) -> Result<Response<DropCollectionResponse>, Status> {
-        self.0.drop_collection(&req.into_inner().name).await?;
+        let fwd = req.metadata().contains_key(crate::collections::FORWARDED);
+        self.0.drop_collection(&req.into_inner().name, fwd).await?;
         Ok(Response::new(DropCollectionResponse {}))
     }
 
@@ -144,6 +146,7 @@ impl Admin for AdminService {
         Ok(Response::new(ClusterStatusResponse {
             nodes,
             collections: out,
+            catalog: Some(s.catalog.status()),
         }))
     }
 }

@@ -43,14 +43,24 @@ pub async fn run(
     );
     let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
     {
-        // Index sizes and RocksDB figures, refreshed for /metrics every 10 s.
+        // Every second: drop replicas that applied their own removal; every 10 s: index sizes
+        // and RocksDB figures for /metrics.
         let node = node.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(std::time::Duration::from_secs(10));
-            loop {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+            for round in 0u64.. {
                 tick.tick().await;
                 let n = node.clone();
-                if let Ok(Err(e)) = tokio::task::spawn_blocking(move || n.export_metrics()).await {
+                let done = tokio::task::spawn_blocking(move || {
+                    n.reap_removed();
+                    if round % 10 == 0 {
+                        n.export_metrics()
+                    } else {
+                        Ok(())
+                    }
+                })
+                .await;
+                if let Ok(Err(e)) = done {
                     tracing::warn!(error = %e, "metrics export failed");
                 }
             }

@@ -167,10 +167,21 @@ impl Node {
                 "hnsw.m must be in [2, 256]".into(),
             ));
         }
-        let mut voters: Vec<u64> = req.peers.iter().map(|p| p.node_id).collect();
-        if req.join && !voters.is_empty() {
+        // With `join`, peers are the group's current members: only their addresses are used
+        // (the leader adds this replica; its answers must reach the leader).
+        let mut voters: Vec<u64> = if req.join {
+            Vec::new()
+        } else {
+            req.peers.iter().map(|p| p.node_id).collect()
+        };
+        if req.join
+            && req
+                .peers
+                .iter()
+                .any(|p| p.node_id == 0 || p.address.is_empty())
+        {
             return Err(ShardError::InvalidArgument(
-                "join takes no peers: the leader adds the replica".into(),
+                "peers of a join need node_id and address".into(),
             ));
         }
         if !req.join {
@@ -242,6 +253,34 @@ impl Node {
         crate::raft::snapshot::remove_others(self.transport.snap_dir(), "gen", &key, None);
         crate::raft::snapshot::remove_others(self.transport.snap_dir(), "recv", &key, None);
         Ok(())
+    }
+
+    /// Drops the data of replicas that applied a membership change removing them. (A replica
+    /// removed while cut off never learns it; the operator drops it with DropShard.)
+    pub fn reap_removed(&self) {
+        for r in self.replicas() {
+            let st = r.status();
+            // Also after a restart: the applied membership no longer lists this node. (A
+            // joining replica has no membership at all until its snapshot arrives.)
+            let gone = st.role == "removed"
+                || (!st.voters.is_empty()
+                    && !st.voters.contains(&st.node_id)
+                    && !st.learners.contains(&st.node_id));
+            if !gone {
+                continue;
+            }
+            let key = r.shard.key.clone();
+            let sref = ShardRef {
+                collection: key.collection.clone(),
+                shard: key.shard,
+            };
+            match self.drop_shard(Some(&sref)) {
+                Ok(()) => tracing::info!(shard = %key, "removed replica dropped"),
+                Err(e) => {
+                    tracing::warn!(shard = %key, error = %e, "could not drop removed replica")
+                }
+            }
+        }
     }
 
     pub fn replicas(&self) -> Vec<Arc<Replica>> {

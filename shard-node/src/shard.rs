@@ -455,21 +455,27 @@ impl Shard {
         let records = self
             .store
             .install_snapshot(&self.key, input, meta.index, meta.term, &cs, hs)?;
+        let stored_ms = started.elapsed().as_millis() as u64;
         let mut points = Vec::new();
         self.store.for_each_chunk(&self.key, true, |c| {
             points.push(point(&c));
             Ok(())
         })?;
+        let t = std::time::Instant::now();
         self.hnsw.rebuild(points);
+        let hnsw_ms = t.elapsed().as_millis() as u64;
+        let t = std::time::Instant::now();
         self.bm25.clear()?;
         self.store.for_each_chunk(&self.key, false, |c| {
             self.bm25.stage_chunks(std::slice::from_ref(&c))
         })?;
         self.bm25.commit(meta.index)?;
+        let bm25_ms = t.elapsed().as_millis() as u64;
         self.documents
             .store(self.store.count_docs(&self.key)?, Ordering::Relaxed);
         self.applied.store(meta.index, Ordering::Release);
-        tracing::info!(shard = %self.key, index = meta.index, records, ms = started.elapsed().as_millis() as u64, "snapshot installed");
+        tracing::info!(shard = %self.key, index = meta.index, records, stored_ms, hnsw_ms, bm25_ms,
+            ms = started.elapsed().as_millis() as u64, "snapshot installed");
         Ok(records)
     }
 

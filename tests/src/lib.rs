@@ -236,7 +236,28 @@ pub struct Cluster {
     pub dir: tempfile::TempDir,
     pub model_worker: Proc,
     pub shards: Vec<Proc>,
+    /// The first coordinator (the only one unless `Options::coordinators` > 1).
     pub coordinator: Proc,
+    /// The other coordinators, replicas of the catalog.
+    pub more_coordinators: Vec<Proc>,
+}
+
+/// What `Cluster::start_opts` starts.
+pub struct Options<'a> {
+    pub shard_nodes: usize,
+    /// TOML read by every shard node (its `[shard_node]` section).
+    pub shard_config: Option<&'a str>,
+    /// Coordinators replicating the catalog (1 or 3).
+    pub coordinators: usize,
+    /// TOML read by every coordinator (its `[coordinator]` section).
+    pub coordinator_config: Option<&'a str>,
+}
+
+/// A free loopback port (bound and released; good enough on a test machine).
+pub fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 impl Cluster {
@@ -246,17 +267,36 @@ impl Cluster {
 
     /// As `start`, the shard nodes configured by `shard_config` (a TOML document).
     pub fn start_with(shard_nodes: usize, shard_config: Option<&str>) -> Result<Self> {
-        let dir = tempfile::Builder::new()
+        Self::start_opts(Options {
+            shard_nodes,
+            shard_config,
+            coordinators: 1,
+            coordinator_config: None,
+        })
+    }
+
+    /// Starts the processes in a fresh temporary directory, removed afterwards unless
+    /// `RAGCLUSTER_KEEP_TEST_DIRS` is set (logs and data for a post-mortem).
+    pub fn start_opts(o: Options) -> Result<Self> {
+        let mut dir = tempfile::Builder::new()
             .prefix("ragcluster-test-")
             .tempdir()?;
-        let config = match shard_config {
-            Some(toml) => {
-                let p = dir.path().join("shard-node.toml");
-                std::fs::write(&p, toml)?;
-                Some(p)
+        if std::env::var_os("RAGCLUSTER_KEEP_TEST_DIRS").is_some() {
+            dir.disable_cleanup(true);
+            eprintln!("keeping {}", dir.path().display());
+        }
+        let write = |name: &str, toml: Option<&str>| -> Result<Option<PathBuf>> {
+            match toml {
+                Some(toml) => {
+                    let p = dir.path().join(name);
+                    std::fs::write(&p, toml)?;
+                    Ok(Some(p))
+                }
+                None => Ok(None),
             }
-            None => None,
         };
+        let config = write("shard-node.toml", o.shard_config)?;
+        let coord_config = write("coordinator.toml", o.coordinator_config)?;
         let model = embed_model()?;
         let mw = Proc::start(
             "model-worker",
@@ -271,21 +311,39 @@ impl Cluster {
             Duration::from_secs(120),
         )?;
         let mut shards = Vec::new();
-        for i in 0..shard_nodes {
+        for i in 0..o.shard_nodes {
             shards.push(Proc::shard_node_with(
                 &format!("shard-{i}"),
                 dir.path(),
                 config.as_deref(),
             )?);
         }
-        let coordinator = Proc::start(
-            "coordinator",
-            "coordinator",
-            vec![
+        // Coordinators must know each other's addresses up front: fixed ports when replicated.
+        let ports: Vec<u16> = if o.coordinators > 1 {
+            (0..o.coordinators)
+                .map(|_| free_port())
+                .collect::<Result<_>>()?
+        } else {
+            vec![0]
+        };
+        let peers = ports
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!("{}=http://127.0.0.1:{p}", i + 1))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut coordinators = Vec::new();
+        for (i, port) in ports.iter().enumerate() {
+            let name = if i == 0 {
+                "coordinator".to_owned()
+            } else {
+                format!("coordinator-{}", i + 1)
+            };
+            let mut args = vec![
                 "--listen".into(),
-                "127.0.0.1:0".into(),
+                format!("127.0.0.1:{port}"),
                 "--data-dir".into(),
-                dir.path().join("coordinator/data").display().to_string(),
+                dir.path().join(&name).join("data").display().to_string(),
                 "--shard-nodes".into(),
                 shards
                     .iter()
@@ -296,26 +354,54 @@ impl Cluster {
                 mw.grpc.clone(),
                 "--embedding-tokenizer".into(),
                 model.join("tokenizer.json").display().to_string(),
-            ],
-            dir.path(),
-            Duration::from_secs(60),
-        )?;
+            ];
+            if o.coordinators > 1 {
+                args.extend([
+                    "--node-id".into(),
+                    (i + 1).to_string(),
+                    "--peers".into(),
+                    peers.clone(),
+                ]);
+            }
+            if let Some(c) = &coord_config {
+                args.extend(["--config".into(), c.display().to_string()]);
+            }
+            coordinators.push(Proc::start(
+                &name,
+                "coordinator",
+                args,
+                dir.path(),
+                Duration::from_secs(60),
+            )?);
+        }
+        let coordinator = coordinators.remove(0);
         Ok(Self {
             dir,
             model_worker: mw,
             shards,
             coordinator,
+            more_coordinators: coordinators,
         })
     }
 
-    pub async fn client(&self) -> Result<CoordinatorClient<Channel>> {
-        let ch = Channel::from_shared(self.coordinator.grpc.clone())?
-            .connect()
-            .await?;
-        Ok(CoordinatorClient::new(ch)
-            .max_decoding_message_size(64 << 20)
-            .max_encoding_message_size(300 << 20))
+    /// Every coordinator, the first one first.
+    pub fn coordinators_mut(&mut self) -> Vec<&mut Proc> {
+        std::iter::once(&mut self.coordinator)
+            .chain(self.more_coordinators.iter_mut())
+            .collect()
     }
+
+    pub async fn client(&self) -> Result<CoordinatorClient<Channel>> {
+        coordinator_client(&self.coordinator.grpc).await
+    }
+}
+
+/// A client of the coordinator at `addr` with the message limits our tests need.
+pub async fn coordinator_client(addr: &str) -> Result<CoordinatorClient<Channel>> {
+    let ch = Channel::from_shared(addr.to_owned())?.connect().await?;
+    Ok(CoordinatorClient::new(ch)
+        .max_decoding_message_size(64 << 20)
+        .max_encoding_message_size(300 << 20))
 }
 
 /// A BEIR document.
@@ -370,4 +456,33 @@ pub fn percentile(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     let idx = ((p / 100.0) * v.len() as f64).ceil() as usize;
     v[idx.saturating_sub(1).min(v.len() - 1)]
+}
+
+/// GET over plain HTTP/1.1 (the /metrics endpoints); the body must come with 200.
+pub async fn http_get(url: &str) -> Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rest = url.trim_start_matches("http://");
+    let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let mut s = tokio::net::TcpStream::connect(host).await?;
+    s.write_all(format!("GET /{path} HTTP/1.1\r\nhost: {host}\r\n\r\n").as_bytes())
+        .await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    anyhow::ensure!(
+        out.starts_with("HTTP/1.1 200"),
+        "GET {url}: {}",
+        out.lines().next().unwrap_or_default()
+    );
+    Ok(out)
+}
+
+/// A metric's value summed over its series, from a Prometheus text page.
+pub fn metric_sum(page: &str, name: &str) -> f64 {
+    page.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|r| r.starts_with(' ') || r.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Result, ensure};
 use ragcluster_proto::v1::*;
-use ragcluster_tests::{Cluster, workspace};
+use ragcluster_tests::{Cluster, http_get, workspace};
 use tokio::sync::Mutex;
 use tonic::Code;
 
@@ -275,23 +275,6 @@ async fn operability(cluster: &Cluster) -> Result<()> {
         "coordinator metrics: {body}"
     );
     Ok(())
-}
-
-async fn http_get(url: &str) -> Result<String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let rest = url.trim_start_matches("http://");
-    let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let mut s = tokio::net::TcpStream::connect(host).await?;
-    s.write_all(format!("GET /{path} HTTP/1.1\r\nhost: {host}\r\n\r\n").as_bytes())
-        .await?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await?;
-    ensure!(
-        out.starts_with("HTTP/1.1 200"),
-        "GET {url}: {}",
-        out.lines().next().unwrap_or_default()
-    );
-    Ok(out)
 }
 
 async fn bad_input(

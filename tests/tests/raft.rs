@@ -13,7 +13,7 @@ use anyhow::{Context, Result, bail, ensure};
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
-use ragcluster_tests::Cluster;
+use ragcluster_tests::{Cluster, http_get, metric_sum};
 use rand::{Rng, SeedableRng};
 use tokio::sync::Mutex;
 use tonic::transport::Channel;
@@ -266,8 +266,29 @@ async fn leader_kill_during_writes_loses_nothing() -> Result<()> {
         acked.insert(i);
     }
     let l = leader(&c, "lk", Duration::from_secs(5)).await?;
+    let survivors: Vec<String> = (0..c.shards.len())
+        .filter(|i| *i != l)
+        .map(|i| c.shards[i].grpc.clone())
+        .collect();
     let killed = Instant::now();
     c.shards[l].kill9();
+    // Meanwhile, when do the survivors have a leader (the election alone)?
+    let elected = tokio::spawn(async move {
+        loop {
+            for a in &survivors {
+                if let Ok(mut sc) = shard_client(a).await
+                    && let Ok(r) = sc.shard_info(ShardInfoRequest { shard: sref("lk") }).await
+                    && r.into_inner().raft.is_some_and(|s| s.role == "leader")
+                {
+                    return killed.elapsed();
+                }
+            }
+            if killed.elapsed() > Duration::from_secs(30) {
+                return Duration::MAX;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
     let mut first_ok = None;
     for i in 40..120 {
         attempted.insert(i);
@@ -279,9 +300,13 @@ async fn leader_kill_during_writes_loses_nothing() -> Result<()> {
     let window = first_ok.context("no write succeeded after the leader was killed")?;
     let new_leader = leader(&c, "lk", Duration::from_secs(5)).await?;
     ensure!(new_leader != l);
+    let elected = elected.await?;
     eprintln!(
-        "failover: first acknowledged write {} ms after kill -9 of the leader",
-        window.as_millis()
+        "failover: new leader elected {} ms and first acknowledged write {} ms after kill -9 \
+         of the leader (election timeout {} ms, randomised up to twice that)",
+        elected.as_millis(),
+        window.as_millis(),
+        ELECTION_TIMEOUT.as_millis()
     );
     c.shards[l].restart(Duration::from_secs(60))?;
     converged(&c, "lk", &acked, &attempted).await?;
@@ -290,7 +315,6 @@ async fn leader_kill_during_writes_loses_nothing() -> Result<()> {
         "only {} of 120 writes acknowledged",
         acked.len()
     );
-    let _ = ELECTION_TIMEOUT;
     Ok(())
 }
 
@@ -416,7 +440,7 @@ async fn lagging_replica_catches_up_by_snapshot_and_full_restart_keeps_all() -> 
         "replica rejoined by snapshot and converged in {:.1} s",
         t.elapsed().as_secs_f64()
     );
-    let m = reqwest_metrics(&c.shards[l].metrics).await?;
+    let m = http_get(&c.shards[l].metrics).await?;
     ensure!(
         m.contains("raft_snapshot_failures_total"),
         "the corrupted snapshot was not rejected"
@@ -436,22 +460,6 @@ async fn lagging_replica_catches_up_by_snapshot_and_full_restart_keeps_all() -> 
     leader(&c, "snap", Duration::from_secs(10)).await?;
     converged(&c, "snap", &acked, &attempted).await?;
     Ok(())
-}
-
-/// Reads a Prometheus endpoint with a bare HTTP/1.0 GET.
-async fn reqwest_metrics(url: &str) -> Result<String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let hostport = url
-        .trim_start_matches("http://")
-        .split('/')
-        .next()
-        .context("metrics url")?;
-    let mut s = tokio::net::TcpStream::connect(hostport).await?;
-    s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {hostport}\r\n\r\n").as_bytes())
-        .await?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await?;
-    Ok(out)
 }
 
 /// 5. Randomised schedules: per seed, a fresh collection takes writes while nodes are killed,
@@ -521,4 +529,265 @@ async fn randomised_fault_schedules() -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Membership end to end, as an operator moves a replica: a fourth node joins as a learner and
+/// catches up by snapshot (the log was compacted), is promoted, takes over leadership, and an
+/// old replica is removed and dropped; the new member holds every acknowledged write. A
+/// removal that would leave fewer reachable voters than a quorum is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn membership_add_promote_transfer_remove() -> Result<()> {
+    let config = SHARD_CONFIG.replace("raft_log_gc_threshold = 200", "raft_log_gc_threshold = 20");
+    let mut c = Cluster::start_with(4, Some(&config))?;
+    let mut cc = c.client().await?;
+    create(&mut cc, "mem").await?;
+    let placed = cc
+        .describe_collection(DescribeCollectionRequest { name: "mem".into() })
+        .await?
+        .into_inner()
+        .collection
+        .context("collection")?
+        .shards[0]
+        .nodes
+        .clone();
+    let newcomer = c
+        .shards
+        .iter()
+        .position(|p| !placed.contains(&p.grpc))
+        .context("a node without the shard")?;
+    let mut ids = Vec::new();
+    for p in &c.shards {
+        ids.push(
+            shard_client(&p.grpc)
+                .await?
+                .node_info(NodeInfoRequest {})
+                .await?
+                .into_inner()
+                .node_id,
+        );
+    }
+    let mut acked = BTreeSet::new();
+    for i in 0..60 {
+        ensure!(write(&mut cc, "mem", &[i]).await, "write {i}");
+        acked.insert(i);
+    }
+    let l = leader(&c, "mem", Duration::from_secs(5)).await?;
+    let mut lc = shard_client(&c.shards[l].grpc).await?;
+    let mut nc = shard_client(&c.shards[newcomer].grpc).await?;
+    let addrs: Vec<String> = c.shards.iter().map(|p| p.grpc.clone()).collect();
+    let peer = |n: usize| {
+        Some(Peer {
+            node_id: ids[n],
+            address: addrs[n].clone(),
+        })
+    };
+    let change = |kind: ReplicaChange, n: usize| ChangeReplicasRequest {
+        shard: sref("mem"),
+        change: kind as i32,
+        peer: peer(n),
+    };
+
+    // Promotion before the node is a caught-up learner is refused.
+    let e = lc
+        .change_replicas(change(ReplicaChange::Promote, newcomer))
+        .await
+        .unwrap_err();
+    ensure!(
+        e.code() == tonic::Code::FailedPrecondition,
+        "early promote: {e}"
+    );
+
+    // 1. Join as a learner: an empty replica, then the leader adds it and sends a snapshot.
+    let members: Vec<Peer> = (0..c.shards.len())
+        .filter(|i| placed.contains(&addrs[*i]))
+        .filter_map(peer)
+        .collect();
+    nc.open_shard(OpenShardRequest {
+        shard: sref("mem"),
+        dimension: DIM as u32,
+        hnsw: Some(HnswParams {
+            m: 16,
+            ef_construction: 200,
+            ef_search: 64,
+        }),
+        peers: members,
+        join: true,
+    })
+    .await?;
+    let t = Instant::now();
+    let r = lc
+        .change_replicas(change(ReplicaChange::AddLearner, newcomer))
+        .await?
+        .into_inner();
+    ensure!(r.learners.contains(&ids[newcomer]), "learner not in {r:?}");
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let st = statuses(&c, "mem").await;
+        let commit = st[l].as_ref().map_or(0, |s| s.commit_index);
+        if let Some(s) = &st[newcomer]
+            && s.role == "learner"
+            && s.applied_index >= commit
+            && commit > 0
+        {
+            break;
+        }
+        ensure!(
+            Instant::now() < until,
+            "learner did not catch up: {st:?}\nleader log:\n{}\nlearner log:\n{}",
+            c.shards[l].log_tail(),
+            c.shards[newcomer].log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("learner caught up in {} ms", t.elapsed().as_millis());
+    let m = http_get(&c.shards[newcomer].metrics).await?;
+    ensure!(
+        metric_sum(&m, "raft_snapshots_received_total") >= 1.0,
+        "the learner did not get a snapshot"
+    );
+
+    // 2. Promote, 3. move leadership to it.
+    let r = lc
+        .change_replicas(change(ReplicaChange::Promote, newcomer))
+        .await?
+        .into_inner();
+    ensure!(
+        r.voters.len() == 4 && r.voters.contains(&ids[newcomer]),
+        "after promote: {r:?}"
+    );
+    lc.transfer_leader(TransferLeaderRequest {
+        shard: sref("mem"),
+        to_node_id: ids[newcomer],
+    })
+    .await?;
+    let nl = leader(&c, "mem", Duration::from_secs(10)).await?;
+    let until = Instant::now() + Duration::from_secs(10);
+    let mut nl = nl;
+    while nl != newcomer {
+        ensure!(
+            Instant::now() < until,
+            "leadership did not move to the newcomer"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        nl = leader(&c, "mem", Duration::from_secs(10)).await?;
+    }
+
+    // 4. Remove an old replica (the leader cannot remove itself: it is the newcomer now).
+    let gone = (0..c.shards.len())
+        .find(|i| *i != newcomer && placed.contains(&c.shards[*i].grpc))
+        .unwrap();
+    let e = nc
+        .change_replicas(change(ReplicaChange::Remove, newcomer))
+        .await
+        .unwrap_err();
+    ensure!(
+        e.code() == tonic::Code::FailedPrecondition,
+        "leader removing itself: {e}"
+    );
+    let r = nc
+        .change_replicas(change(ReplicaChange::Remove, gone))
+        .await?
+        .into_inner();
+    ensure!(
+        r.voters.len() == 3 && !r.voters.contains(&ids[gone]),
+        "after remove: {r:?}"
+    );
+    // The removed replica drops its data once it applied its removal; one that missed it is
+    // dropped by the operator (ragctl does this after a move).
+    let until = Instant::now() + Duration::from_secs(5);
+    let mut gc = shard_client(&c.shards[gone].grpc).await?;
+    let reaped = loop {
+        match gc.shard_info(ShardInfoRequest { shard: sref("mem") }).await {
+            Err(s) if s.code() == tonic::Code::NotFound => break true,
+            _ if Instant::now() > until => break false,
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    };
+    if !reaped {
+        gc.drop_shard(DropShardRequest { shard: sref("mem") })
+            .await?;
+    }
+    eprintln!(
+        "removed replica dropped {}",
+        if reaped { "by itself" } else { "by DropShard" }
+    );
+
+    // The new member holds every acknowledged write, in RocksDB, tantivy and HNSW alike.
+    for i in 60..80 {
+        ensure!(
+            write_direct(&mut nc, i).await?,
+            "write {i} through the new leader"
+        );
+        acked.insert(i);
+    }
+    let members: Vec<usize> = (0..c.shards.len()).filter(|i| *i != gone).collect();
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let st = statuses(&c, "mem").await;
+        let applied: Vec<u64> = members
+            .iter()
+            .map(|m| st[*m].as_ref().map_or(0, |s| s.applied_index))
+            .collect();
+        let commit = st[newcomer].as_ref().map_or(0, |s| s.commit_index);
+        if applied.iter().all(|a| *a == commit) {
+            break;
+        }
+        ensure!(Instant::now() < until, "members did not converge: {st:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut first: Option<BTreeSet<String>> = None;
+    for &m in &members {
+        let (ids_m, _) = contents(&c.shards[m].grpc, "mem").await?;
+        for a in &acked {
+            ensure!(
+                ids_m.contains(&format!("d{a}#0")),
+                "{}: d{a} missing",
+                c.shards[m].name
+            );
+        }
+        match &first {
+            None => first = Some(ids_m),
+            Some(f) => ensure!(*f == ids_m, "{} differs", c.shards[m].name),
+        }
+    }
+
+    // 5. Below quorum: with one voter down, removing another live voter would leave one of
+    //    two reachable. Refused.
+    let (down, other) = {
+        let olds: Vec<usize> = members.iter().copied().filter(|i| *i != newcomer).collect();
+        (olds[0], olds[1])
+    };
+    c.shards[down].kill9();
+    tokio::time::sleep(ELECTION_TIMEOUT * 3).await;
+    let e = nc
+        .change_replicas(change(ReplicaChange::Remove, other))
+        .await
+        .unwrap_err();
+    ensure!(
+        e.code() == tonic::Code::FailedPrecondition,
+        "remove below quorum: {e}"
+    );
+    Ok(())
+}
+
+/// One document written straight to a shard leader (no coordinator): Ok(true) = acknowledged.
+async fn write_direct(sc: &mut ShardClient<Channel>, id: u64) -> Result<bool> {
+    let d = doc(id);
+    let mut req = tonic::Request::new(WriteBatchRequest {
+        shard: sref("mem"),
+        writes: vec![DocumentWrite {
+            doc_id: d.id.clone(),
+            chunks: vec![Chunk {
+                chunk_id: format!("{}#0", d.id),
+                doc_id: d.id,
+                text: d.text,
+                embedding: d.embedding,
+                ..Default::default()
+            }],
+            delete: false,
+        }],
+        request_id: format!("direct-{id}"),
+    });
+    req.set_timeout(Duration::from_secs(10));
+    Ok(sc.write_batch(req).await.is_ok())
 }

@@ -38,6 +38,14 @@ struct Flags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     embedding_tokenizer: Option<PathBuf>,
+    /// Raft id of this coordinator in the catalog group (coordinator.node_id).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    node_id: Option<u64>,
+    /// All coordinators as ID=URL, comma separated (coordinator.peers).
+    #[arg(long, value_delimiter = ',')]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    peers: Option<Vec<String>>,
     /// Write the bound addresses here as JSON (coordinator.port_file).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]

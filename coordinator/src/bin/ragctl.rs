@@ -712,9 +712,10 @@ async fn status(cli: &Cli, json: bool) -> Result<()> {
                 serde_json::json!({"name": c.collection.as_ref().map(|x| x.name.clone()), "shards": shards})
             })
             .collect();
+        let catalog = st.catalog.as_ref().map(|c| serde_json::json!({"node_id": c.node_id, "role": c.role, "leader_id": c.leader_id, "leader": c.leader_address, "term": c.term, "commit_index": c.commit_index, "applied_index": c.applied_index}));
         println!(
             "{}",
-            serde_json::json!({"nodes": nodes, "collections": cols})
+            serde_json::json!({"nodes": nodes, "collections": cols, "catalog": catalog})
         );
         return Ok(());
     }
@@ -730,6 +731,21 @@ async fn status(cli: &Cli, json: bool) -> Result<()> {
         ]);
     }
     println!("{t}");
+    if let Some(c) = &st.catalog {
+        println!(
+            "catalog: coordinator {} is {} (leader {} {}), term {}, commit {}, applied {}",
+            c.node_id,
+            c.role,
+            c.leader_id,
+            c.leader_address,
+            c.term,
+            c.commit_index,
+            c.applied_index
+        );
+        for p in c.peers.iter().filter(|p| p.node_id != c.node_id) {
+            println!("  peer {} {} matched {}", p.node_id, p.address, p.matched);
+        }
+    }
     for c in &st.collections {
         println!(
             "collection {}",

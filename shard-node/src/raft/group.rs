@@ -549,6 +549,9 @@ impl Group {
                     }
                     self.shard.apply_noop(e.index, Some(&cs))?;
                     self.raw.mut_store().cs = cs.clone();
+                    // Visible to RPCs (e.g. a TransferLeader to a just-promoted voter) before
+                    // the proposer hears back.
+                    self.publish();
                     tracing::info!(shard = %self.key, change = ?cc.get_change_type(), node = cc.node_id,
                         voters = ?cs.voters, learners = ?cs.learners, "membership changed");
                     if cc.get_change_type() == ConfChangeType::RemoveNode

@@ -234,6 +234,7 @@ impl Transport {
                     let secs = started.elapsed().as_secs_f64().max(1e-6);
                     metrics::counter!("raft_snapshots_sent_total").increment(1);
                     metrics::counter!("raft_snapshot_sent_bytes_total").increment(bytes);
+                    metrics::histogram!("raft_snapshot_send_seconds").record(secs);
                     tracing::info!(shard = %key, to, bytes, ms = (secs * 1e3) as u64,
                         mb_per_s = bytes as f64 / secs / 1e6, "snapshot sent");
                 }
