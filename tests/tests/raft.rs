@@ -301,9 +301,12 @@ async fn leader_kill_during_writes_loses_nothing() -> Result<()> {
     let new_leader = leader(&c, "lk", Duration::from_secs(5)).await?;
     ensure!(new_leader != l);
     let elected = elected.await?;
+    let term = statuses(&c, "lk").await[new_leader]
+        .as_ref()
+        .map_or(0, |s| s.term);
     eprintln!(
         "failover: new leader elected {} ms and first acknowledged write {} ms after kill -9 \
-         of the leader (election timeout {} ms, randomised up to twice that)",
+         of the leader (election timeout {} ms, randomised up to twice that; term now {term})",
         elected.as_millis(),
         window.as_millis(),
         ELECTION_TIMEOUT.as_millis()
