@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: setup build demo test test-faults test-unit test-cluster lint fmt bench bench-raft bench-quick up down
+.PHONY: setup build demo test test-faults test-unit test-cluster lint fmt bench bench-raft bench-gen bench-quick up down
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -44,6 +44,9 @@ bench: build      ## full SciFact quality + latency + 100k scale + restart (~30 
 
 bench-raft: build ## write throughput + commit latency (rf 1 vs 3), snapshot transfer rate
 	$(BIN)/raftbench --docs 5000
+
+bench-gen: build  ## generation tokens/s, 1 vs 8 streams, f16 / f32 / quantized weights
+	$(BIN)/genbench
 
 bench-quick: build
 	$(BIN)/ragbench --docs 500 --scale-chunks 5000

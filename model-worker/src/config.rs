@@ -15,6 +15,14 @@ pub struct ModelWorkerConfig {
     pub max_queue: usize,
     /// Texts per forward pass.
     pub max_batch: usize,
+    /// Generations decoding at once (each on its own thread with its own KV cache); more wait.
+    pub max_concurrent_generations: usize,
+    /// Generations waiting for a slot before Generate answers RESOURCE_EXHAUSTED.
+    pub max_queued_generations: usize,
+    /// How quantized GGUF weights are held: "f16" (dequantized at load, 2 bytes per weight:
+    /// fastest decoding here), "f32" (4 bytes) or "none" (kept quantized: least memory, prompt
+    /// processing ~7x slower). `genbench` compares them.
+    pub dequantize: String,
     pub port_file: Option<PathBuf>,
 }
 
@@ -22,9 +30,10 @@ pub struct ModelWorkerConfig {
 #[serde(deny_unknown_fields)]
 pub struct ModelSpec {
     pub name: String,
-    /// "embed" (rerank and generate arrive with the model-worker issue).
+    /// "embed" (BERT sentence embeddings) or "generate" (llama-architecture GGUF).
     pub kind: String,
-    /// HF-format directory (config.json, tokenizer.json, model.safetensors).
+    /// embed: HF-format directory (config.json, tokenizer.json, model.safetensors);
+    /// generate: a .gguf file (tokenizer and chat template come from its metadata).
     pub path: PathBuf,
     /// "cpu" or "auto" (auto = CPU until the CUDA backend lands).
     #[serde(default = "default_device")]
@@ -52,6 +61,9 @@ impl Default for ModelWorkerConfig {
             }],
             max_queue: 1024,
             max_batch: 32,
+            max_concurrent_generations: 4,
+            max_queued_generations: 64,
+            dequantize: "f16".into(),
             port_file: None,
         }
     }
@@ -63,9 +75,9 @@ impl ModelWorkerConfig {
             return Err("model_worker.models is empty".into());
         }
         for (i, m) in self.models.iter().enumerate() {
-            if m.kind != "embed" {
+            if m.kind != "embed" && m.kind != "generate" {
                 return Err(format!(
-                    "model_worker.models[{i}].kind {:?}: only \"embed\" is served in this version",
+                    "model_worker.models[{i}].kind {:?}: must be \"embed\" or \"generate\"",
                     m.kind
                 ));
             }
@@ -74,6 +86,12 @@ impl ModelWorkerConfig {
                     "model_worker.models[{i}].device must be \"cpu\" or \"auto\""
                 ));
             }
+        }
+        if !["f32", "f16", "none"].contains(&self.dequantize.as_str()) {
+            return Err("model_worker.dequantize must be \"f32\", \"f16\" or \"none\"".into());
+        }
+        if self.max_concurrent_generations == 0 {
+            return Err("model_worker.max_concurrent_generations must be positive".into());
         }
         if self.max_batch == 0 || self.max_queue == 0 {
             return Err("model_worker.max_batch and max_queue must be positive".into());

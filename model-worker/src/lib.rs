@@ -1,8 +1,10 @@
 //! A ragcluster model worker: loads the models named in config and serves them over gRPC.
 //! Embedding runs on a backend thread (`backend::cpu`, candle) fed by a bounded queue
-//! (`batcher`) that merges concurrent requests into length-sorted batches. Reranking and
-//! generation are declared in the contract and answer UNIMPLEMENTED until the model-worker
-//! issue lands. This crate must not depend on the coordinator or shard nodes.
+//! (`batcher`) that merges concurrent requests into length-sorted batches. Generation
+//! (`backend::llama`, a llama GGUF on candle's quantized llama) streams tokens with
+//! log-probabilities from a bounded set of decoding slots. Reranking is declared in the
+//! contract and answers UNIMPLEMENTED until it lands. This crate must not depend on the
+//! coordinator or shard nodes.
 
 pub mod backend;
 pub mod batcher;

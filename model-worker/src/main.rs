@@ -11,7 +11,7 @@ use serde::Serialize;
 #[derive(Parser, Serialize)]
 #[command(
     name = "model-worker",
-    about = "ragcluster model worker: embeddings on CPU"
+    about = "ragcluster model worker: embeddings and text generation"
 )]
 struct Flags {
     /// Cluster config file (TOML); the [model_worker] and [telemetry] sections are read.
@@ -31,31 +31,75 @@ struct Flags {
     #[arg(long)]
     #[serde(skip)]
     embed_model: Option<PathBuf>,
+    /// Path of a llama-architecture GGUF model to serve for Generate (added to
+    /// model_worker.models as kind "generate", named after the file).
+    #[arg(long)]
+    #[serde(skip)]
+    generate_model: Option<PathBuf>,
     #[command(flatten)]
     #[serde(skip)]
     telemetry: TelemetryFlags,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let flags = Flags::parse();
     let file = flags.config.as_deref();
     let tel = TelemetryConfig::load(file, &flags.telemetry)?;
-    telemetry::init_logging(&tel);
     let mut cfg: ModelWorkerConfig = load_section(file, "model_worker", &flags)?;
     if let Some(path) = &flags.embed_model {
         let name = path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "embed".into());
-        cfg.models = vec![model_worker::config::ModelSpec {
+        cfg.models.retain(|m| m.kind != "embed");
+        cfg.models.insert(
+            0,
+            model_worker::config::ModelSpec {
+                name,
+                kind: "embed".into(),
+                path: path.clone(),
+                device: "auto".into(),
+                max_sequence_length: 0,
+            },
+        );
+    }
+    if let Some(path) = &flags.generate_model {
+        let name = path
+            .file_stem()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "generate".into());
+        cfg.models.retain(|m| m.kind != "generate");
+        cfg.models.push(model_worker::config::ModelSpec {
             name,
-            kind: "embed".into(),
+            kind: "generate".into(),
             path: path.clone(),
             device: "auto".into(),
             max_sequence_length: 0,
-        }];
+        });
     }
     cfg.validate().map_err(anyhow::Error::msg)?;
-    model_worker::run(cfg, &tel.metrics_listen, server::shutdown_signal()).await
+    // candle decides at load time, from these variables, whether quantized weights are
+    // dequantized; set them before any thread exists.
+    let var = match cfg.dequantize.as_str() {
+        "f32" => Some("CANDLE_DEQUANTIZE_ALL"),
+        "f16" => Some("CANDLE_DEQUANTIZE_ALL_F16"),
+        _ => None,
+    };
+    if let Some(v) = var {
+        // SAFETY: single-threaded here: no runtime, logger or other thread has started, so
+        // nothing reads the environment concurrently.
+        #[allow(unsafe_code)]
+        unsafe {
+            std::env::set_var(v, "1")
+        };
+    }
+    telemetry::init_logging(&tel);
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(model_worker::run(
+            cfg,
+            &tel.metrics_listen,
+            server::shutdown_signal(),
+        ))
 }

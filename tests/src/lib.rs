@@ -51,6 +51,17 @@ pub fn embed_model() -> Result<PathBuf> {
 }
 
 /// BEIR datasets shipped beside the checkout (`../shared/datasets`).
+/// The SmolLM2-135M-Instruct GGUF fetched by scripts/fetch-models.sh.
+pub fn generate_model() -> Result<PathBuf> {
+    let p = models_dir().join("smollm2-135m-instruct.Q4_1.gguf");
+    anyhow::ensure!(
+        p.exists(),
+        "{} missing: run scripts/fetch-models.sh",
+        p.display()
+    );
+    Ok(p)
+}
+
 pub fn datasets_dir() -> PathBuf {
     std::env::var_os("RAGCLUSTER_DATASETS")
         .map(PathBuf::from)
@@ -115,6 +126,31 @@ impl Proc {
             args.push(c.display().to_string());
         }
         Self::start(name, "shard-node", args, dir, Duration::from_secs(120))
+    }
+
+    /// A model worker serving MiniLM embeddings and, with `generate`, SmolLM2 generation,
+    /// reading the `[model_worker]` settings of `config` when given.
+    pub fn model_worker(dir: &Path, generate: bool, config: Option<&Path>) -> Result<Self> {
+        let mut args = vec![
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--embed-model".into(),
+            embed_model()?.display().to_string(),
+        ];
+        if generate {
+            let gguf = generate_model()?;
+            args.extend(["--generate-model".into(), gguf.display().to_string()]);
+        }
+        if let Some(c) = config {
+            args.extend(["--config".into(), c.display().to_string()]);
+        }
+        Self::start(
+            "model-worker",
+            "model-worker",
+            args,
+            dir,
+            Duration::from_secs(300),
+        )
     }
 
     fn port_file(&self) -> PathBuf {
@@ -298,18 +334,7 @@ impl Cluster {
         let config = write("shard-node.toml", o.shard_config)?;
         let coord_config = write("coordinator.toml", o.coordinator_config)?;
         let model = embed_model()?;
-        let mw = Proc::start(
-            "model-worker",
-            "model-worker",
-            vec![
-                "--listen".into(),
-                "127.0.0.1:0".into(),
-                "--embed-model".into(),
-                model.display().to_string(),
-            ],
-            dir.path(),
-            Duration::from_secs(120),
-        )?;
+        let mw = Proc::model_worker(dir.path(), false, None)?;
         let mut shards = Vec::new();
         for i in 0..o.shard_nodes {
             shards.push(Proc::shard_node_with(

@@ -311,18 +311,20 @@ async fn local_up(dir: &Path, n: usize, models: &Path) -> Result<()> {
         let _ = std::fs::remove_file(pf(&name));
     }
     let mw_log = dir.join("model-worker/log");
-    pids.push(spawn(
-        &bin_dir.join("model-worker"),
-        &[
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--embed-model".into(),
-            model_dir.display().to_string(),
-            "--port-file".into(),
-            pf("model-worker").display().to_string(),
-        ],
-        &mw_log,
-    )?);
+    let mut mw_args = vec![
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--embed-model".into(),
+        model_dir.display().to_string(),
+        "--port-file".into(),
+        pf("model-worker").display().to_string(),
+    ];
+    // The generator too, when it was fetched.
+    let gguf = models.join("smollm2-135m-instruct.Q4_1.gguf");
+    if gguf.exists() {
+        mw_args.extend(["--generate-model".into(), gguf.display().to_string()]);
+    }
+    pids.push(spawn(&bin_dir.join("model-worker"), &mw_args, &mw_log)?);
     for i in 0..n {
         let name = format!("shard-{i}");
         pids.push(spawn(

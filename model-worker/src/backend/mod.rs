@@ -1,6 +1,7 @@
 //! Inference backends behind one synchronous trait, run on their own threads.
 
 pub mod cpu;
+pub mod llama;
 
 /// A sentence embedding model.
 pub trait Embedder: Send {

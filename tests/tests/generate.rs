@@ -1,0 +1,186 @@
+//! Generation through a real model-worker process serving SmolLM2-135M-Instruct (GGUF):
+//! streamed tokens with log-probabilities, greedy and seeded sampling, stop strings,
+//! max_tokens, concurrent streams, a client that goes away, and every bad-input status.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result, ensure};
+use futures::StreamExt;
+use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
+use ragcluster_proto::v1::*;
+use ragcluster_tests::Proc;
+use tonic::transport::Channel;
+
+struct Out {
+    text: String,
+    messages: Vec<GenerateResponse>,
+}
+
+async fn generate(c: &mut ModelWorkerClient<Channel>, r: GenerateRequest) -> Result<Out> {
+    let mut s = c.generate(r).await?.into_inner();
+    let mut messages = Vec::new();
+    while let Some(m) = s.next().await {
+        messages.push(m?);
+    }
+    let text = messages.iter().map(|m| m.text.as_str()).collect();
+    Ok(Out { text, messages })
+}
+
+fn req(prompt: &str, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        prompt: prompt.into(),
+        max_tokens,
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smollm2_generation() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let worker = Proc::model_worker(dir.path(), true, None)?;
+    let mut c = ModelWorkerClient::new(Channel::from_shared(worker.grpc.clone())?.connect().await?);
+    let models = c
+        .list_models(ListModelsRequest {})
+        .await?
+        .into_inner()
+        .models;
+    ensure!(
+        models
+            .iter()
+            .any(|m| m.kind == "generate" && m.max_sequence_length == 4096),
+        "{models:?}"
+    );
+
+    // Greedy: deterministic, knows the answer, one message per token, logprobs <= 0.
+    let t = Instant::now();
+    let a = generate(&mut c, req("What is the capital of France?", 24)).await?;
+    let secs = t.elapsed().as_secs_f64();
+    let last = a.messages.last().context("no message")?;
+    ensure!(last.finished && a.messages.iter().filter(|m| m.finished).count() == 1);
+    ensure!(a.text.contains("Paris"), "greedy answer: {:?}", a.text);
+    ensure!(
+        last.completion_tokens as usize == a.messages.len(),
+        "one message per token"
+    );
+    ensure!(last.prompt_tokens > 5);
+    ensure!(
+        a.messages
+            .iter()
+            .all(|m| m.logprob <= 0.0 && m.logprob.is_finite())
+    );
+    eprintln!(
+        "greedy: {} tokens in {secs:.2} s ({:.1} tokens/s incl. prompt), finish {}: {:?}",
+        last.completion_tokens,
+        f64::from(last.completion_tokens) / secs,
+        last.finish_reason,
+        a.text
+    );
+    let b = generate(&mut c, req("What is the capital of France?", 24)).await?;
+    ensure!(a.text == b.text, "greedy is not deterministic");
+
+    // Sampling: the same seed gives the same text.
+    let sampled = |seed| GenerateRequest {
+        prompt: "Write one sentence about the sea.".into(),
+        max_tokens: 20,
+        temperature: 0.9,
+        top_p: 0.95,
+        seed,
+        ..Default::default()
+    };
+    let s1 = generate(&mut c, sampled(7)).await?;
+    let s2 = generate(&mut c, sampled(7)).await?;
+    ensure!(s1.text == s2.text, "same seed, different text");
+
+    // max_tokens and stop strings.
+    let l = generate(&mut c, req("Count from one to fifty in words.", 5)).await?;
+    let ll = l.messages.last().unwrap();
+    ensure!(
+        ll.finish_reason == "length" && ll.completion_tokens == 5,
+        "{ll:?}"
+    );
+    let full = generate(&mut c, req("What is the capital of France?", 24))
+        .await?
+        .text;
+    let cut = full.find("Paris").context("Paris")?;
+    let st = generate(
+        &mut c,
+        GenerateRequest {
+            stop: vec!["Paris".into()],
+            ..req("What is the capital of France?", 24)
+        },
+    )
+    .await?;
+    ensure!(
+        st.text == full[..cut],
+        "stop: {:?} vs {:?}",
+        st.text,
+        &full[..cut]
+    );
+    ensure!(st.messages.last().unwrap().finish_reason == "stop");
+
+    // Several streams at once all complete; a client that leaves early is dropped.
+    let mut early = c
+        .generate(req("Tell me a long story about a dragon.", 500))
+        .await?
+        .into_inner();
+    let _ = early.next().await;
+    drop(early);
+    let jobs = (0..4).map(|i| {
+        let mut c = c.clone();
+        async move { generate(&mut c, req(&format!("Name a colour. ({i})"), 8)).await }
+    });
+    for r in futures::future::join_all(jobs).await {
+        ensure!(r?.messages.last().is_some_and(|m| m.finished));
+    }
+
+    // Bad input.
+    let bad = [
+        GenerateRequest {
+            prompt: String::new(),
+            ..req("", 8)
+        },
+        req("hi", 5000),
+        GenerateRequest {
+            temperature: -1.0,
+            ..req("hi", 8)
+        },
+        GenerateRequest {
+            temperature: f32::NAN,
+            ..req("hi", 8)
+        },
+        GenerateRequest {
+            top_p: 1.5,
+            ..req("hi", 8)
+        },
+        GenerateRequest {
+            stop: vec![String::new()],
+            ..req("hi", 8)
+        },
+        GenerateRequest {
+            stop: vec!["x".into(); 9],
+            ..req("hi", 8)
+        },
+        GenerateRequest {
+            prompt: "word ".repeat(5000),
+            ..req("", 8)
+        },
+    ];
+    for (i, r) in bad.into_iter().enumerate() {
+        let e = c
+            .generate(r)
+            .await
+            .err()
+            .with_context(|| format!("bad case {i} accepted"))?;
+        ensure!(e.code() == tonic::Code::InvalidArgument, "case {i}: {e}");
+    }
+    let e = c
+        .generate(GenerateRequest {
+            model: "nope".into(),
+            ..req("hi", 8)
+        })
+        .await
+        .err()
+        .context("unknown model accepted")?;
+    ensure!(e.code() == tonic::Code::NotFound, "{e}");
+    Ok(())
+}
