@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: setup build demo test test-faults test-unit test-cluster lint fmt bench bench-raft bench-gen bench-quick up down
+.PHONY: setup build demo test test-faults test-unit test-cluster lint fmt bench bench-raft bench-gen bench-embed bench-quick up down
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -47,6 +47,9 @@ bench-raft: build ## write throughput + commit latency (rf 1 vs 3), snapshot tra
 
 bench-gen: build  ## generation tokens/s, 1 vs 8 streams, f16 / f32 / quantized weights
 	$(BIN)/genbench
+
+bench-embed: build ## MiniLM sentences/s vs sentence-transformers at batch 1/8/32/128; 64 clients, batching on vs off
+	$(BIN)/embedbench --python "$${RAGCLUSTER_PYTHON:-python3}"
 
 bench-quick: build
 	$(BIN)/ragbench --docs 500 --scale-chunks 5000

@@ -46,11 +46,24 @@ pub async fn bind(listen: &str) -> std::io::Result<(TcpListener, SocketAddr)> {
 /// Writes `{"grpc": "...", "metrics": "..."}` atomically, so launchers and tests learn the
 /// ports of a process started with port 0 without sleeping or parsing logs.
 pub fn write_port_file(path: &Path, grpc: SocketAddr, metrics: SocketAddr) -> std::io::Result<()> {
+    write_port_file_with(path, grpc, metrics, None)
+}
+
+/// `write_port_file` plus an `"http"` address for processes that also serve plain HTTP.
+pub fn write_port_file_with(
+    path: &Path,
+    grpc: SocketAddr,
+    metrics: SocketAddr,
+    http: Option<SocketAddr>,
+) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp");
+    let http = http
+        .map(|h| format!(",\"http\":\"{h}\""))
+        .unwrap_or_default();
     std::fs::write(
         &tmp,
         format!(
-            "{{\"grpc\":\"{grpc}\",\"metrics\":\"{metrics}\",\"pid\":{}}}\n",
+            "{{\"grpc\":\"{grpc}\",\"metrics\":\"{metrics}\"{http},\"pid\":{}}}\n",
             std::process::id()
         ),
     )?;

@@ -13,8 +13,18 @@ pub struct ModelWorkerConfig {
     pub models: Vec<ModelSpec>,
     /// Requests waiting per model before Embed answers RESOURCE_EXHAUSTED.
     pub max_queue: usize,
-    /// Texts per forward pass.
+    /// Sequences per forward pass (default for every encoder model).
     pub max_batch: usize,
+    /// Padded tokens (sequences x longest) per forward pass (default for every encoder model).
+    pub max_batch_tokens: usize,
+    /// How long a request may wait for others to share its forward pass.
+    #[serde(with = "humantime_serde")]
+    pub batch_wait: std::time::Duration,
+    /// Merge concurrent requests into shared batches (off: each request runs alone).
+    pub batching: bool,
+    /// Optional OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`,
+    /// `/v1/embeddings`, `/v1/models`) on this address; empty = off.
+    pub http_listen: String,
     /// Generations decoding at once (each on its own thread with its own KV cache); more wait.
     pub max_concurrent_generations: usize,
     /// Generations waiting for a slot before Generate answers RESOURCE_EXHAUSTED.
@@ -30,18 +40,62 @@ pub struct ModelWorkerConfig {
 #[serde(deny_unknown_fields)]
 pub struct ModelSpec {
     pub name: String,
-    /// "embed" (BERT sentence embeddings) or "generate" (llama-architecture GGUF).
+    /// "embed" (BERT sentence embeddings), "rerank" or "generate" (llama-architecture GGUF,
+    /// or a remote OpenAI-compatible server with `endpoint`).
     pub kind: String,
     /// embed: HF-format directory (config.json, tokenizer.json, model.safetensors);
+    /// rerank: such a directory (a BertForSequenceClassification cross-encoder, or any BERT
+    /// encoder for MaxSim) or a .gguf generator (LLM yes/no relevance);
     /// generate: a .gguf file (tokenizer and chat template come from its metadata).
+    #[serde(default)]
     pub path: PathBuf,
-    /// "cpu" or "auto" (auto = CPU until the CUDA backend lands).
+    /// "cpu", "cuda" or "auto" (CUDA when the machine has a usable GPU, else CPU, logged).
     #[serde(default = "default_device")]
     pub device: String,
-    /// Tokens per text; longer texts are truncated. 0 = the model's own limit
+    /// Tokens per text; longer texts are truncated (and flagged). 0 = the model's own limit
     /// (sentence_bert_config.json max_seq_length, else max_position_embeddings).
     #[serde(default)]
     pub max_sequence_length: usize,
+    /// Per-model batching limits; 0 = the worker's `max_batch` / `max_batch_tokens`.
+    #[serde(default)]
+    pub max_batch: usize,
+    #[serde(default)]
+    pub max_batch_tokens: usize,
+    /// rerank only: "cross-encoder", "maxsim", "upr" or "llm"; empty = from the path (a .gguf
+    /// is "upr", a directory whose config.json names a *ForSequenceClassification architecture
+    /// is "cross-encoder", any other BERT directory "maxsim").
+    #[serde(default)]
+    pub method: String,
+    /// generate only: base URL of an OpenAI-compatible server (vLLM, llama.cpp server, another
+    /// ragcluster model worker's `http_listen`), e.g. "http://10.0.0.5:8000/v1". Generate is
+    /// then forwarded there (streamed, with log-probabilities) instead of run locally.
+    #[serde(default)]
+    pub endpoint: String,
+    /// The model name to ask the remote server for (default: `name`).
+    #[serde(default)]
+    pub remote_model: String,
+    /// Environment variable holding the remote server's API key (sent as a bearer token).
+    #[serde(default)]
+    pub api_key_env: String,
+}
+
+impl ModelSpec {
+    /// A model of `kind` at `path` with every other setting defaulted.
+    pub fn new(name: &str, kind: &str, path: PathBuf) -> Self {
+        Self {
+            name: name.into(),
+            kind: kind.into(),
+            path,
+            device: default_device(),
+            max_sequence_length: 0,
+            max_batch: 0,
+            max_batch_tokens: 0,
+            method: String::new(),
+            endpoint: String::new(),
+            remote_model: String::new(),
+            api_key_env: String::new(),
+        }
+    }
 }
 
 fn default_device() -> String {
@@ -52,15 +106,17 @@ impl Default for ModelWorkerConfig {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:7200".into(),
-            models: vec![ModelSpec {
-                name: "all-MiniLM-L6-v2".into(),
-                kind: "embed".into(),
-                path: PathBuf::from("models/all-MiniLM-L6-v2"),
-                device: default_device(),
-                max_sequence_length: 0,
-            }],
+            models: vec![ModelSpec::new(
+                "all-MiniLM-L6-v2",
+                "embed",
+                PathBuf::from("models/all-MiniLM-L6-v2"),
+            )],
             max_queue: 1024,
-            max_batch: 32,
+            max_batch: 64,
+            max_batch_tokens: 8192,
+            batch_wait: std::time::Duration::from_millis(2),
+            batching: true,
+            http_listen: String::new(),
             max_concurrent_generations: 4,
             max_queued_generations: 64,
             dequantize: "f16".into(),
@@ -74,17 +130,43 @@ impl ModelWorkerConfig {
         if self.models.is_empty() {
             return Err("model_worker.models is empty".into());
         }
+        let mut names = std::collections::HashSet::new();
         for (i, m) in self.models.iter().enumerate() {
-            if m.kind != "embed" && m.kind != "generate" {
+            if m.name.is_empty() || !names.insert(m.name.as_str()) {
                 return Err(format!(
-                    "model_worker.models[{i}].kind {:?}: must be \"embed\" or \"generate\"",
+                    "model_worker.models[{i}].name {:?}: must be non-empty and unique",
+                    m.name
+                ));
+            }
+            if !["embed", "rerank", "generate"].contains(&m.kind.as_str()) {
+                return Err(format!(
+                    "model_worker.models[{i}].kind {:?}: must be \"embed\", \"rerank\" or \"generate\"",
                     m.kind
                 ));
             }
-            if m.device != "cpu" && m.device != "auto" {
+            if !["cpu", "cuda", "auto"].contains(&m.device.as_str()) {
                 return Err(format!(
-                    "model_worker.models[{i}].device must be \"cpu\" or \"auto\""
+                    "model_worker.models[{i}].device must be \"cpu\", \"cuda\" or \"auto\""
                 ));
+            }
+            if !["", "cross-encoder", "maxsim", "upr", "llm"].contains(&m.method.as_str()) {
+                return Err(format!(
+                    "model_worker.models[{i}].method must be \"cross-encoder\", \"maxsim\" or \"llm\""
+                ));
+            }
+            if !m.endpoint.is_empty() {
+                if m.kind != "generate" {
+                    return Err(format!(
+                        "model_worker.models[{i}].endpoint is only for kind \"generate\""
+                    ));
+                }
+                if !m.endpoint.starts_with("http://") {
+                    return Err(format!(
+                        "model_worker.models[{i}].endpoint must be an http:// URL"
+                    ));
+                }
+            } else if m.path.as_os_str().is_empty() {
+                return Err(format!("model_worker.models[{i}].path is empty"));
             }
         }
         if !["f32", "f16", "none"].contains(&self.dequantize.as_str()) {
@@ -93,8 +175,10 @@ impl ModelWorkerConfig {
         if self.max_concurrent_generations == 0 {
             return Err("model_worker.max_concurrent_generations must be positive".into());
         }
-        if self.max_batch == 0 || self.max_queue == 0 {
-            return Err("model_worker.max_batch and max_queue must be positive".into());
+        if self.max_batch == 0 || self.max_queue == 0 || self.max_batch_tokens == 0 {
+            return Err(
+                "model_worker.max_batch, max_batch_tokens and max_queue must be positive".into(),
+            );
         }
         Ok(())
     }

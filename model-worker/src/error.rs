@@ -18,6 +18,9 @@ pub enum ModelError {
     Overloaded(String),
     #[error("inference failed: {0}")]
     Inference(String),
+    /// A remote generation server could not be reached or failed.
+    #[error("remote model server unavailable: {0}")]
+    Unavailable(String),
 }
 
 impl From<candle_core::Error> for ModelError {
@@ -33,12 +36,18 @@ impl From<ModelError> for Status {
             ModelError::UnknownModel(_) => Code::NotFound,
             ModelError::InvalidArgument(_) => Code::InvalidArgument,
             ModelError::Overloaded(_) => Code::ResourceExhausted,
+            ModelError::Unavailable(_) => Code::Unavailable,
         };
         let mut s = Status::new(code, e.to_string());
-        if code == Code::ResourceExhausted {
+        let retry = match code {
+            Code::ResourceExhausted => Some("50"),
+            Code::Unavailable => Some("1000"),
+            _ => None,
+        };
+        if let Some(ms) = retry {
             s.metadata_mut().insert(
                 "retry-after-ms",
-                tonic::metadata::MetadataValue::from_static("50"),
+                tonic::metadata::MetadataValue::from_static(ms),
             );
         }
         s

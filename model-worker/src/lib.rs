@@ -1,16 +1,21 @@
-//! A ragcluster model worker: loads the models named in config and serves them over gRPC.
-//! Embedding runs on a backend thread (`backend::cpu`, candle) fed by a bounded queue
-//! (`batcher`) that merges concurrent requests into length-sorted batches. Generation
-//! (`backend::llama`, a llama GGUF on candle's quantized llama) streams tokens with
-//! log-probabilities from a bounded set of decoding slots. Reranking is declared in the
-//! contract and answers UNIMPLEMENTED until it lands. This crate must not depend on the
-//! coordinator or shard nodes.
+//! A ragcluster model worker: loads the models named in config (`registry`) and serves them
+//! over gRPC (`service`) and, optionally, an OpenAI-compatible HTTP API (`http`).
+//! Encoder models (embeddings, cross-encoder and MaxSim reranking; `backend::bert`) run on
+//! a thread per model fed by a dynamic batcher (`batcher`). Generation (`backend::llama`, a
+//! llama GGUF on candle's quantized llama, or `remote`, an OpenAI-compatible server) streams
+//! tokens with log-probabilities from a bounded set of decoding slots. This crate must not
+//! depend on the coordinator or shard nodes.
 
 pub mod backend;
 pub mod batcher;
 pub mod config;
 pub mod error;
+pub mod http;
+pub mod registry;
+pub mod remote;
 pub mod service;
+
+use std::sync::Arc;
 
 pub use config::ModelWorkerConfig;
 
@@ -24,16 +29,33 @@ pub async fn run(
     metrics_listen: &str,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let svc = {
+    let reg = {
         let cfg = cfg.clone();
-        tokio::task::spawn_blocking(move || service::ModelWorkerService::load(&cfg)).await??
+        Arc::new(tokio::task::spawn_blocking(move || registry::Registry::load(&cfg)).await??)
     };
     let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
     let (listener, addr) = server::bind(&cfg.listen).await?;
-    if let Some(p) = &cfg.port_file {
-        server::write_port_file(p, addr, metrics_addr)?;
+    // Both servers stop on the one shutdown signal.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut http_addr = None;
+    let mut http_task = None;
+    if !cfg.http_listen.is_empty() {
+        let (l, a) = server::bind(&cfg.http_listen).await?;
+        http_addr = Some(a);
+        let app = http::router(reg.clone());
+        let mut stop = stop_rx.clone();
+        http_task = Some(tokio::spawn(async move {
+            axum::serve(l, app)
+                .with_graceful_shutdown(async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                })
+                .await
+        }));
     }
-    tracing::info!(%addr, %metrics_addr, models = cfg.models.len(), "model worker listening");
+    if let Some(p) = &cfg.port_file {
+        server::write_port_file_with(p, addr, metrics_addr, http_addr)?;
+    }
+    tracing::info!(%addr, %metrics_addr, http = ?http_addr, models = cfg.models.len(), "model worker listening");
     let (_reporter, health, reflection) =
         server::health_and_reflection(&["ragcluster.v1.ModelWorker"]).await;
     let incoming = futures::stream::unfold(listener, |l| async move {
@@ -43,16 +65,23 @@ pub async fn run(
         });
         Some((r, l))
     });
+    let grpc_shutdown = async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    };
     tonic::transport::Server::builder()
         .layer(server::GrpcMetricsLayer)
         .add_service(health)
         .add_service(reflection)
         .add_service(
-            ModelWorkerServer::new(svc)
+            ModelWorkerServer::new(service::ModelWorkerService::new(reg))
                 .max_decoding_message_size(32 * 1024 * 1024)
                 .max_encoding_message_size(32 * 1024 * 1024),
         )
-        .serve_with_incoming_shutdown(incoming, shutdown)
+        .serve_with_incoming_shutdown(incoming, grpc_shutdown)
         .await?;
+    if let Some(t) = http_task {
+        t.await??;
+    }
     Ok(())
 }

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use model_worker::ModelWorkerConfig;
+use model_worker::config::ModelSpec;
 use ragcluster_common::config::{TelemetryConfig, TelemetryFlags, load_section};
 use ragcluster_common::{server, telemetry};
 use serde::Serialize;
@@ -11,7 +12,7 @@ use serde::Serialize;
 #[derive(Parser, Serialize)]
 #[command(
     name = "model-worker",
-    about = "ragcluster model worker: embeddings and text generation"
+    about = "ragcluster model worker: embeddings, reranking and text generation"
 )]
 struct Flags {
     /// Cluster config file (TOML); the [model_worker] and [telemetry] sections are read.
@@ -36,6 +37,15 @@ struct Flags {
     #[arg(long)]
     #[serde(skip)]
     generate_model: Option<PathBuf>,
+    /// Path of a rerank model (added to model_worker.models as kind "rerank", named after the
+    /// file): an HF cross-encoder directory, a BERT directory (MaxSim) or a GGUF (LLM yes/no).
+    #[arg(long)]
+    #[serde(skip)]
+    rerank_model: Option<PathBuf>,
+    /// OpenAI-compatible HTTP API address (model_worker.http_listen).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    http_listen: Option<String>,
     #[command(flatten)]
     #[serde(skip)]
     telemetry: TelemetryFlags,
@@ -52,16 +62,8 @@ fn main() -> anyhow::Result<()> {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "embed".into());
         cfg.models.retain(|m| m.kind != "embed");
-        cfg.models.insert(
-            0,
-            model_worker::config::ModelSpec {
-                name,
-                kind: "embed".into(),
-                path: path.clone(),
-                device: "auto".into(),
-                max_sequence_length: 0,
-            },
-        );
+        cfg.models
+            .insert(0, ModelSpec::new(&name, "embed", path.clone()));
     }
     if let Some(path) = &flags.generate_model {
         let name = path
@@ -69,13 +71,21 @@ fn main() -> anyhow::Result<()> {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "generate".into());
         cfg.models.retain(|m| m.kind != "generate");
-        cfg.models.push(model_worker::config::ModelSpec {
-            name,
-            kind: "generate".into(),
-            path: path.clone(),
-            device: "auto".into(),
-            max_sequence_length: 0,
-        });
+        cfg.models
+            .push(ModelSpec::new(&name, "generate", path.clone()));
+    }
+    if let Some(path) = &flags.rerank_model {
+        let stem = path
+            .file_stem()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "rerank".into());
+        cfg.models.retain(|m| m.kind != "rerank");
+        // Unique even when the same directory also serves embeddings.
+        cfg.models.push(ModelSpec::new(
+            &format!("{stem}-rerank"),
+            "rerank",
+            path.clone(),
+        ));
     }
     cfg.validate().map_err(anyhow::Error::msg)?;
     // candle decides at load time, from these variables, whether quantized weights are

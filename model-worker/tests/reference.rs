@@ -4,8 +4,8 @@
 
 use std::path::PathBuf;
 
-use model_worker::backend::Embedder;
-use model_worker::backend::cpu::BertEmbedder;
+use model_worker::backend::bert::{self, BertEncoder, HeadKind};
+use model_worker::backend::{Encoder, Seq};
 
 fn model_dir() -> PathBuf {
     std::env::var_os("RAGCLUSTER_MODELS")
@@ -49,14 +49,16 @@ fn matches_sentence_transformers_and_batching_is_exact() {
         })
         .collect();
 
-    let mut m = BertEmbedder::load("all-MiniLM-L6-v2", &dir, 0).expect("load");
+    let mut m = BertEncoder::load("all-MiniLM-L6-v2", &dir, 0, HeadKind::MeanPool).expect("load");
     assert_eq!(m.dimension(), 384);
     assert_eq!(
         m.max_sequence_length(),
         reference["max_seq_length"].as_u64().unwrap() as usize
     );
-    let (batched, tokens) = m.embed(&sentences).unwrap();
-    assert!(tokens > 0);
+    let tok = m.tokenizer();
+    let seqs = bert::tokenize(&tok, &sentences).unwrap();
+    let refs: Vec<&Seq> = seqs.iter().collect();
+    let batched = m.forward(&refs).unwrap();
     for (i, (got, want)) in batched.iter().zip(&expected).enumerate() {
         let c = cosine(got, want);
         assert!(c > 0.999, "sentence {i}: cosine {c}");
@@ -67,8 +69,8 @@ fn matches_sentence_transformers_and_batching_is_exact() {
         );
     }
     // Padding in a batch must not change any embedding.
-    for (i, s) in sentences.iter().enumerate() {
-        let (single, _) = m.embed(std::slice::from_ref(s)).unwrap();
+    for (i, s) in seqs.iter().enumerate() {
+        let single = m.forward(&[s]).unwrap();
         let diff = single[0]
             .iter()
             .zip(&batched[i])
@@ -83,8 +85,13 @@ fn matches_sentence_transformers_and_batching_is_exact() {
 
 #[test]
 fn missing_model_names_the_path() {
-    let err = BertEmbedder::load("x", std::path::Path::new("/nonexistent/model"), 0)
-        .err()
-        .expect("must fail");
+    let err = BertEncoder::load(
+        "x",
+        std::path::Path::new("/nonexistent/model"),
+        0,
+        HeadKind::MeanPool,
+    )
+    .err()
+    .expect("must fail");
     assert!(err.to_string().contains("/nonexistent/model"), "{err}");
 }

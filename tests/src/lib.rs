@@ -11,6 +11,10 @@ pub mod metrics;
 
 use anyhow::{Context, Result, bail};
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
+use ragcluster_proto::v1::{
+    ChunkingConfig, ChunkingStrategy, CreateCollectionRequest, Document, UpsertDocumentsRequest,
+    UpsertDocumentsResponse,
+};
 use serde::Deserialize;
 use tonic::transport::Channel;
 
@@ -131,7 +135,17 @@ impl Proc {
     /// A model worker serving MiniLM embeddings and, with `generate`, SmolLM2 generation,
     /// reading the `[model_worker]` settings of `config` when given.
     pub fn model_worker(dir: &Path, generate: bool, config: Option<&Path>) -> Result<Self> {
-        let mut args = vec![
+        Self::model_worker_with(dir, generate, config, &[])
+    }
+
+    /// As `model_worker`, with extra flags.
+    pub fn model_worker_with(
+        dir: &Path,
+        generate: bool,
+        config: Option<&Path>,
+        extra: &[&str],
+    ) -> Result<Self> {
+        let mut args: Vec<String> = vec![
             "--listen".into(),
             "127.0.0.1:0".into(),
             "--embed-model".into(),
@@ -144,6 +158,7 @@ impl Proc {
         if let Some(c) = config {
             args.extend(["--config".into(), c.display().to_string()]);
         }
+        args.extend(extra.iter().map(|s| s.to_string()));
         Self::start(
             "model-worker",
             "model-worker",
@@ -287,6 +302,8 @@ pub struct Options<'a> {
     pub coordinators: usize,
     /// TOML read by every coordinator (its `[coordinator]` section).
     pub coordinator_config: Option<&'a str>,
+    /// The model worker also serves SmolLM2 generation and MiniLM MaxSim reranking (Ask).
+    pub generation: bool,
 }
 
 /// A free loopback port (bound and released; good enough on a test machine).
@@ -308,6 +325,7 @@ impl Cluster {
             shard_config,
             coordinators: 1,
             coordinator_config: None,
+            generation: false,
         })
     }
 
@@ -334,7 +352,12 @@ impl Cluster {
         let config = write("shard-node.toml", o.shard_config)?;
         let coord_config = write("coordinator.toml", o.coordinator_config)?;
         let model = embed_model()?;
-        let mw = Proc::model_worker(dir.path(), false, None)?;
+        let mw = if o.generation {
+            let rerank = model.display().to_string();
+            Proc::model_worker_with(dir.path(), true, None, &["--rerank-model", &rerank])?
+        } else {
+            Proc::model_worker(dir.path(), false, None)?
+        };
         let mut shards = Vec::new();
         for i in 0..o.shard_nodes {
             shards.push(Proc::shard_node_with(
@@ -510,4 +533,84 @@ pub fn metric_sum(page: &str, name: &str) -> f64 {
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+/// POST a JSON body over plain HTTP/1.1 (`connection: close`); returns the status code and
+/// the body (content-length bodies only: what the OpenAI-compatible API sends unstreamed).
+pub async fn http_post_json(url: &str, body: &serde_json::Value) -> Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rest = url.trim_start_matches("http://");
+    let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let mut s = tokio::net::TcpStream::connect(host).await?;
+    let body = body.to_string();
+    s.write_all(
+        format!(
+            "POST /{path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    let status = out
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// Creates `collection` (Markdown chunking, 96-token chunks, `shards` shards) and upserts the
+/// files of docs/sample, titled by their first heading, as the demo's `ragctl ingest` does.
+pub async fn ingest_sample(
+    c: &mut CoordinatorClient<Channel>,
+    collection: &str,
+    shards: u32,
+) -> Result<UpsertDocumentsResponse> {
+    c.create_collection(CreateCollectionRequest {
+        name: collection.into(),
+        shard_count: shards,
+        chunking: Some(ChunkingConfig {
+            strategy: ChunkingStrategy::Markdown as i32,
+            chunk_size: 96,
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+    .await?;
+    let mut files: Vec<PathBuf> = std::fs::read_dir(workspace().join("docs/sample"))?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<std::io::Result<_>>()?;
+    files.sort();
+    let mut documents = Vec::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f)?;
+        let title = text
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .trim_start_matches("# ")
+            .to_owned();
+        documents.push(Document {
+            id: f
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned(),
+            title,
+            text,
+            ..Default::default()
+        });
+    }
+    Ok(c.upsert_documents(UpsertDocumentsRequest {
+        collection: collection.into(),
+        documents,
+    })
+    .await?
+    .into_inner())
 }

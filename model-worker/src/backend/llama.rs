@@ -64,6 +64,9 @@ pub struct LlamaGenerator {
     tokenizer: Tokenizer,
     eos: Vec<u32>,
     chatml: bool,
+    /// Single-token spellings of "yes" / "no" (for LLM relevance scoring).
+    yes: Vec<u32>,
+    no: Vec<u32>,
 }
 
 impl LlamaGenerator {
@@ -115,35 +118,154 @@ impl LlamaGenerator {
         }
         let weights = ModelWeights::from_gguf(content, &mut f, &Device::Cpu)
             .map_err(|e| load_err(format!("weights: {e}")))?;
+        let single = |words: &[&str]| -> Vec<u32> {
+            words
+                .iter()
+                .filter_map(|w| {
+                    let e = tokenizer.encode(*w, false).ok()?;
+                    (e.get_ids().len() == 1).then(|| e.get_ids()[0])
+                })
+                .collect()
+        };
+        let yes = single(&["yes", "Yes", " yes", " Yes"]);
+        let no = single(&["no", "No", " no", " No"]);
         Ok(Self {
             name: name.to_owned(),
             weights,
             tokenizer,
             eos,
             chatml: template.contains("<|im_start|>"),
+            yes,
+            no,
         })
     }
 
+    /// The first `max_tokens` tokens of `text` as text, and whether anything was cut.
+    pub fn truncate_text(
+        &self,
+        text: &str,
+        max_tokens: usize,
+    ) -> Result<(String, bool), ModelError> {
+        let e = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| ModelError::Inference(format!("tokenize: {e}")))?;
+        if e.get_ids().len() <= max_tokens {
+            return Ok((text.to_owned(), false));
+        }
+        let t = self
+            .tokenizer
+            .decode(&e.get_ids()[..max_tokens], true)
+            .map_err(|e| ModelError::Inference(format!("detokenize: {e}")))?;
+        Ok((t, true))
+    }
+
+    /// P(yes) / (P(yes) + P(no)) for the first token the model would write after `prompt`
+    /// (a chat prompt asking a yes/no question): pointwise LLM relevance. One prefill, no
+    /// decoding.
+    pub fn yes_probability(&self, prompt: &[u32]) -> Result<f32, ModelError> {
+        if self.yes.is_empty() || self.no.is_empty() {
+            return Err(ModelError::Inference(format!(
+                "model {}: \"yes\" / \"no\" are not single tokens in its vocabulary",
+                self.name
+            )));
+        }
+        let mut model = self.weights.clone();
+        model.clear_kv_cache();
+        let input = Tensor::new(prompt, &Device::Cpu)?.unsqueeze(0)?;
+        let logits = model.forward(&input, 0)?.squeeze(0)?.to_dtype(DType::F32)?;
+        let lp = candle_nn::ops::log_softmax(&logits, 0)?.to_vec1::<f32>()?;
+        let lse = |ids: &[u32]| {
+            let m = ids
+                .iter()
+                .map(|&i| lp[i as usize])
+                .fold(f32::NEG_INFINITY, f32::max);
+            m + ids
+                .iter()
+                .map(|&i| (lp[i as usize] - m).exp())
+                .sum::<f32>()
+                .ln()
+        };
+        let (y, n) = (lse(&self.yes), lse(&self.no));
+        // Softmax over the two answers, computed stably.
+        Ok(1.0 / (1.0 + (n - y).exp()))
+    }
+
+    /// Mean natural log-probability of `target` following `prompt` (teacher forcing): the
+    /// UPR reranker (Sachan et al., AutoRAG seed) scores a passage by how likely the model is
+    /// to write the query after reading it. One prefill, then one step per target token
+    /// (candle's quantized llama yields the last position's logits only).
+    pub fn continuation_logprob(&self, prompt: &[u32], target: &[u32]) -> Result<f32, ModelError> {
+        if target.is_empty() {
+            return Err(ModelError::InvalidArgument("empty target".into()));
+        }
+        let mut model = self.weights.clone();
+        model.clear_kv_cache();
+        let input = Tensor::new(prompt, &Device::Cpu)?.unsqueeze(0)?;
+        let mut logits = model.forward(&input, 0)?.squeeze(0)?;
+        let mut total = 0.0f32;
+        for (i, &t) in target.iter().enumerate() {
+            let lp = candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, 0)?
+                .get(t as usize)?
+                .to_scalar::<f32>()?;
+            total += lp;
+            if i + 1 < target.len() {
+                let input = Tensor::new(&[t], &Device::Cpu)?.unsqueeze(0)?;
+                logits = model.forward(&input, prompt.len() + i)?.squeeze(0)?;
+            }
+        }
+        Ok(total / target.len() as f32)
+    }
+
+    /// Token ids of plain text (no special tokens).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, ModelError> {
+        Ok(self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| ModelError::Inference(format!("tokenize: {e}")))?
+            .get_ids()
+            .to_vec())
+    }
+
     /// The prompt as token ids: wrapped in the model's chat template (ChatML for SmolLM2) with
-    /// an optional system message, or taken verbatim with `raw`.
+    /// an optional system message and earlier (role, content) turns, or taken verbatim with
+    /// `raw`. Without a chat template the turns are joined as plain text. `prefix` starts the
+    /// assistant's reply, so generation continues it.
     pub fn prompt_tokens(
         &self,
         prompt: &str,
         system: &str,
+        history: &[(&str, &str)],
         raw: bool,
+        prefix: &str,
     ) -> Result<Vec<u32>, ModelError> {
-        let text = if raw || !self.chatml {
+        let mut text = if raw {
             prompt.to_owned()
+        } else if !self.chatml {
+            let mut t = String::new();
+            for part in std::iter::once(system)
+                .chain(history.iter().map(|(_, c)| *c))
+                .filter(|p| !p.is_empty())
+            {
+                t.push_str(part);
+                t.push_str("\n\n");
+            }
+            t.push_str(prompt);
+            t
         } else {
             let mut t = String::new();
             if !system.is_empty() {
                 t.push_str(&format!("<|im_start|>system\n{system}<|im_end|>\n"));
+            }
+            for (role, content) in history {
+                t.push_str(&format!("<|im_start|>{role}\n{content}<|im_end|>\n"));
             }
             t.push_str(&format!(
                 "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
             ));
             t
         };
+        text.push_str(prefix);
         let enc = self
             .tokenizer
             .encode(text, false)

@@ -1,16 +1,23 @@
-//! Inference backends behind one synchronous trait, run on their own threads.
+//! Inference backends behind synchronous traits, run on their own threads.
 
-pub mod cpu;
+pub mod bert;
+pub mod cuda;
+pub mod device;
 pub mod llama;
+pub mod transformer;
 
-/// A sentence embedding model.
-pub trait Embedder: Send {
-    fn dimension(&self) -> usize;
-    fn max_sequence_length(&self) -> usize;
-    /// Embeds texts (any order of lengths); returns one L2-normalised vector per text and the
-    /// number of tokens processed.
-    fn embed(
-        &mut self,
-        texts: &[String],
-    ) -> Result<(Vec<Vec<f32>>, usize), crate::error::ModelError>;
+/// One tokenised input: token ids (with special tokens), segment ids, and whether the text
+/// was cut to the model's maximum sequence length.
+#[derive(Debug, Clone, Default)]
+pub struct Seq {
+    pub ids: Vec<u32>,
+    pub type_ids: Vec<u32>,
+    pub truncated: bool,
+}
+
+/// An encoder-only model: one output vector per sequence (a sentence embedding, a score, or
+/// flattened token vectors, depending on its head).
+pub trait Encoder: Send {
+    /// Runs one padded batch; outputs are in the order of `batch`.
+    fn forward(&mut self, batch: &[&Seq]) -> Result<Vec<Vec<f32>>, crate::error::ModelError>;
 }

@@ -1,0 +1,358 @@
+//! BERT-family encoders on candle with three heads over the same transformer:
+//! - `Head::MeanPool`: sentence embeddings as sentence-transformers computes them
+//!   (all-MiniLM-L6-v2): mean over the attention mask, then L2 normalisation.
+//! - `Head::Tokens`: L2-normalised contextual token vectors, for late-interaction (ColBERT
+//!   style MaxSim) reranking with a model we can ship.
+//! - `Head::Classifier`: HF `BertForSequenceClassification` (`bert.pooler` + `classifier`):
+//!   a cross-encoder over (query, passage) pairs, e.g. ms-marco-MiniLM.
+//!
+//! Tokenisation happens in the caller (the gRPC handler) so the batcher can pack batches by
+//! token count; `forward` takes token ids and pads the batch itself.
+
+use std::path::Path;
+
+use candle_core::{D, DType, Device, IndexOp, Tensor};
+use candle_nn::{Linear, Module, VarBuilder};
+use candle_transformers::models::bert::Config;
+use tokenizers::{Tokenizer, TruncationParams, TruncationStrategy};
+
+use super::cuda::CudaTransformer;
+use super::device::Placement;
+use super::transformer::Transformer;
+use super::{Encoder, Seq};
+
+/// The transformer stack on the CPU (candle) or the GPU (cudarc).
+enum Stack {
+    Cpu(Transformer),
+    Cuda(Box<CudaTransformer>),
+}
+use crate::error::ModelError;
+
+/// What the encoder returns per sequence.
+pub enum Head {
+    MeanPool,
+    Tokens,
+    Classifier {
+        pooler: Linear,
+        classifier: Linear,
+        labels: usize,
+    },
+}
+
+pub struct BertEncoder {
+    model: Stack,
+    head: Head,
+    tokenizer: Tokenizer,
+    device: Device,
+    dim: usize,
+    max_len: usize,
+}
+
+/// Which head to load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadKind {
+    MeanPool,
+    Tokens,
+    Classifier,
+}
+
+/// True when `dir/config.json` declares a sequence-classification architecture.
+pub fn is_classifier(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("config.json"))
+        .ok()
+        .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+        .and_then(|v| v.get("architectures").cloned())
+        .and_then(|a| a.as_array().cloned())
+        .is_some_and(|a| {
+            a.iter().any(|x| {
+                x.as_str()
+                    .is_some_and(|s| s.ends_with("ForSequenceClassification"))
+            })
+        })
+}
+
+impl BertEncoder {
+    /// Loads config.json, tokenizer.json and model.safetensors from an HF-format directory.
+    /// `max_len` 0 = the model's own limit (sentence_bert_config.json, else the position
+    /// table).
+    pub fn load(
+        name: &str,
+        dir: &Path,
+        max_len: usize,
+        kind: HeadKind,
+    ) -> Result<Self, ModelError> {
+        Self::load_on(name, dir, max_len, kind, Placement::Cpu)
+    }
+
+    /// As `load`, on the given device. On CUDA the GPU output is checked against the CPU on
+    /// a probe sentence at load (cosine > 0.999) and the load fails otherwise.
+    pub fn load_on(
+        name: &str,
+        dir: &Path,
+        max_len: usize,
+        kind: HeadKind,
+        placement: Placement,
+    ) -> Result<Self, ModelError> {
+        let fail = |path: &Path, reason: String| ModelError::Load {
+            name: name.to_owned(),
+            path: path.display().to_string(),
+            reason,
+        };
+        let cfg_path = dir.join("config.json");
+        let cfg_text =
+            std::fs::read_to_string(&cfg_path).map_err(|e| fail(&cfg_path, e.to_string()))?;
+        let config: Config =
+            serde_json::from_str(&cfg_text).map_err(|e| fail(&cfg_path, e.to_string()))?;
+        let raw_cfg: serde_json::Value =
+            serde_json::from_str(&cfg_text).map_err(|e| fail(&cfg_path, e.to_string()))?;
+        let tok_path = dir.join("tokenizer.json");
+        let mut tokenizer =
+            Tokenizer::from_file(&tok_path).map_err(|e| fail(&tok_path, e.to_string()))?;
+        // sentence-transformers' own limit (256 for MiniLM) wins over the position table.
+        let st_limit = std::fs::read_to_string(dir.join("sentence_bert_config.json"))
+            .ok()
+            .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+            .and_then(|v| v.get("max_seq_length").and_then(|x| x.as_u64()))
+            .map(|x| x as usize);
+        let model_limit = st_limit.unwrap_or(config.max_position_embeddings);
+        let max_len = if max_len == 0 {
+            model_limit
+        } else {
+            max_len.min(config.max_position_embeddings)
+        };
+        tokenizer
+            .with_truncation(Some(TruncationParams {
+                max_length: max_len,
+                // Pairs (cross-encoder) cut the longer side first, as HF does.
+                strategy: TruncationStrategy::LongestFirst,
+                ..Default::default()
+            }))
+            .map_err(|e| fail(&tok_path, e.to_string()))?;
+        tokenizer.with_padding(None);
+        let weights = dir.join("model.safetensors");
+        if !weights.exists() {
+            return Err(fail(&weights, "file not found".into()));
+        }
+        let device = Device::Cpu;
+        // Read into memory (no unsafe mmap); candle parses and validates the file.
+        let bytes = std::fs::read(&weights).map_err(|e| fail(&weights, e.to_string()))?;
+        let vb = VarBuilder::from_buffered_safetensors(bytes, DType::F32, &device)
+            .map_err(|e| fail(&weights, e.to_string()))?;
+        let cpu =
+            Transformer::load(vb.clone(), &config).map_err(|e| fail(&weights, e.to_string()))?;
+        let model = match placement {
+            Placement::Cpu => Stack::Cpu(cpu),
+            Placement::Cuda => {
+                let gpu = CudaTransformer::load(vb.clone(), &config, 0)
+                    .map_err(|e| fail(&weights, e.to_string()))?;
+                let probe = tokenize(
+                    &tokenizer,
+                    &["CUDA and CPU must agree on this probe sentence.".to_owned()],
+                )?;
+                let cos = cuda_agreement(&cpu, &gpu, &probe[0])?;
+                if cos < 0.999 {
+                    return Err(fail(
+                        &weights,
+                        format!("CUDA output differs from CPU on the probe (cosine {cos})"),
+                    ));
+                }
+                tracing::info!(model = name, gpu = %gpu.device_name, cosine = cos, "encoder on CUDA, checked against CPU");
+                Stack::Cuda(Box::new(gpu))
+            }
+        };
+        let head = match kind {
+            HeadKind::MeanPool => Head::MeanPool,
+            HeadKind::Tokens => Head::Tokens,
+            HeadKind::Classifier => {
+                let labels = raw_cfg
+                    .get("id2label")
+                    .and_then(|m| m.as_object())
+                    .map(|m| m.len())
+                    .or_else(|| {
+                        raw_cfg
+                            .get("num_labels")
+                            .and_then(|x| x.as_u64())
+                            .map(|x| x as usize)
+                    })
+                    .unwrap_or(1);
+                let h = config.hidden_size;
+                let pooler = candle_nn::linear(h, h, vb.pp("bert.pooler.dense"))
+                    .map_err(|e| fail(&weights, format!("pooler: {e}")))?;
+                let classifier = candle_nn::linear(h, labels, vb.pp("classifier"))
+                    .map_err(|e| fail(&weights, format!("classifier: {e}")))?;
+                Head::Classifier {
+                    pooler,
+                    classifier,
+                    labels,
+                }
+            }
+        };
+        Ok(Self {
+            model,
+            head,
+            tokenizer,
+            device,
+            dim: config.hidden_size,
+            max_len,
+        })
+    }
+
+    pub fn tokenizer(&self) -> Tokenizer {
+        self.tokenizer.clone()
+    }
+
+    pub fn placement(&self) -> Placement {
+        match self.model {
+            Stack::Cpu(_) => Placement::Cpu,
+            Stack::Cuda(_) => Placement::Cuda,
+        }
+    }
+
+    pub fn dimension(&self) -> usize {
+        self.dim
+    }
+
+    pub fn max_sequence_length(&self) -> usize {
+        self.max_len
+    }
+}
+
+/// Tokenises texts (with [CLS]/[SEP], truncated to the tokenizer's limit).
+pub fn tokenize(tok: &Tokenizer, texts: &[String]) -> Result<Vec<Seq>, ModelError> {
+    texts
+        .iter()
+        .map(|t| {
+            let e = tok
+                .encode(t.as_str(), true)
+                .map_err(|e| ModelError::Inference(format!("tokenize: {e}")))?;
+            Ok(Seq {
+                ids: e.get_ids().to_vec(),
+                type_ids: e.get_type_ids().to_vec(),
+                truncated: !e.get_overflowing().is_empty(),
+            })
+        })
+        .collect()
+}
+
+/// Tokenises (query, passage) pairs for a cross-encoder.
+pub fn tokenize_pairs(
+    tok: &Tokenizer,
+    query: &str,
+    passages: &[String],
+) -> Result<Vec<Seq>, ModelError> {
+    passages
+        .iter()
+        .map(|p| {
+            let e = tok
+                .encode((query, p.as_str()), true)
+                .map_err(|e| ModelError::Inference(format!("tokenize: {e}")))?;
+            Ok(Seq {
+                ids: e.get_ids().to_vec(),
+                type_ids: e.get_type_ids().to_vec(),
+                truncated: !e.get_overflowing().is_empty(),
+            })
+        })
+        .collect()
+}
+
+impl Encoder for BertEncoder {
+    fn forward(&mut self, batch: &[&Seq]) -> Result<Vec<Vec<f32>>, ModelError> {
+        let n = batch.len();
+        let len = batch.iter().map(|s| s.ids.len()).max().unwrap_or(0);
+        if n == 0 || len == 0 {
+            return Ok(vec![Vec::new(); n]);
+        }
+        let mut ids = vec![0u32; n * len];
+        let mut mask = vec![0u32; n * len];
+        let mut types = vec![0u32; n * len];
+        for (r, s) in batch.iter().enumerate() {
+            let row = r * len;
+            ids[row..row + s.ids.len()].copy_from_slice(&s.ids);
+            types[row..row + s.type_ids.len()].copy_from_slice(&s.type_ids);
+            mask[row..row + s.ids.len()].fill(1);
+        }
+        let maskf: Vec<f32> = mask.iter().map(|&m| m as f32).collect();
+        let mask_t = Tensor::from_vec(maskf, (n, len), &self.device)?;
+        let hidden = match &self.model {
+            Stack::Cpu(t) => {
+                let ids = Tensor::from_vec(ids, (n, len), &self.device)?;
+                let types = Tensor::from_vec(types, (n, len), &self.device)?;
+                t.forward(&ids, &types, &mask_t)?
+            }
+            Stack::Cuda(g) => {
+                let m = mask_t.flatten_all()?.to_vec1::<f32>()?;
+                g.forward(&ids, &types, &m, n, len)?
+            }
+        }; // (n, len, dim)
+        match &self.head {
+            Head::MeanPool => {
+                let m = mask_t.to_dtype(DType::F32)?.unsqueeze(2)?; // (n, len, 1)
+                let summed = hidden.broadcast_mul(&m)?.sum(1)?; // (n, dim)
+                let counts = m.sum(1)?.clamp(1e-9, f64::MAX)?; // (n, 1)
+                let mean = summed.broadcast_div(&counts)?;
+                Ok(l2_normalize(&mean)?.to_vec2::<f32>()?)
+            }
+            Head::Tokens => {
+                let unit = l2_normalize(&hidden)?.to_vec3::<f32>()?;
+                // [CLS] and [SEP] are left out: they carry no query/passage term.
+                Ok(unit
+                    .into_iter()
+                    .zip(batch)
+                    .map(|(rows, s)| {
+                        let end = s.ids.len().saturating_sub(1).max(1);
+                        rows[1.min(end)..end].concat()
+                    })
+                    .collect())
+            }
+            Head::Classifier {
+                pooler,
+                classifier,
+                labels,
+            } => {
+                let cls = hidden.i((.., 0))?.contiguous()?; // (n, dim)
+                let pooled = pooler.forward(&cls)?.tanh()?;
+                let logits = classifier.forward(&pooled)?; // (n, labels)
+                // One label: sigmoid of the logit; several: probability of the last label
+                // ("relevant"), so scores are comparable to a threshold in [0, 1].
+                let probs = if *labels == 1 {
+                    candle_nn::ops::sigmoid(&logits)?
+                } else {
+                    candle_nn::ops::softmax(&logits, D::Minus1)?.i((.., labels - 1..))?
+                };
+                Ok(probs.to_vec2::<f32>()?)
+            }
+        }
+    }
+}
+
+/// Cosine between the CPU and GPU mean-pooled outputs for one sequence.
+fn cuda_agreement(cpu: &Transformer, gpu: &CudaTransformer, s: &Seq) -> Result<f32, ModelError> {
+    let n = s.ids.len();
+    let dev = Device::Cpu;
+    let ids = Tensor::from_vec(s.ids.clone(), (1, n), &dev)?;
+    let types = Tensor::from_vec(s.type_ids.clone(), (1, n), &dev)?;
+    let mask = Tensor::ones((1, n), DType::F32, &dev)?;
+    let a = cpu
+        .forward(&ids, &types, &mask)?
+        .mean(1)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let b = gpu
+        .forward(&s.ids, &s.type_ids, &vec![1.0; n], 1, n)?
+        .mean(1)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let dot: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+    let na = a.iter().map(|x| x * x).sum::<f32>().sqrt();
+    let nb = b.iter().map(|x| x * x).sum::<f32>().sqrt();
+    Ok(dot / (na * nb).max(1e-12))
+}
+
+fn l2_normalize(t: &Tensor) -> candle_core::Result<Tensor> {
+    let norms = t
+        .sqr()?
+        .sum_keepdim(D::Minus1)?
+        .sqrt()?
+        .clamp(1e-12, f64::MAX)?;
+    t.broadcast_div(&norms)
+}

@@ -1,0 +1,26 @@
+#!/usr/bin/env python3
+"""sentence-transformers reference for embedbench: encodes the same texts at the given batch
+sizes on CPU and prints one JSON object {batch: sentences_per_second}. embedbench runs it in
+the same session, with the same thread count, so the ratios compare like with like.
+
+    python3 scripts/st_embed_bench.py MODEL_DIR TEXTS.json 1,8,32,128 THREADS
+"""
+import json
+import sys
+import time
+
+import torch
+from sentence_transformers import SentenceTransformer
+
+model_dir, texts_path, batches, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+torch.set_num_threads(threads)
+texts = json.load(open(texts_path))
+model = SentenceTransformer(model_dir, device="cpu")
+model.encode(texts[:64], batch_size=32)  # warm-up
+out = {"torch": torch.__version__, "threads": threads, "sentences_per_s": {}}
+for b in [int(x) for x in batches.split(",")]:
+    n = min(len(texts), max(b * 4, 64))
+    start = time.perf_counter()
+    model.encode(texts[:n], batch_size=b, normalize_embeddings=True)
+    out["sentences_per_s"][str(b)] = n / (time.perf_counter() - start)
+print(json.dumps(out))
