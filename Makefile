@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: setup build demo test test-faults test-unit test-cluster lint fmt bench bench-raft bench-gen bench-embed bench-quick up down
+.PHONY: setup build demo test test-faults test-unit test-cluster lint fmt bench bench-raft bench-gen bench-embed bench-ask bench-quick up down
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -15,6 +15,7 @@ demo: build       ## the main job: local cluster, ingest the sample docs, answer
 	$(BIN)/ragctl local up
 	$(BIN)/ragctl ingest docs/sample
 	$(BIN)/ragctl search "how does raft elect a leader?"
+	$(BIN)/ragctl ask "How does Raft elect a leader?"
 
 up: build
 	$(BIN)/ragctl local up
@@ -50,6 +51,10 @@ bench-gen: build  ## generation tokens/s, 1 vs 8 streams, f16 / f32 / quantized 
 
 bench-embed: build ## MiniLM sentences/s vs sentence-transformers at batch 1/8/32/128; 64 clients, batching on vs off
 	$(BIN)/embedbench --python "$${RAGCLUSTER_PYTHON:-python3}"
+
+bench-ask: build  ## Ask latency per operator (p50/p99) for every example flow; engine overhead
+	mkdir -p bench-out
+	$(BIN)/askbench --out bench-out/ask.json
 
 bench-quick: build
 	$(BIN)/ragbench --docs 500 --scale-chunks 5000

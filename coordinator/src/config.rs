@@ -49,6 +49,18 @@ pub struct CoordinatorConfig {
     /// Catalog log entries kept behind the applied index; a coordinator further behind gets
     /// the (small) catalog as a snapshot.
     pub raft_log_gc_threshold: u64,
+    /// Flows for Ask (TOML, schema in coordinator/flows/examples.toml); unset = the shipped
+    /// examples. Validated at start: an invalid file stops the coordinator naming the step.
+    pub flows_file: Option<PathBuf>,
+    /// Deadline of one Ask when the request gives none (the whole flow).
+    #[serde(with = "humantime_serde")]
+    pub ask_timeout: Duration,
+    /// Tokens one Ask may generate over all its operators; requests may only lower it.
+    pub ask_max_generated_tokens: usize,
+    /// Parallel branches per branch / recurse step, and iterations per loop (caps on the flows'
+    /// own bounds; requests may only lower them).
+    pub ask_max_branches: usize,
+    pub ask_max_iterations: usize,
 }
 
 impl Default for CoordinatorConfig {
@@ -71,6 +83,11 @@ impl Default for CoordinatorConfig {
             raft_election_ticks: 10,
             raft_heartbeat_ticks: 2,
             raft_log_gc_threshold: 64,
+            flows_file: None,
+            ask_timeout: Duration::from_secs(120),
+            ask_max_generated_tokens: 1024,
+            ask_max_branches: 8,
+            ask_max_iterations: 4,
         }
     }
 }
@@ -97,6 +114,24 @@ impl CoordinatorConfig {
             return Err(
                 "coordinator.raft_election_ticks must exceed raft_heartbeat_ticks (> 0)".into(),
             );
+        }
+        if !(1..=16_384).contains(&self.ask_max_generated_tokens) {
+            return Err("coordinator.ask_max_generated_tokens must be in [1, 16384]".into());
+        }
+        if !(1..=crate::flow::spec::MAX_BRANCHES).contains(&self.ask_max_branches) {
+            return Err(format!(
+                "coordinator.ask_max_branches must be in [1, {}]",
+                crate::flow::spec::MAX_BRANCHES
+            ));
+        }
+        if !(1..=crate::flow::spec::MAX_ITERATIONS).contains(&self.ask_max_iterations) {
+            return Err(format!(
+                "coordinator.ask_max_iterations must be in [1, {}]",
+                crate::flow::spec::MAX_ITERATIONS
+            ));
+        }
+        if self.ask_timeout.is_zero() {
+            return Err("coordinator.ask_timeout must be positive".into());
         }
         if self.raft_tick.is_zero() {
             return Err("coordinator.raft_tick must be positive".into());

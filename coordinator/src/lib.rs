@@ -1,7 +1,8 @@
 //! The ragcluster coordinator: the public gRPC API. It owns the collection catalog, replicated
 //! among coordinators with raft-rs (`catalog`), static shard placement (`placement`), chunking (`chunking`), ingest through the
 //! model worker to shard nodes (`ingest`), and distributed hybrid search with the seeds'
-//! fusion formulas (`search`, `fusion`). It talks to shard nodes and model workers only over
+//! fusion formulas (`search`, `fusion`), and answers questions with RAG flows (`flow`). It
+//! talks to shard nodes and model workers only over
 //! gRPC (`fanout`), never through their crates. `ragctl` (the CLI) lives here too.
 
 pub mod catalog;
@@ -10,6 +11,7 @@ pub mod collections;
 pub mod config;
 pub mod error;
 pub mod fanout;
+pub mod flow;
 pub mod fusion;
 pub mod ingest;
 pub mod placement;
@@ -37,6 +39,8 @@ pub struct State {
     /// Serialises collection creates and drops on the catalog leader, so two creates of one
     /// name cannot both open (and drop each other's) shards.
     pub catalog_changes: tokio::sync::Mutex<()>,
+    /// Validated flows for Ask.
+    pub flows: flow::Flows,
 }
 
 impl State {
@@ -45,7 +49,9 @@ impl State {
         let tokens: Arc<dyn chunking::Tokens> =
             Arc::new(chunking::HfTokens::load(&cfg.embedding_tokenizer)?);
         let clients = fanout::Clients::new(cfg.model_worker.clone());
+        let flows = flow::Flows::load(cfg.flows_file.as_deref()).map_err(anyhow::Error::msg)?;
         Ok(Self {
+            flows,
             cfg,
             catalog,
             clients,
@@ -65,6 +71,11 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let state = Arc::new(State::open(cfg.clone())?);
     tracing::info!(collections = state.catalog.list().len(), "catalog loaded");
+    tracing::info!(
+        flows = state.flows.set.flows.len(),
+        default = %state.flows.set.default,
+        "flows loaded"
+    );
     let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
     let (listener, addr) = server::bind(&cfg.listen).await?;
     if let Some(p) = &cfg.port_file {

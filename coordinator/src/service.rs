@@ -79,6 +79,15 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<SearchResponse>, Status> {
         Ok(Response::new(self.0.search(req.into_inner()).await?))
     }
+
+    type AskStream = tokio_stream::wrappers::ReceiverStream<Result<AskResponse, Status>>;
+
+    async fn ask(&self, req: Request<AskRequest>) -> Result<Response<Self::AskStream>, Status> {
+        let rx = self.0.ask(req.into_inner()).await?;
+        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(
+            rx,
+        )))
+    }
 }
 
 async fn health_of(state: &State, addr: &str) -> String {

@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError};
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
@@ -155,10 +155,7 @@ impl Worker {
                     if tokens >= enough || now >= deadline {
                         None
                     } else {
-                        match rx.recv_timeout(deadline - now) {
-                            Ok(j) => Some(j),
-                            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => None,
-                        }
+                        rx.recv_timeout(deadline - now).ok()
                     }
                 }
             };

@@ -329,6 +329,18 @@ impl Cluster {
         })
     }
 
+    /// The cluster Ask needs: `shard_nodes` shard nodes, one coordinator, and a model worker
+    /// that also generates (SmolLM2) and reranks (MiniLM MaxSim).
+    pub fn start_for_ask(shard_nodes: usize) -> Result<Self> {
+        Self::start_opts(Options {
+            shard_nodes,
+            shard_config: None,
+            coordinators: 1,
+            coordinator_config: None,
+            generation: true,
+        })
+    }
+
     /// Starts the processes in a fresh temporary directory, removed afterwards unless
     /// `RAGCLUSTER_KEEP_TEST_DIRS` is set (logs and data for a post-mortem).
     pub fn start_opts(o: Options) -> Result<Self> {

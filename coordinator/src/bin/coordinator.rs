@@ -46,6 +46,10 @@ struct Flags {
     #[arg(long, value_delimiter = ',')]
     #[serde(skip_serializing_if = "Option::is_none")]
     peers: Option<Vec<String>>,
+    /// Flow file for Ask (coordinator.flows_file); default: the shipped example flows.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    flows_file: Option<PathBuf>,
     /// Write the bound addresses here as JSON (coordinator.port_file).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]

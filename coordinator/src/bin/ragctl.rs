@@ -1,5 +1,5 @@
 //! `ragctl`: the operator and developer CLI. `local up` starts a whole cluster as processes on
-//! loopback; `ingest`, `search`, `collection` and `status` talk to a coordinator.
+//! loopback; `ingest`, `search`, `ask`, `collection` and `status` talk to a coordinator.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -64,6 +64,8 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Ask a question: a flow retrieves, generates a cited answer (streamed) and traces itself.
+    Ask(AskArgs),
     /// Manage collections.
     Collection {
         #[command(subcommand)]
@@ -74,6 +76,32 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(clap::Args)]
+struct AskArgs {
+    question: String,
+    #[arg(long, default_value = "docs")]
+    collection: String,
+    /// A flow of the coordinator's flow file (default: the collection's, else the file's).
+    #[arg(long, default_value = "")]
+    flow: String,
+    /// Run the one flow in this TOML file (`steps = [...]`) instead.
+    #[arg(long)]
+    flow_file: Option<PathBuf>,
+    /// Passages per retrieval step.
+    #[arg(long)]
+    top_k: Option<u32>,
+    /// New tokens per generation step.
+    #[arg(long)]
+    max_tokens: Option<u32>,
+    #[arg(long)]
+    timeout_ms: Option<u32>,
+    /// Print every operator that ran.
+    #[arg(long)]
+    trace: bool,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Subcommand)]
@@ -225,6 +253,7 @@ async fn main() -> Result<()> {
             }
             Ok(())
         }
+        Cmd::Ask(a) => ask(&cli, a).await,
         Cmd::Collection { cmd } => collection(&cli, cmd).await,
         Cmd::Status { json } => status(&cli, *json).await,
     }
@@ -315,6 +344,9 @@ async fn local_up(dir: &Path, n: usize, models: &Path) -> Result<()> {
         "--listen".into(),
         "127.0.0.1:0".into(),
         "--embed-model".into(),
+        model_dir.display().to_string(),
+        // MaxSim reranking over the same MiniLM weights.
+        "--rerank-model".into(),
         model_dir.display().to_string(),
         "--port-file".into(),
         pf("model-worker").display().to_string(),
@@ -757,6 +789,142 @@ async fn status(cli: &Cli, json: bool) -> Result<()> {
                 .unwrap_or("?")
         );
         print_shards(&c.shards);
+    }
+    Ok(())
+}
+
+/// Streams an answer to the terminal, then its sources (and the trace with `--trace`).
+async fn ask(cli: &Cli, a: &AskArgs) -> Result<()> {
+    use std::io::Write;
+    let inline_flow = match &a.flow_file {
+        Some(p) => std::fs::read_to_string(p).with_context(|| p.display().to_string())?,
+        None => String::new(),
+    };
+    let req = AskRequest {
+        collection: a.collection.clone(),
+        question: a.question.clone(),
+        flow: a.flow.clone(),
+        inline_flow,
+        overrides: Some(AskOverrides {
+            top_k: a.top_k,
+            max_tokens: a.max_tokens,
+            ..Default::default()
+        }),
+        timeout_ms: a.timeout_ms.unwrap_or(0),
+        ..Default::default()
+    };
+    let mut stream = CoordinatorClient::new(channel(cli).await?)
+        .ask(req)
+        .await?
+        .into_inner();
+    let mut out = std::io::stdout();
+    let mut result = None;
+    let mut failure = None;
+    while let Some(m) = futures::StreamExt::next(&mut stream).await {
+        match m {
+            Err(s) => {
+                failure = Some(s);
+                break;
+            }
+            Ok(AskResponse {
+                event: Some(ask_response::Event::Token(t)),
+            }) if !a.json => {
+                if t.restart {
+                    writeln!(out, "\n[{}: new answer]", t.step)?;
+                }
+                write!(out, "{}", t.text)?;
+                out.flush()?;
+            }
+            Ok(AskResponse {
+                event: Some(ask_response::Event::Result(r)),
+            }) => result = Some(r),
+            Ok(_) => {}
+        }
+    }
+    let Some(r) = result else {
+        match failure {
+            Some(s) => bail!("{:?}: {}", s.code(), s.message()),
+            None => bail!("the coordinator closed the stream without a result"),
+        }
+    };
+    if a.json {
+        let v = serde_json::json!({
+            "answer": r.answer, "flow": r.flow, "status": r.status, "error": r.error,
+            "generated_tokens": r.generated_tokens, "took_ms": r.took_us as f64 / 1e3,
+            "dropped_citations": r.dropped_citations,
+            "citations": r.citations.iter().map(|c| serde_json::json!({
+                "number": c.number, "chunk_id": c.chunk_id, "doc_id": c.doc_id, "title": c.title,
+                "span": c.span, "attributed": c.attributed})).collect::<Vec<_>>(),
+            "contexts": r.contexts.iter().map(|c| serde_json::json!({
+                "number": c.number, "chunk_id": c.chunk_id, "doc_id": c.doc_id, "score": c.score})).collect::<Vec<_>>(),
+            "trace": r.trace.iter().map(|s| serde_json::json!({
+                "path": s.path, "op": s.op, "took_ms": s.took_us as f64 / 1e3, "branches": s.branches,
+                "iteration": s.iteration, "decision": s.decision, "output": s.output, "error": s.error})).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!();
+        if r.answer.is_empty() {
+            println!("(flow {} generates no answer)", r.flow);
+        }
+        if !r.citations.is_empty() {
+            println!("\nSources:");
+            for c in &r.citations {
+                let how = if c.attributed {
+                    " (attributed by overlap)"
+                } else {
+                    ""
+                };
+                println!(
+                    "  [{}] {} ({}){how}\n      \"{}\"",
+                    c.number, c.title, c.chunk_id, c.span
+                );
+            }
+        } else if !r.contexts.is_empty() {
+            println!("\nContexts (none cited):");
+            for c in &r.contexts {
+                println!(
+                    "  [{}] {} ({}) {:.3}",
+                    c.number, c.title, c.chunk_id, c.score
+                );
+            }
+        }
+        if r.dropped_citations > 0 {
+            println!(
+                "  ({} citation(s) to chunks that were not given were dropped)",
+                r.dropped_citations
+            );
+        }
+        println!(
+            "\nflow {}: {} generated tokens in {:.1} s",
+            r.flow,
+            r.generated_tokens,
+            r.took_us as f64 / 1e6
+        );
+        if a.trace {
+            let mut t = Table::new();
+            t.load_preset(UTF8_FULL_CONDENSED);
+            t.set_header(["step", "op", "ms", "branches", "iter", "decision / output"]);
+            for s in &r.trace {
+                let what = if s.decision.is_empty() {
+                    &s.output
+                } else {
+                    &s.decision
+                };
+                t.add_row(vec![
+                    s.path.clone(),
+                    s.op.clone(),
+                    format!("{:.1}", s.took_us as f64 / 1e3),
+                    s.branches.to_string(),
+                    s.iteration.to_string(),
+                    what.chars().take(90).collect(),
+                ]);
+            }
+            println!("{t}");
+        }
+    }
+    if let Some(s) = failure {
+        bail!("{:?}: {}", s.code(), s.message());
     }
     Ok(())
 }

@@ -62,7 +62,7 @@ impl Transformer {
         if c.position_embedding_type != PositionEmbeddingType::Absolute {
             candle_core::bail!("only absolute position embeddings are supported");
         }
-        if c.hidden_size % c.num_attention_heads != 0 {
+        if !c.hidden_size.is_multiple_of(c.num_attention_heads) {
             candle_core::bail!("hidden_size is not a multiple of num_attention_heads");
         }
         let vb = if vb.contains_tensor("bert.embeddings.word_embeddings.weight") {
@@ -174,7 +174,7 @@ fn erf_fast(x: f32) -> f32 {
         -2.101_024e-6,
         -5.692_506_4e-5,
         -7.349_906_3e-4,
-        -2.954_600e-3,
+        -2.9546e-3,
         -1.609_603_3e-2,
     ];
     const B: [f32; 5] = [

@@ -1,0 +1,296 @@
+//! Chunk-tagged prompts and the citations of an answer.
+//!
+//! Contexts go into the prompt as `<chunk id="n">title > section\ntext</chunk>` (the seeds'
+//! chunk-tagged prompt) and the generator is told to cite them as `[n]`. Afterwards every
+//! marker in the answer (`[2]`, `[1, 3]`, `[chunk 2]`) is checked against the contexts that
+//! were actually given: a number outside them is dropped and counted. Each kept citation
+//! carries the answer sentence it supports and the span of the cited chunk that overlaps it
+//! most. When a (small) model cites nothing, sentences are attributed to the context
+//! sentence with the largest word overlap and flagged `attributed`, never presented as the
+//! model's own citation.
+
+use std::collections::HashSet;
+
+use ragcluster_proto::v1::Citation;
+use unicode_segmentation::UnicodeSegmentation;
+
+use super::exec::Passage;
+
+/// Characters of context text placed in one prompt; later contexts are left out.
+pub const MAX_CONTEXT_CHARS: usize = 6000;
+pub const MAX_CONTEXTS: usize = 8;
+
+/// Renders the contexts as numbered chunk tags; returns the text and how many were used.
+pub fn render(contexts: &[Passage]) -> (String, usize) {
+    let mut out = String::new();
+    let mut used = 0;
+    for (i, p) in contexts.iter().take(MAX_CONTEXTS).enumerate() {
+        let label = match (p.title.is_empty(), p.section.is_empty()) {
+            (true, true) => String::new(),
+            (false, true) => format!("{}\n", p.title),
+            (true, false) => format!("{}\n", p.section),
+            (false, false) => format!("{} > {}\n", p.title, p.section),
+        };
+        let tag = format!("<chunk id=\"{}\">{label}{}</chunk>\n", i + 1, p.text.trim());
+        if used > 0 && out.len() + tag.len() > MAX_CONTEXT_CHARS {
+            break;
+        }
+        out.push_str(&tag);
+        used += 1;
+    }
+    (out.trim_end().to_owned(), used)
+}
+
+/// Replaces `{name}` placeholders.
+pub fn fill(template: &str, vars: &[(&str, &str)]) -> String {
+    let mut out = template.to_owned();
+    for (k, v) in vars {
+        out = out.replace(&format!("{{{k}}}"), v);
+    }
+    out
+}
+
+/// A citation marker found in the answer: the numbers it names and its byte range.
+fn markers(answer: &str) -> Vec<(Vec<u32>, usize, usize)> {
+    let b = answer.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'['
+            && let Some(len) = answer[i + 1..].find(']')
+        {
+            let inner = &answer[i + 1..i + 1 + len];
+            let inner = inner.trim().trim_start_matches("chunk").trim();
+            let nums: Option<Vec<u32>> = inner
+                .split(',')
+                .map(|p| p.trim().parse::<u32>().ok())
+                .collect();
+            if let Some(nums) = nums.filter(|n| !n.is_empty() && len <= 24) {
+                out.push((nums, i, i + len + 2));
+                i += len + 2;
+                continue;
+            }
+        }
+        i += 1;
+    }
+    out
+}
+
+/// Renumbers `[n]` markers of an answer through `map` (old number -> new), dropping markers
+/// whose number has no image. Used when branch answers with their own numbering are joined.
+pub fn renumber(answer: &str, map: &dyn Fn(u32) -> Option<u32>) -> String {
+    let mut out = String::new();
+    let mut last = 0;
+    for (nums, s, e) in markers(answer) {
+        out.push_str(&answer[last..s]);
+        let mapped: Vec<String> = nums
+            .iter()
+            .filter_map(|n| map(*n))
+            .map(|n| n.to_string())
+            .collect();
+        if !mapped.is_empty() {
+            out.push_str(&format!("[{}]", mapped.join(", ")));
+        }
+        last = e;
+    }
+    out.push_str(&answer[last..]);
+    out
+}
+
+fn words(s: &str) -> HashSet<String> {
+    const STOP: &[&str] = &[
+        "the", "a", "an", "of", "and", "or", "to", "in", "is", "are", "was", "it", "on", "for",
+        "as", "by", "with", "that", "this", "be", "at", "from", "its", "which", "their",
+    ];
+    s.unicode_words()
+        .map(str::to_lowercase)
+        .filter(|w| !STOP.contains(&w.as_str()))
+        .collect()
+}
+
+/// Byte ranges of the sentences of `text`.
+fn sentences(text: &str) -> Vec<(usize, usize)> {
+    text.split_sentence_bound_indices()
+        .map(|(s, t)| (s, s + t.len()))
+        .filter(|(s, e)| !text[*s..*e].trim().is_empty())
+        .collect()
+}
+
+/// Share of `a`'s words that also occur in `b`.
+fn overlap(a: &HashSet<String>, b: &HashSet<String>) -> f32 {
+    if a.is_empty() {
+        return 0.0;
+    }
+    a.intersection(b).count() as f32 / a.len() as f32
+}
+
+/// The sentence of `ctx` that shares most words with `claim` (the first one if none does).
+fn best_span(claim: &HashSet<String>, ctx: &str) -> (usize, usize, f32) {
+    let mut best = (0, ctx.len(), -1.0f32);
+    for (s, e) in sentences(ctx) {
+        let o = overlap(claim, &words(&ctx[s..e]));
+        if o > best.2 {
+            best = (s, e, o);
+        }
+    }
+    best
+}
+
+fn cite(
+    n: u32,
+    ans: (usize, usize),
+    ctx: &Passage,
+    claim: &HashSet<String>,
+    attributed: bool,
+) -> Citation {
+    let (s, e, _) = best_span(claim, &ctx.text);
+    Citation {
+        number: n,
+        chunk_id: ctx.chunk_id.clone(),
+        doc_id: ctx.doc_id.clone(),
+        title: ctx.title.clone(),
+        span: ctx.text[s..e].trim().to_owned(),
+        span_start: s as u32,
+        span_end: e as u32,
+        answer_start: ans.0 as u32,
+        answer_end: ans.1 as u32,
+        attributed,
+    }
+}
+
+/// Minimum share of an answer sentence's words found in a context sentence for attribution.
+pub const ATTRIBUTION_OVERLAP: f32 = 0.5;
+
+/// The validated citations of `answer` and how many markers were dropped.
+pub fn extract(answer: &str, contexts: &[Passage]) -> (Vec<Citation>, u32) {
+    let sents = sentences(answer);
+    let sentence_of = |pos: usize| {
+        sents
+            .iter()
+            .copied()
+            .find(|(s, e)| (*s..*e).contains(&pos))
+            .unwrap_or((0, answer.len()))
+    };
+    let mut out: Vec<Citation> = Vec::new();
+    let mut seen = HashSet::new();
+    let mut dropped = 0;
+    for (nums, start, _) in markers(answer) {
+        let sent = sentence_of(start);
+        let claim = words(&answer[sent.0..start]);
+        let claim = if claim.is_empty() {
+            words(&answer[sent.0..sent.1])
+        } else {
+            claim
+        };
+        for n in nums {
+            match contexts.get((n as usize).wrapping_sub(1)) {
+                Some(ctx) if n >= 1 => {
+                    if seen.insert((n, sent.0)) {
+                        out.push(cite(n, sent, ctx, &claim, false));
+                    }
+                }
+                _ => dropped += 1,
+            }
+        }
+    }
+    if out.is_empty() && !contexts.is_empty() {
+        // No usable marker: attribute each sentence to the best-overlapping context sentence.
+        for sent in sents {
+            let claim = words(&answer[sent.0..sent.1]);
+            if claim.len() < 3 {
+                continue;
+            }
+            let best = contexts
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (i, best_span(&claim, &c.text).2))
+                .max_by(|a, b| a.1.total_cmp(&b.1));
+            if let Some((i, o)) = best
+                && o >= ATTRIBUTION_OVERLAP
+            {
+                out.push(cite(i as u32 + 1, sent, &contexts[i], &claim, true));
+            }
+        }
+    }
+    (out, dropped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(id: &str, text: &str) -> Passage {
+        Passage {
+            chunk_id: id.into(),
+            doc_id: id.split('#').next().unwrap_or(id).into(),
+            text: text.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn markers_are_validated_against_the_contexts() {
+        let ctx = vec![
+            p(
+                "a#0",
+                "Raft elects a leader by majority vote. Terms number the elections.",
+            ),
+            p("b#0", "BM25 saturates term frequency with k1."),
+        ];
+        let ans = "A leader is elected by majority vote [1]. BM25 uses k1 [2, 3]. See [chunk 9].";
+        let (c, dropped) = extract(ans, &ctx);
+        assert_eq!(dropped, 2, "3 and 9 were never given");
+        assert_eq!(c.len(), 2);
+        assert_eq!(c[0].number, 1);
+        assert_eq!(c[0].chunk_id, "a#0");
+        assert_eq!(c[0].span, "Raft elects a leader by majority vote.");
+        assert_eq!(
+            &ans[c[0].answer_start as usize..c[0].answer_end as usize],
+            "A leader is elected by majority vote [1]. "
+        );
+        assert_eq!(c[1].span, "BM25 saturates term frequency with k1.");
+        assert!(!c[0].attributed);
+    }
+
+    #[test]
+    fn uncited_answers_are_attributed_by_overlap() {
+        let ctx = vec![p(
+            "a#0",
+            "The sky is blue. Raft elects a leader by majority vote among servers.",
+        )];
+        let (c, dropped) = extract(
+            "Raft elects its leader by a majority vote. Bananas are yellow fruit.",
+            &ctx,
+        );
+        assert_eq!(dropped, 0);
+        assert_eq!(c.len(), 1);
+        assert!(c[0].attributed);
+        assert_eq!(
+            c[0].span,
+            "Raft elects a leader by majority vote among servers."
+        );
+    }
+
+    #[test]
+    fn rendering_and_renumbering() {
+        let ctx = vec![
+            Passage {
+                title: "T".into(),
+                section: "S".into(),
+                ..p("a#0", "one")
+            },
+            p("b#0", "two"),
+        ];
+        let (text, n) = render(&ctx);
+        assert_eq!(n, 2);
+        assert_eq!(
+            text,
+            "<chunk id=\"1\">T > S\none</chunk>\n<chunk id=\"2\">two</chunk>"
+        );
+        assert_eq!(
+            renumber("x [1] y [2, 1] z [5]", &|n| (n <= 2).then_some(n + 10)),
+            "x [11] y [12, 11] z "
+        );
+        assert_eq!(fill("{a}-{b}-{a}", &[("a", "1"), ("b", "2")]), "1-2-1");
+    }
+}

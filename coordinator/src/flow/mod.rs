@@ -1,0 +1,315 @@
+//! The RAG flow engine behind `Coordinator.Ask`: Modular RAG's operators and flow patterns
+//! (linear, conditional, branching, loops) over this cluster's search and model worker.
+//!
+//! - `spec`: the flow file schema, parsing and validation (errors name the place).
+//! - `exec`: the executor and the operators, with a trace entry per step.
+//! - `route`: keyword / semantic / hybrid routing (eq. 19-22).
+//! - `citations`: chunk-tagged prompts, citation parsing, validation and spans.
+//! - `llm`: calls to the model worker under the request's token budget and deadline.
+
+pub mod citations;
+pub mod exec;
+pub mod llm;
+pub mod route;
+pub mod spec;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use ragcluster_proto::v1::*;
+use tokio::sync::mpsc;
+
+use crate::State;
+use crate::error::{CoordError, Result};
+use exec::{Ctx, Limits, Overrides, Run};
+use spec::{Flow, FlowSet};
+
+/// The shipped example flows (one per pattern), used when no flow file is configured.
+pub const EXAMPLE_FLOWS: &str = include_str!("../../flows/examples.toml");
+
+pub const MAX_QUESTION_BYTES: usize = 8 * 1024;
+pub const MAX_HISTORY: usize = 32;
+pub const MAX_ASK_TIMEOUT_MS: u32 = 600_000;
+
+/// The loaded flows and what the engine caches across requests.
+pub struct Flows {
+    pub set: Arc<FlowSet>,
+    pub intents: Arc<route::IntentCache>,
+}
+
+impl Flows {
+    /// Loads `path` (or the shipped examples); an invalid file stops the coordinator with the
+    /// place of the problem.
+    pub fn load(path: Option<&Path>) -> std::result::Result<Self, String> {
+        let text = match path {
+            Some(p) => std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?,
+            None => EXAMPLE_FLOWS.to_owned(),
+        };
+        let set = FlowSet::parse(&text).map_err(|e| match path {
+            Some(p) => format!("{}: {e}", p.display()),
+            None => e,
+        })?;
+        Ok(Self {
+            set: Arc::new(set),
+            intents: Default::default(),
+        })
+    }
+}
+
+type Events = mpsc::Receiver<std::result::Result<AskResponse, tonic::Status>>;
+
+fn overrides(o: &AskOverrides, max_tokens_cap: usize) -> Result<Overrides> {
+    let mut out = Overrides::default();
+    if let Some(k) = o.top_k {
+        if !(1..=spec::MAX_TOP_K as u32).contains(&k) {
+            return Err(CoordError::invalid(
+                "overrides.top_k",
+                format!("must be in [1, {}]", spec::MAX_TOP_K),
+            ));
+        }
+        out.top_k = Some(k as usize);
+    }
+    if let Some(f) = &o.fusion {
+        spec::parse_fusion(f, None, 60.0)
+            .map_err(|e| CoordError::invalid("overrides.fusion", e))?;
+        out.fusion = Some(f.clone());
+    }
+    if let Some(w) = o.dense_weight {
+        if !(0.0..=1.0).contains(&w) {
+            return Err(CoordError::invalid(
+                "overrides.dense_weight",
+                "must be in [0, 1]",
+            ));
+        }
+        out.dense_weight = Some(w);
+    }
+    if let Some(m) = o.max_tokens {
+        if m == 0 || m as usize > max_tokens_cap.min(spec::MAX_STEP_TOKENS) {
+            return Err(CoordError::invalid(
+                "overrides.max_tokens",
+                format!(
+                    "must be in [1, {}]",
+                    max_tokens_cap.min(spec::MAX_STEP_TOKENS)
+                ),
+            ));
+        }
+        out.max_tokens = Some(m as usize);
+    }
+    if let Some(t) = o.temperature {
+        if !(t.is_finite() && (0.0..=2.0).contains(&t)) {
+            return Err(CoordError::invalid(
+                "overrides.temperature",
+                "must be in [0, 2]",
+            ));
+        }
+        out.temperature = Some(t);
+    }
+    out.generate_model = o.generate_model.clone().filter(|m| !m.is_empty());
+    out.rerank_model = o.rerank_model.clone().filter(|m| !m.is_empty());
+    Ok(out)
+}
+
+impl State {
+    /// Validates an Ask request and starts its flow; events arrive on the returned channel:
+    /// answer tokens, then one `AskResult` (also when the flow fails, with the partial trace,
+    /// followed by the error status).
+    pub async fn ask(self: &Arc<Self>, r: AskRequest) -> Result<Events> {
+        let info = self.catalog.get(&r.collection)?;
+        let question = r.question.trim().to_owned();
+        if question.is_empty() {
+            return Err(CoordError::invalid("question", "is empty"));
+        }
+        if r.question.len() > MAX_QUESTION_BYTES {
+            return Err(CoordError::invalid(
+                "question",
+                format!("is longer than {MAX_QUESTION_BYTES} bytes"),
+            ));
+        }
+        let set = self.flows.set.clone();
+        let flow: Flow = match (r.flow.is_empty(), r.inline_flow.is_empty()) {
+            (false, false) => {
+                return Err(CoordError::invalid(
+                    "inline_flow",
+                    "give either flow or inline_flow",
+                ));
+            }
+            (_, false) => {
+                let v: toml::Value = r
+                    .inline_flow
+                    .parse::<toml::Table>()
+                    .map(toml::Value::Table)
+                    .map_err(|e| CoordError::invalid("inline_flow", e.to_string()))?;
+                let f = spec::parse_flow("inline", &v)
+                    .map_err(|e| CoordError::invalid("inline_flow", e))?;
+                set.validate_inline(&f)
+                    .map_err(|e| CoordError::invalid("inline_flow", e))?;
+                f
+            }
+            _ => set
+                .resolve(&r.flow, &r.collection)
+                .map_err(|e| CoordError::invalid("flow", e))?
+                .clone(),
+        };
+        let cfg = &self.cfg;
+        let o = overrides(
+            &r.overrides.clone().unwrap_or_default(),
+            cfg.ask_max_generated_tokens,
+        )?;
+        if r.history.len() > MAX_HISTORY {
+            return Err(CoordError::invalid(
+                "history",
+                format!("at most {MAX_HISTORY} turns"),
+            ));
+        }
+        if let Some(i) = r
+            .history
+            .iter()
+            .position(|m| m.role != "user" && m.role != "assistant")
+        {
+            return Err(CoordError::invalid(
+                format!("history[{i}].role"),
+                "must be \"user\" or \"assistant\"",
+            ));
+        }
+        if r.timeout_ms > MAX_ASK_TIMEOUT_MS {
+            return Err(CoordError::invalid(
+                "timeout_ms",
+                format!("must be at most {MAX_ASK_TIMEOUT_MS}"),
+            ));
+        }
+        let limits = Limits {
+            max_generated_tokens: match r.max_generated_tokens {
+                0 => cfg.ask_max_generated_tokens,
+                n if n as usize <= cfg.ask_max_generated_tokens => n as usize,
+                n => {
+                    return Err(CoordError::invalid(
+                        "max_generated_tokens",
+                        format!(
+                            "{n} is above the coordinator's cap of {}",
+                            cfg.ask_max_generated_tokens
+                        ),
+                    ));
+                }
+            },
+            max_branches: match r.max_branches {
+                0 => cfg.ask_max_branches,
+                n => (n as usize).min(cfg.ask_max_branches),
+            },
+            max_iterations: match r.max_iterations {
+                0 => cfg.ask_max_iterations,
+                n => (n as usize).min(cfg.ask_max_iterations),
+            },
+        };
+        let timeout = match r.timeout_ms {
+            0 => cfg.ask_timeout,
+            ms => Duration::from_millis(u64::from(ms)),
+        };
+        let (tx, rx) = mpsc::channel(256);
+        let started = Instant::now();
+        let run = Arc::new(Run {
+            state: self.clone(),
+            info,
+            question: question.clone(),
+            history: r.history,
+            overrides: o,
+            tokens_left: AtomicI64::new(limits.max_generated_tokens as i64),
+            limits,
+            flows: set,
+            intents: self.flows.intents.clone(),
+            trace: Default::default(),
+            generated: AtomicU64::new(0),
+            streamed: AtomicBool::new(false),
+            sink: Some(tx.clone()),
+            started,
+            deadline: started + timeout,
+        });
+        tokio::spawn(async move {
+            let mut ctx = Ctx {
+                query: question,
+                widen: 1,
+                ..Default::default()
+            };
+            let res = {
+                let fut = exec::run_steps(&run, &flow.steps, &mut ctx, "", true);
+                tokio::select! {
+                    r = tokio::time::timeout(timeout, fut) => match r {
+                        Err(_) => Err(CoordError::Deadline(format!("ask (flow {:?}, {} ms)", flow.name, timeout.as_millis()))),
+                        Ok(r) => r,
+                    },
+                    // The client went away: stop every operator (dropping the flow cancels
+                    // model worker streams and searches).
+                    _ = tx.closed() => return,
+                }
+            };
+            let status: tonic::Status;
+            let (result, err) = match res {
+                Ok(()) => (finish(&run, &flow, &ctx, "ok"), None),
+                Err(e) => {
+                    status = e.into();
+                    let code = format!("{:?}", status.code()).to_lowercase();
+                    let mut r = finish(&run, &flow, &ctx, &code);
+                    r.error = status.message().to_owned();
+                    (r, Some(status))
+                }
+            };
+            let label = result.status.clone();
+            metrics::histogram!("coordinator_ask_seconds", "flow" => flow.name.clone(), "status" => label)
+                .record(started.elapsed().as_secs_f64());
+            let _ = tx
+                .send(Ok(AskResponse {
+                    event: Some(ask_response::Event::Result(result)),
+                }))
+                .await;
+            if let Some(s) = err {
+                let _ = tx.send(Err(s)).await;
+            }
+        });
+        Ok(rx)
+    }
+}
+
+/// The final message: answer, validated citations, the contexts behind them and the trace.
+fn finish(run: &Run, flow: &Flow, ctx: &Ctx, status: &str) -> AskResult {
+    let answer = ctx
+        .answer
+        .as_ref()
+        .map(|a| a.text.trim().to_owned())
+        .unwrap_or_default();
+    let contexts = if ctx.answer.is_some() {
+        &ctx.contexts
+    } else {
+        &ctx.chunks
+    };
+    let (citations, dropped) = citations::extract(&answer, contexts);
+    if dropped > 0 {
+        metrics::counter!("coordinator_ask_citations_dropped_total").increment(u64::from(dropped));
+    }
+    let generated = run.generated.load(Ordering::Acquire);
+    metrics::counter!("coordinator_ask_generated_tokens_total").increment(generated);
+    AskResult {
+        answer,
+        citations,
+        dropped_citations: dropped,
+        contexts: contexts
+            .iter()
+            .enumerate()
+            .map(|(i, c)| AskContext {
+                number: i as u32 + 1,
+                chunk_id: c.chunk_id.clone(),
+                doc_id: c.doc_id.clone(),
+                title: c.title.clone(),
+                section: c.section.clone(),
+                text: c.text.clone(),
+                score: c.score,
+            })
+            .collect(),
+        trace: run.trace.lock().clone(),
+        flow: flow.name.clone(),
+        generated_tokens: generated as u32,
+        took_us: run.started.elapsed().as_micros() as u64,
+        status: status.to_owned(),
+        error: String::new(),
+    }
+}

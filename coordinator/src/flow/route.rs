@@ -1,0 +1,205 @@
+//! Routing between flows, Modular RAG eq. 19-22.
+//!
+//! - Keyword (eq. 19): K' = the query's words that are routing keywords of some flow;
+//!   score_key(q, F_j) = |K_j ∩ K'| / |K'| (0 when K' is empty).
+//! - Semantic (eq. 21): P(θ | q) = softmax over all intents of cos(q, θ) / temperature (the
+//!   embedding similarity standing in for P_LM); score_sem(q, F_j) = max over F_j's intents.
+//! - Hybrid (eq. 22): α_j = a · score_key + (1 − a) · score_sem.
+//!
+//! The flow with the highest score wins (eq. 20); when every score is 0 the route's default
+//! (or its first target) runs.
+
+use std::collections::{HashMap, HashSet};
+
+use parking_lot::Mutex;
+use unicode_segmentation::UnicodeSegmentation;
+
+use super::exec::Run;
+use super::llm;
+use super::spec::{RouteMethod, RouteTarget};
+use crate::error::Result;
+
+/// Embeddings of intent descriptions, by (model, text): computed once per coordinator.
+#[derive(Default)]
+pub struct IntentCache(Mutex<HashMap<(String, String), Vec<f32>>>);
+
+/// Eq. 19 for every target.
+pub fn keyword_scores(query: &str, routes: &[RouteTarget]) -> Vec<f32> {
+    let q = query.to_lowercase();
+    let words: HashSet<&str> = q.unicode_words().collect();
+    // A multi-word keyword matches as a phrase.
+    let hit = |k: &str| {
+        if k.contains(' ') {
+            q.contains(k)
+        } else {
+            words.contains(k)
+        }
+    };
+    let found: HashSet<&str> = routes
+        .iter()
+        .flat_map(|r| r.keywords.iter())
+        .map(String::as_str)
+        .filter(|k| hit(k))
+        .collect();
+    if found.is_empty() {
+        return vec![0.0; routes.len()];
+    }
+    routes
+        .iter()
+        .map(|r| {
+            let own: HashSet<&str> = r.keywords.iter().map(String::as_str).collect();
+            own.intersection(&found).count() as f32 / found.len() as f32
+        })
+        .collect()
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let na = a.iter().map(|x| x * x).sum::<f32>().sqrt();
+    let nb = b.iter().map(|x| x * x).sum::<f32>().sqrt();
+    dot / (na * nb).max(1e-12)
+}
+
+/// Eq. 21 for every target, from the query vector and each target's intent vectors.
+pub fn semantic_scores(q: &[f32], intents: &[Vec<Vec<f32>>], temperature: f32) -> Vec<f32> {
+    let sims: Vec<Vec<f32>> = intents
+        .iter()
+        .map(|vs| vs.iter().map(|v| cosine(q, v) / temperature).collect())
+        .collect();
+    let max = sims
+        .iter()
+        .flatten()
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return vec![0.0; intents.len()];
+    }
+    let z: f32 = sims.iter().flatten().map(|s| (s - max).exp()).sum();
+    sims.iter()
+        .map(|vs| vs.iter().map(|s| (s - max).exp() / z).fold(0.0, f32::max))
+        .collect()
+}
+
+async fn intent_vectors(rt: &Run, routes: &[RouteTarget]) -> Result<Vec<Vec<Vec<f32>>>> {
+    let model = rt.info.embedding_model.clone();
+    let missing: Vec<String> = {
+        let c = rt.intents.0.lock();
+        let mut m: Vec<String> = routes
+            .iter()
+            .flat_map(|r| r.intents.iter())
+            .filter(|t| !c.contains_key(&(model.clone(), (*t).clone())))
+            .cloned()
+            .collect();
+        m.dedup();
+        m
+    };
+    if !missing.is_empty() {
+        let vecs = llm::embed(rt, missing.clone()).await?;
+        let mut c = rt.intents.0.lock();
+        for (t, v) in missing.into_iter().zip(vecs) {
+            c.insert((model.clone(), t), v);
+        }
+    }
+    let c = rt.intents.0.lock();
+    Ok(routes
+        .iter()
+        .map(|r| {
+            r.intents
+                .iter()
+                .filter_map(|t| c.get(&(model.clone(), t.clone())).cloned())
+                .collect()
+        })
+        .collect())
+}
+
+/// The chosen flow and a line saying why (every target's scores).
+pub async fn choose(
+    rt: &Run,
+    query: &str,
+    method: RouteMethod,
+    alpha: f32,
+    temperature: f32,
+    routes: &[RouteTarget],
+    default: &str,
+) -> Result<(String, String)> {
+    let key = keyword_scores(query, routes);
+    let sem = if method == RouteMethod::Keyword || routes.iter().all(|r| r.intents.is_empty()) {
+        vec![0.0; routes.len()]
+    } else {
+        let q = llm::embed(rt, vec![query.to_owned()])
+            .await?
+            .pop()
+            .unwrap_or_default();
+        semantic_scores(&q, &intent_vectors(rt, routes).await?, temperature)
+    };
+    let a = match method {
+        RouteMethod::Keyword => 1.0,
+        RouteMethod::Semantic => 0.0,
+        RouteMethod::Hybrid => alpha,
+    };
+    let scores: Vec<f32> = key
+        .iter()
+        .zip(&sem)
+        .map(|(k, s)| a * k + (1.0 - a) * s)
+        .collect();
+    let best = scores
+        .iter()
+        .enumerate()
+        .max_by(|x, y| x.1.total_cmp(y.1))
+        .filter(|(_, s)| **s > 0.0)
+        .map(|(i, _)| i);
+    let chosen = match best {
+        Some(i) => routes[i].flow.clone(),
+        None if !default.is_empty() => default.to_owned(),
+        None => routes[0].flow.clone(),
+    };
+    let detail: Vec<String> = routes
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            format!(
+                "{} key {:.2} sem {:.2} = {:.3}",
+                r.flow, key[i], sem[i], scores[i]
+            )
+        })
+        .collect();
+    Ok((
+        chosen.clone(),
+        format!("-> {chosen} ({})", detail.join("; ")),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(flow: &str, kw: &[&str]) -> RouteTarget {
+        RouteTarget {
+            flow: flow.into(),
+            keywords: kw.iter().map(|s| s.to_string()).collect(),
+            intents: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn eq19_keyword_overlap() {
+        let routes = [
+            t("a", &["bm25", "k1", "term frequency"]),
+            t("b", &["raft", "k1"]),
+        ];
+        // K' = {bm25, k1, term frequency}: a has 3/3, b 1/3.
+        let s = keyword_scores("How do BM25's k1 and term frequency interact?", &routes);
+        assert_eq!(s, vec![1.0, 1.0 / 3.0]);
+        assert_eq!(keyword_scores("nothing here", &routes), vec![0.0, 0.0]);
+    }
+
+    #[test]
+    fn eq21_softmax_over_intents() {
+        let q = vec![1.0, 0.0];
+        let intents = vec![vec![vec![1.0, 0.0]], vec![vec![0.0, 1.0], vec![0.6, 0.8]]];
+        let s = semantic_scores(&q, &intents, 1.0);
+        let z = 1f32.exp() + 0f32.exp() + 0.6f32.exp();
+        assert!((s[0] - 1f32.exp() / z).abs() < 1e-6);
+        assert!((s[1] - 0.6f32.exp() / z).abs() < 1e-6);
+    }
+}
