@@ -10,6 +10,7 @@ pub mod chunking;
 pub mod collections;
 pub mod config;
 pub mod error;
+pub mod eval;
 pub mod fanout;
 pub mod flow;
 pub mod fusion;

@@ -465,48 +465,7 @@ pub async fn coordinator_client(addr: &str) -> Result<CoordinatorClient<Channel>
 }
 
 /// A BEIR document.
-#[derive(Deserialize, Clone)]
-pub struct BeirDoc {
-    #[serde(rename = "_id")]
-    pub id: String,
-    #[serde(default)]
-    pub title: String,
-    pub text: String,
-}
-
-#[derive(Deserialize, Clone)]
-pub struct BeirQuery {
-    #[serde(rename = "_id")]
-    pub id: String,
-    pub text: String,
-}
-
-pub fn read_jsonl<T: serde::de::DeserializeOwned>(path: &Path, limit: usize) -> Result<Vec<T>> {
-    let s = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
-    s.lines()
-        .filter(|l| !l.trim().is_empty())
-        .take(limit)
-        .map(|l| Ok(serde_json::from_str(l)?))
-        .collect()
-}
-
-/// qrels/test.tsv: query id -> relevant doc ids with grades.
-pub fn read_qrels(
-    path: &Path,
-) -> Result<std::collections::HashMap<String, std::collections::HashMap<String, u32>>> {
-    let s = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
-    let mut out: std::collections::HashMap<String, std::collections::HashMap<String, u32>> =
-        Default::default();
-    for line in s.lines().skip(1) {
-        let f: Vec<&str> = line.split('\t').collect();
-        if f.len() >= 3 {
-            out.entry(f[0].to_owned())
-                .or_default()
-                .insert(f[1].to_owned(), f[2].trim().parse().unwrap_or(0));
-        }
-    }
-    Ok(out)
-}
+pub use coordinator::eval::beir::{BeirDoc, BeirQuery, read_jsonl, read_qrels};
 
 /// Percentile (0..=100) of an unsorted sample, nearest rank.
 pub fn percentile(v: &mut [f64], p: f64) -> f64 {

@@ -1,5 +1,8 @@
 //! `ragctl`: the operator and developer CLI. `local up` starts a whole cluster as processes on
-//! loopback; `ingest`, `search`, `ask`, `collection` and `status` talk to a coordinator.
+//! loopback; `ingest`, `search`, `ask`, `eval`, `collection` and `status` talk to a
+//! coordinator.
+
+mod eval;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -66,6 +69,11 @@ enum Cmd {
     },
     /// Ask a question: a flow retrieves, generates a cited answer (streamed) and traces itself.
     Ask(AskArgs),
+    /// Evaluate quality on BEIR-format data.
+    Eval {
+        #[command(subcommand)]
+        cmd: eval::EvalCmd,
+    },
     /// Manage collections.
     Collection {
         #[command(subcommand)]
@@ -254,6 +262,14 @@ async fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Ask(a) => ask(&cli, a).await,
+        Cmd::Eval {
+            cmd: eval::EvalCmd::Retrieval(a),
+        } => {
+            let c = CoordinatorClient::new(channel(&cli).await?)
+                .max_decoding_message_size(64 * 1024 * 1024)
+                .max_encoding_message_size(64 * 1024 * 1024);
+            eval::retrieval(c, a).await
+        }
         Cmd::Collection { cmd } => collection(&cli, cmd).await,
         Cmd::Status { json } => status(&cli, *json).await,
     }

@@ -1,0 +1,324 @@
+//! `ragctl eval retrieval`: retrieval quality of search configurations or flows on a BEIR
+//! dataset. Every judged query runs through each configuration; documents are ranked by
+//! their best chunk; the metrics of `coordinator::eval::metrics` are averaged over queries.
+//! Writes `per_query.jsonl`, `summary.json` and one TREC run file per configuration (for
+//! trec_eval / pytrec_eval) into `--out`, and prints a table.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use coordinator::eval::beir::{self, BeirDoc};
+use coordinator::eval::metrics;
+use futures::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
+use ragcluster_proto::v1::*;
+use serde_json::json;
+use tonic::transport::Channel;
+
+#[derive(clap::Subcommand)]
+pub enum EvalCmd {
+    /// Retrieval quality (nDCG@10, recall, MRR, MAP, context precision, latency) on a BEIR
+    /// dataset, for search configurations or retrieval flows.
+    Retrieval(RetrievalArgs),
+}
+
+#[derive(clap::Args)]
+pub struct RetrievalArgs {
+    #[arg(long, default_value = "docs")]
+    collection: String,
+    /// BEIR directory: corpus.jsonl, queries.jsonl, qrels/SPLIT.tsv.
+    #[arg(long)]
+    dataset: PathBuf,
+    #[arg(long, default_value = "test")]
+    split: String,
+    /// Create the collection (markdown-free sentence chunking) and load the corpus first.
+    #[arg(long)]
+    ingest: bool,
+    #[arg(long, default_value_t = 3)]
+    shards: u32,
+    /// With --ingest: load only the documents judged for the evaluated queries plus this many
+    /// others (a smaller corpus; scores are then higher than on the full corpus).
+    #[arg(long)]
+    limit_docs: Option<usize>,
+    /// Evaluate only the first N judged queries.
+    #[arg(long)]
+    limit_queries: Option<usize>,
+    /// Search configurations: bm25, dense, hybrid-rrf, hybrid-cc, hybrid-dbsf.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "bm25,dense,hybrid-rrf,hybrid-cc,hybrid-dbsf"
+    )]
+    configs: Vec<String>,
+    /// Flows to evaluate instead of (with --configs "") or besides the search configurations;
+    /// a flow's final contexts are its ranking.
+    #[arg(long, value_delimiter = ',')]
+    flow: Vec<String>,
+    /// Documents ranked per query.
+    #[arg(long, default_value_t = 100)]
+    top_k: usize,
+    /// K of context precision@K (the AutoRAG seed uses 10 for retrieval).
+    #[arg(long, default_value_t = 10)]
+    context_precision_k: usize,
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    #[arg(long, default_value = "eval-out")]
+    out: PathBuf,
+}
+
+fn bar(n: usize, what: &str) -> Result<ProgressBar> {
+    let b = ProgressBar::new(n as u64);
+    b.set_style(ProgressStyle::with_template(&format!(
+        "{{bar:40}} {{pos}}/{{len}} {what} [{{elapsed}}]"
+    ))?);
+    Ok(b)
+}
+
+async fn ingest(
+    c: &mut CoordinatorClient<Channel>,
+    a: &RetrievalArgs,
+    judged: &HashSet<String>,
+) -> Result<()> {
+    let corpus: Vec<BeirDoc> = beir::read_jsonl(&a.dataset.join("corpus.jsonl"), usize::MAX)?;
+    let mut extra = a.limit_docs.unwrap_or(usize::MAX);
+    let docs: Vec<BeirDoc> = corpus
+        .into_iter()
+        .filter(|d| {
+            if judged.contains(&d.id) {
+                return true;
+            }
+            let keep = extra > 0;
+            extra = extra.saturating_sub(1);
+            keep
+        })
+        .collect();
+    c.create_collection(CreateCollectionRequest {
+        name: a.collection.clone(),
+        shard_count: a.shards,
+        chunking: Some(ChunkingConfig {
+            strategy: ChunkingStrategy::Sentence as i32,
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+    .await
+    .with_context(|| format!("creating collection {}", a.collection))?;
+    let b = bar(docs.len(), "documents")?;
+    for batch in docs.chunks(32) {
+        let documents = batch
+            .iter()
+            .map(|d| Document {
+                id: d.id.clone(),
+                title: d.title.clone(),
+                text: if d.text.trim().is_empty() {
+                    d.title.clone()
+                } else {
+                    d.text.clone()
+                },
+                ..Default::default()
+            })
+            .filter(|d| !d.text.trim().is_empty())
+            .collect();
+        c.upsert_documents(UpsertDocumentsRequest {
+            collection: a.collection.clone(),
+            documents,
+        })
+        .await?;
+        b.inc(batch.len() as u64);
+    }
+    b.finish();
+    Ok(())
+}
+
+/// One configuration's ranking of a query: doc ids and the time it took.
+async fn rank(
+    mut c: CoordinatorClient<Channel>,
+    collection: &str,
+    config: &str,
+    query: &str,
+    top_k: usize,
+) -> Result<(Vec<String>, f64)> {
+    let t = Instant::now();
+    if let Some(flow) = config.strip_prefix("flow:") {
+        let mut s = c
+            .ask(AskRequest {
+                collection: collection.into(),
+                question: query.into(),
+                flow: flow.into(),
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        let mut docs = Vec::new();
+        while let Some(m) = s.next().await {
+            if let Some(ask_response::Event::Result(r)) = m?.event {
+                docs = metrics::doc_ranking(r.contexts.iter().map(|c| c.doc_id.as_str()));
+            }
+        }
+        return Ok((docs, t.elapsed().as_secs_f64() * 1e3));
+    }
+    let (mode, fusion) = match config {
+        "bm25" => (SearchMode::Bm25, ""),
+        "dense" => (SearchMode::Dense, ""),
+        "hybrid-rrf" => (SearchMode::Hybrid, "rrf"),
+        "hybrid-cc" => (SearchMode::Hybrid, "cc"),
+        "hybrid-dbsf" | "hybrid" => (SearchMode::Hybrid, "dbsf"),
+        other => bail!(
+            "unknown configuration {other:?} (bm25, dense, hybrid-rrf, hybrid-cc, hybrid-dbsf)"
+        ),
+    };
+    // Several chunks of one document may rank high: ask for more chunks than documents.
+    let r = c
+        .search(SearchRequest {
+            collection: collection.into(),
+            query: query.into(),
+            top_k: (top_k * 3).min(1000) as u32,
+            mode: mode as i32,
+            fusion: fusion.into(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let mut docs = metrics::doc_ranking(r.hits.iter().map(|h| h.doc_id.as_str()));
+    docs.truncate(top_k);
+    Ok((docs, t.elapsed().as_secs_f64() * 1e3))
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let i = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[i.clamp(1, v.len()) - 1]
+}
+
+pub async fn retrieval(client: CoordinatorClient<Channel>, a: &RetrievalArgs) -> Result<()> {
+    let mut judged =
+        beir::judged_queries(&a.dataset, &a.split, a.limit_queries.unwrap_or(usize::MAX))?;
+    if judged.queries.is_empty() {
+        bail!(
+            "no judged queries in {} ({} split)",
+            a.dataset.display(),
+            a.split
+        );
+    }
+    let mut c = client.clone();
+    if a.ingest {
+        let ids: HashSet<String> = judged
+            .queries
+            .iter()
+            .flat_map(|q| judged.qrels[&q.id].keys().cloned())
+            .collect();
+        ingest(&mut c, a, &ids).await?;
+    }
+    std::fs::create_dir_all(&a.out)?;
+    let mut configs: Vec<String> = a
+        .configs
+        .iter()
+        .filter(|s| !s.is_empty())
+        .cloned()
+        .collect();
+    configs.extend(a.flow.iter().map(|f| format!("flow:{f}")));
+    let mut per_query = String::new();
+    let mut summary = serde_json::Map::new();
+    let mut table = Table::new();
+    table.load_preset(UTF8_FULL_CONDENSED);
+    let mut header = vec!["configuration".to_string()];
+    let names: Vec<String> = metrics::all(&[], &Default::default(), a.context_precision_k)
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    header.extend(names.iter().cloned());
+    header.extend(["p50 ms".into(), "p99 ms".into()]);
+    table.set_header(header);
+    let queries = std::mem::take(&mut judged.queries);
+    for config in &configs {
+        let b = bar(queries.len(), config)?;
+        let results: Vec<Result<(String, Vec<String>, f64)>> =
+            futures::stream::iter(queries.iter())
+                .map(|q| {
+                    let c = client.clone();
+                    let b = b.clone();
+                    async move {
+                        let (docs, ms) = rank(c, &a.collection, config, &q.text, a.top_k).await?;
+                        b.inc(1);
+                        Ok((q.id.clone(), docs, ms))
+                    }
+                })
+                .buffered(a.concurrency.max(1))
+                .collect()
+                .await;
+        b.finish_and_clear();
+        let mut sums: BTreeMap<String, f64> = BTreeMap::new();
+        let mut lat = Vec::new();
+        let mut trec = String::new();
+        for r in results {
+            let (qid, docs, ms) = r?;
+            let rels = &judged.qrels[&qid];
+            let m = metrics::all(&docs, rels, a.context_precision_k);
+            for (n, v) in &m {
+                *sums.entry(n.clone()).or_default() += v;
+            }
+            lat.push(ms);
+            let mut line = json!({"config": config, "query_id": qid, "latency_ms": ms,
+                                  "top10": docs.iter().take(10).collect::<Vec<_>>()});
+            for (n, v) in m {
+                line[n] = json!(v);
+            }
+            per_query.push_str(&line.to_string());
+            per_query.push('\n');
+            let tag = config.replace(':', "_");
+            for (i, d) in docs.iter().enumerate() {
+                // Strictly decreasing scores: trec_eval re-sorts by score.
+                trec.push_str(&format!(
+                    "{qid} Q0 {d} {} {} {tag}\n",
+                    i + 1,
+                    docs.len() - i
+                ));
+            }
+        }
+        let n = queries.len() as f64;
+        let means: BTreeMap<String, f64> = sums.into_iter().map(|(k, v)| (k, v / n)).collect();
+        let (p50, p99) = (percentile(&mut lat, 50.0), percentile(&mut lat, 99.0));
+        let mut row = vec![config.clone()];
+        row.extend(
+            names
+                .iter()
+                .map(|k| format!("{:.4}", means.get(k).copied().unwrap_or(0.0))),
+        );
+        row.extend([format!("{p50:.1}"), format!("{p99:.1}")]);
+        table.add_row(row);
+        summary.insert(
+            config.clone(),
+            json!({"queries": queries.len(), "metrics": means, "latency_ms": {"p50": p50, "p99": p99}}),
+        );
+        std::fs::write(
+            a.out.join(format!("{}.trec", config.replace(':', "_"))),
+            trec,
+        )?;
+    }
+    std::fs::write(a.out.join("per_query.jsonl"), per_query)?;
+    let summary = json!({
+        "dataset": a.dataset.display().to_string(),
+        "split": a.split,
+        "collection": a.collection,
+        "top_k": a.top_k,
+        "configurations": summary,
+    });
+    std::fs::write(
+        a.out.join("summary.json"),
+        serde_json::to_string_pretty(&summary)?,
+    )?;
+    println!("{table}");
+    println!(
+        "{} queries; per-query results, run files and summary.json in {}",
+        queries.len(),
+        a.out.display()
+    );
+    Ok(())
+}

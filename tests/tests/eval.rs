@@ -1,0 +1,104 @@
+//! `ragctl eval retrieval` as a user runs it: against a real cluster, loading a SciFact subset
+//! (`--ingest`: the documents judged for 40 queries plus 200 others) and evaluating bm25, dense
+//! and hybrid. Checks the outputs (table, summary.json, per-query JSONL, TREC run files) and
+//! then scores the run files with pytrec_eval (trec_eval) and requires every per-query metric to
+//! equal ours within 1e-6. That last part needs a Python with `pytrec_eval`
+//! (`RAGCLUSTER_PYTHON`, else ~/.cache/st-venv/bin/python, else python3;
+//! `pip install pytrec-eval-terrier`) and is skipped with a message without one.
+
+use std::process::Command;
+
+use anyhow::{Context, Result, ensure};
+use ragcluster_tests::{Cluster, bin_dir, datasets_dir, workspace};
+
+fn python_with_pytrec() -> Option<String> {
+    let mut candidates: Vec<String> = std::env::var("RAGCLUSTER_PYTHON").into_iter().collect();
+    if let Some(home) = std::env::var_os("HOME") {
+        candidates.push(format!(
+            "{}/.cache/st-venv/bin/python",
+            home.to_string_lossy()
+        ));
+    }
+    candidates.push("python3".into());
+    candidates.into_iter().find(|p| {
+        Command::new(p)
+            .args(["-c", "import pytrec_eval"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+}
+
+#[test]
+fn eval_retrieval_matches_trec_eval() -> Result<()> {
+    let cluster = Cluster::start(2)?;
+    let out = cluster.dir.path().join("eval-out");
+    let dataset = datasets_dir().join("scifact");
+    let run = Command::new(bin_dir().join("ragctl"))
+        .args([
+            "--coordinator",
+            &cluster.coordinator.grpc,
+            "eval",
+            "retrieval",
+        ])
+        .args(["--collection", "scifact", "--ingest", "--shards", "2"])
+        .args(["--limit-queries", "40", "--limit-docs", "200"])
+        .args(["--configs", "bm25,dense,hybrid-rrf,hybrid-dbsf"])
+        .arg("--dataset")
+        .arg(&dataset)
+        .arg("--out")
+        .arg(&out)
+        .env("RUST_BACKTRACE", "0")
+        .output()?;
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    println!("{stdout}");
+    ensure!(
+        run.status.success(),
+        "ragctl eval failed: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    ensure!(stdout.contains("ndcg@10") && stdout.contains("hybrid-dbsf"));
+
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json"))?)?;
+    for c in ["bm25", "dense", "hybrid-rrf", "hybrid-dbsf"] {
+        let m = &summary["configurations"][c]["metrics"];
+        let ndcg = m["ndcg@10"].as_f64().context("ndcg@10")?;
+        // A 40-query subset over ~250 documents: every retriever finds most answers.
+        ensure!((0.3..=1.0).contains(&ndcg), "{c}: nDCG@10 {ndcg}");
+        for k in [
+            "recall@10",
+            "recall@100",
+            "mrr@10",
+            "map@100",
+            "p@10",
+            "context_precision@10",
+        ] {
+            ensure!((0.0..=1.0).contains(&m[k].as_f64().context(k)?), "{c} {k}");
+        }
+        ensure!(out.join(format!("{c}.trec")).exists());
+    }
+    let lines = std::fs::read_to_string(out.join("per_query.jsonl"))?
+        .lines()
+        .count();
+    ensure!(lines == 4 * 40, "{lines} per-query lines");
+
+    let Some(python) = python_with_pytrec() else {
+        println!(
+            "SKIPPED the pytrec_eval cross-check: no Python with pytrec_eval (set RAGCLUSTER_PYTHON)"
+        );
+        return Ok(());
+    };
+    let check = Command::new(&python)
+        .arg(workspace().join("scripts/trec_check.py"))
+        .arg(dataset.join("qrels/test.tsv"))
+        .arg(&out)
+        .output()?;
+    let report = String::from_utf8_lossy(&check.stdout);
+    println!("pytrec_eval cross-check: {report}");
+    ensure!(
+        check.status.success(),
+        "metrics differ from pytrec_eval: {report} {}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    Ok(())
+}
