@@ -270,6 +270,28 @@ async fn main() -> Result<()> {
                 .max_encoding_message_size(64 * 1024 * 1024);
             eval::retrieval(c, a).await
         }
+        Cmd::Eval {
+            cmd: eval::EvalCmd::Answers(a),
+        } => {
+            let c = CoordinatorClient::new(channel(&cli).await?);
+            let addr = a
+                .model_worker
+                .clone()
+                .or_else(|| {
+                    std::fs::read_to_string(cli.dir.join("cluster.json"))
+                        .ok()
+                        .and_then(|s| serde_json::from_str::<LocalCluster>(&s).ok())
+                        .map(|c| c.model_worker)
+                })
+                .context("no model worker: pass --model-worker (needed for SemScore)")?;
+            let mw = ragcluster_proto::v1::model_worker_client::ModelWorkerClient::new(
+                Channel::from_shared(addr.clone())?
+                    .connect()
+                    .await
+                    .with_context(|| format!("cannot reach the model worker at {addr}"))?,
+            );
+            eval::answers(c, mw, a).await
+        }
         Cmd::Collection { cmd } => collection(&cli, cmd).await,
         Cmd::Status { json } => status(&cli, *json).await,
     }
