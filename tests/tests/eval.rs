@@ -1,6 +1,7 @@
 //! `ragctl eval retrieval` as a user runs it: against a real cluster, loading a SciFact subset
 //! (`--ingest`: the documents judged for 40 queries plus 200 others) and evaluating bm25, dense
-//! and hybrid. Checks the outputs (table, summary.json, per-query JSONL, TREC run files) and
+//! and hybrid. Checks the outputs (table, summary.json, per-query JSONL, TREC run files, the
+//! HTML report with its two SVG charts) and
 //! then scores the run files with pytrec_eval (trec_eval) and requires every per-query metric to
 //! equal ours within 1e-6. That last part needs a Python with `pytrec_eval`
 //! (`RAGCLUSTER_PYTHON`, else ~/.cache/st-venv/bin/python, else python3;
@@ -77,6 +78,10 @@ fn eval_retrieval_matches_trec_eval() -> Result<()> {
         }
         ensure!(out.join(format!("{c}.trec")).exists());
     }
+    let html = std::fs::read_to_string(out.join("report.html"))?;
+    ensure!(
+        html.matches("<svg").count() == 2 && html.contains("hybrid-dbsf") && html.contains("<rect")
+    );
     let lines = std::fs::read_to_string(out.join("per_query.jsonl"))?
         .lines()
         .count();

@@ -1,8 +1,8 @@
 //! `ragctl eval retrieval`: retrieval quality of search configurations or flows on a BEIR
 //! dataset. Every judged query runs through each configuration; documents are ranked by
 //! their best chunk; the metrics of `coordinator::eval::metrics` are averaged over queries.
-//! Writes `per_query.jsonl`, `summary.json` and one TREC run file per configuration (for
-//! trec_eval / pytrec_eval) into `--out`, and prints a table.
+//! Writes `per_query.jsonl`, `summary.json`, one TREC run file per configuration (for
+//! trec_eval / pytrec_eval) and `report.html` (charts) into `--out`, and prints a table.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
@@ -264,6 +264,7 @@ pub async fn retrieval(client: CoordinatorClient<Channel>, a: &RetrievalArgs) ->
     header.extend(["p50 ms".into(), "p99 ms".into()]);
     table.set_header(header);
     let queries = std::mem::take(&mut judged.queries);
+    let mut charts: Vec<crate::report::Config> = Vec::new();
     for config in &configs {
         let b = bar(queries.len(), config)?;
         let results: Vec<Result<(String, Vec<String>, f64)>> =
@@ -282,6 +283,7 @@ pub async fn retrieval(client: CoordinatorClient<Channel>, a: &RetrievalArgs) ->
                 .await;
         b.finish_and_clear();
         let mut sums: BTreeMap<String, f64> = BTreeMap::new();
+        let mut values: BTreeMap<String, Vec<f64>> = BTreeMap::new();
         let mut lat = Vec::new();
         let mut trec = String::new();
         for r in results {
@@ -290,6 +292,7 @@ pub async fn retrieval(client: CoordinatorClient<Channel>, a: &RetrievalArgs) ->
             let m = metrics::all(&docs, rels, a.context_precision_k);
             for (n, v) in &m {
                 *sums.entry(n.clone()).or_default() += v;
+                values.entry(n.clone()).or_default().push(*v);
             }
             lat.push(ms);
             let mut line = json!({"config": config, "query_id": qid, "latency_ms": ms,
@@ -320,6 +323,13 @@ pub async fn retrieval(client: CoordinatorClient<Channel>, a: &RetrievalArgs) ->
         );
         row.extend([format!("{p50:.1}"), format!("{p99:.1}")]);
         table.add_row(row);
+        charts.push(crate::report::Config {
+            name: config.clone(),
+            means: means.clone(),
+            per_query: values,
+            p50_ms: p50,
+            p99_ms: p99,
+        });
         summary.insert(
             config.clone(),
             json!({"queries": queries.len(), "metrics": means, "latency_ms": {"p50": p50, "p99": p99}}),
@@ -340,6 +350,17 @@ pub async fn retrieval(client: CoordinatorClient<Channel>, a: &RetrievalArgs) ->
     std::fs::write(
         a.out.join("summary.json"),
         serde_json::to_string_pretty(&summary)?,
+    )?;
+    let title = format!(
+        "Retrieval evaluation: {} ({} split, {} queries), collection {}",
+        a.dataset.display(),
+        a.split,
+        queries.len(),
+        a.collection
+    );
+    std::fs::write(
+        a.out.join("report.html"),
+        crate::report::html(&title, &charts, &names)?,
     )?;
     println!("{table}");
     println!(

@@ -3,6 +3,7 @@
 //! coordinator.
 
 mod eval;
+mod report;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

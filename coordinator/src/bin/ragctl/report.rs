@@ -1,0 +1,180 @@
+//! The self-contained HTML report of `ragctl eval retrieval`: the summary table, a grouped bar
+//! chart of every metric across configurations, the per-query nDCG@10 distribution of each
+//! configuration, and latency. Charts are SVG drawn with plotters (SVG backend only: no
+//! system font or image libraries) and inlined, so the file opens anywhere offline.
+
+use std::collections::BTreeMap;
+
+use anyhow::{Result, anyhow};
+use plotters::prelude::*;
+
+/// One evaluated configuration: mean metrics, per-query values of each metric, latency.
+pub struct Config {
+    pub name: String,
+    pub means: BTreeMap<String, f64>,
+    pub per_query: BTreeMap<String, Vec<f64>>,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+fn err(e: impl std::fmt::Display) -> anyhow::Error {
+    anyhow!("chart: {e}")
+}
+
+fn color(i: usize) -> RGBColor {
+    const C: [RGBColor; 8] = [
+        RGBColor(31, 119, 180),
+        RGBColor(255, 127, 14),
+        RGBColor(44, 160, 44),
+        RGBColor(214, 39, 40),
+        RGBColor(148, 103, 189),
+        RGBColor(140, 86, 75),
+        RGBColor(227, 119, 194),
+        RGBColor(127, 127, 127),
+    ];
+    C[i % C.len()]
+}
+
+/// Metrics on the x axis, one bar per configuration in each group.
+fn metric_bars(configs: &[Config], metrics: &[String]) -> Result<String> {
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (960, 420)).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let n = metrics.len().max(1);
+        let mut chart = ChartBuilder::on(&root)
+            .caption("Mean metrics by configuration", ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(50)
+            .build_cartesian_2d(0f64..n as f64, 0f64..1.0)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_labels(n * 2 + 1)
+            .x_label_formatter(&|x| {
+                let i = x.floor() as usize;
+                if (x - i as f64 - 0.5).abs() < 0.01 {
+                    metrics.get(i).cloned().unwrap_or_default()
+                } else {
+                    String::new()
+                }
+            })
+            .disable_x_mesh()
+            .y_desc("mean over queries")
+            .draw()
+            .map_err(err)?;
+        let w = 0.8 / configs.len().max(1) as f64;
+        for (j, c) in configs.iter().enumerate() {
+            let col = color(j);
+            chart
+                .draw_series(metrics.iter().enumerate().map(|(i, m)| {
+                    let x0 = i as f64 + 0.1 + j as f64 * w;
+                    let v = c.means.get(m).copied().unwrap_or(0.0);
+                    Rectangle::new([(x0, 0.0), (x0 + w * 0.95, v)], col.filled())
+                }))
+                .map_err(err)?
+                .label(c.name.clone())
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], col.filled()));
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)?;
+    }
+    Ok(svg)
+}
+
+/// Share of queries per 0.1-wide bin of a per-query metric, one line per configuration.
+fn distribution(configs: &[Config], metric: &str) -> Result<String> {
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (960, 360)).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                format!("Per-query {metric} distribution"),
+                ("sans-serif", 20),
+            )
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(50)
+            .build_cartesian_2d(0f64..1.0, 0f64..1.0)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc(metric)
+            .y_desc("share of queries")
+            .draw()
+            .map_err(err)?;
+        for (j, c) in configs.iter().enumerate() {
+            let v = c.per_query.get(metric).cloned().unwrap_or_default();
+            let mut bins = [0usize; 10];
+            for x in &v {
+                bins[((x * 10.0).floor() as usize).min(9)] += 1;
+            }
+            let total = v.len().max(1) as f64;
+            let col = color(j);
+            chart
+                .draw_series(LineSeries::new(
+                    bins.iter()
+                        .enumerate()
+                        .map(|(i, &b)| (i as f64 / 10.0 + 0.05, b as f64 / total)),
+                    col.stroke_width(2),
+                ))
+                .map_err(err)?
+                .label(c.name.clone())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 14, y)], col.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)?;
+    }
+    Ok(svg)
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// The whole report as one HTML document.
+pub fn html(title: &str, configs: &[Config], metrics: &[String]) -> Result<String> {
+    let mut rows = String::new();
+    for c in configs {
+        rows.push_str(&format!("<tr><td>{}</td>", esc(&c.name)));
+        for m in metrics {
+            rows.push_str(&format!(
+                "<td>{:.4}</td>",
+                c.means.get(m).copied().unwrap_or(0.0)
+            ));
+        }
+        rows.push_str(&format!(
+            "<td>{:.1}</td><td>{:.1}</td></tr>\n",
+            c.p50_ms, c.p99_ms
+        ));
+    }
+    let head: String = metrics
+        .iter()
+        .map(|m| format!("<th>{}</th>", esc(m)))
+        .collect();
+    Ok(format!(
+        "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{t}</title>\n<style>body{{font-family:sans-serif;margin:2em}}\
+table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}td:first-child{{text-align:left}}</style>\
+</head><body>\n<h1>{t}</h1>\n<table><tr><th>configuration</th>{head}<th>p50 ms</th><th>p99 ms</th></tr>\n{rows}</table>\n\
+<h2>Metrics</h2>\n{bars}\n<h2>Per-query distribution</h2>\n{dist}\n</body></html>\n",
+        t = esc(title),
+        bars = metric_bars(configs, metrics)?,
+        dist = distribution(configs, "ndcg@10")?,
+    ))
+}
