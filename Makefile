@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: setup build demo test test-faults test-unit test-cluster lint fmt bench bench-raft bench-gen bench-embed bench-ask bench-quick up down
+.PHONY: setup build demo test test-faults test-unit test-cluster lint fmt bench bench-raft bench-gen bench-embed bench-ask bench-quick eval-scifact up down
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -55,6 +55,10 @@ bench-embed: build ## MiniLM sentences/s vs sentence-transformers at batch 1/8/3
 bench-ask: build  ## Ask latency per operator (p50/p99) for every example flow; engine overhead
 	mkdir -p bench-out
 	$(BIN)/askbench --out bench-out/ask.json
+
+eval-scifact: build ## retrieval quality of every search mode on SciFact (ingests it into a local cluster)
+	$(BIN)/ragctl local up
+	$(BIN)/ragctl eval retrieval --collection scifact --ingest --dataset $${RAGCLUSTER_DATASETS:-../shared/datasets}/scifact --out bench-out/eval-scifact
 
 bench-quick: build
 	$(BIN)/ragbench --docs 500 --scale-chunks 5000

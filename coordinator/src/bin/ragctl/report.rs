@@ -47,7 +47,7 @@ fn metric_bars(configs: &[Config], metrics: &[String]) -> Result<String> {
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(50)
-            .build_cartesian_2d(0f64..n as f64, 0f64..1.0)
+            .build_cartesian_2d(0f64..n as f64, 0f64..1.3)
             .map_err(err)?;
         chart
             .configure_mesh()
@@ -79,6 +79,7 @@ fn metric_bars(configs: &[Config], metrics: &[String]) -> Result<String> {
         }
         chart
             .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .draw()
@@ -133,6 +134,7 @@ fn distribution(configs: &[Config], metric: &str) -> Result<String> {
         }
         chart
             .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .draw()
