@@ -1,4 +1,4 @@
-//! `ragctl eval retrieval` as a user runs it: against a real cluster, loading a SciFact subset
+//! `ragctl eval retrieval` and `ragctl optimize` as a user runs them: against a real cluster, loading a SciFact subset
 //! (`--ingest`: the documents judged for 40 queries plus 200 others) and evaluating bm25, dense
 //! and hybrid. Checks the outputs (table, summary.json, per-query JSONL, TREC run files, the
 //! HTML report with its two SVG charts) and
@@ -86,6 +86,85 @@ fn eval_retrieval_matches_trec_eval() -> Result<()> {
         .lines()
         .count();
     ensure!(lines == 4 * 40, "{lines} per-query lines");
+
+    // The optimiser on the same collection: greedy node-wise trials, a flow file that the
+    // coordinator accepts, a second run served from the trial cache, the winner evaluated.
+    let space = cluster.dir.path().join("space.yaml");
+    std::fs::write(
+        &space,
+        "strategy:\n  metrics: { \"ndcg@10\": 1.0 }\nnodes:\n  - node: retrieval\n    modules:\n      - { op: bm25, top_k: 10 }\n      - { op: hybrid, top_k: 10, fusion: [rrf, dbsf] }\n  - node: passage_augmenter\n    modules:\n      - { op: noop }\n      - { op: prev_next, before: 1, after: 1 }\n",
+    )?;
+    let opt_out = cluster.dir.path().join("opt");
+    let optimize = || {
+        Command::new(bin_dir().join("ragctl"))
+            .args([
+                "--coordinator",
+                &cluster.coordinator.grpc,
+                "optimize",
+                "--collection",
+                "scifact",
+            ])
+            .args(["--queries", "30", "--seed", "7"])
+            .arg("--dataset")
+            .arg(&dataset)
+            .arg("--space")
+            .arg(&space)
+            .arg("--out")
+            .arg(&opt_out)
+            .env("RUST_BACKTRACE", "0")
+            .output()
+    };
+    let first = optimize()?;
+    ensure!(
+        first.status.success(),
+        "optimize: {}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    println!("{}", String::from_utf8_lossy(&first.stdout));
+    let best = std::fs::read_to_string(opt_out.join("best-flow.toml"))?;
+    coordinator::flow::spec::FlowSet::parse(&best).map_err(anyhow::Error::msg)?;
+    let trials = std::fs::read_to_string(opt_out.join("trials.jsonl"))?
+        .lines()
+        .count();
+    ensure!(
+        trials == 4,
+        "3 retrieval trials + 1 augmenter trial (the other is cached): {trials}"
+    );
+    let second = optimize()?;
+    ensure!(second.status.success());
+    let log = String::from_utf8_lossy(&second.stderr);
+    ensure!(
+        log.matches("(cached)").count() == 5,
+        "a rerun is served from the cache: {log}"
+    );
+    ensure!(
+        std::fs::read_to_string(opt_out.join("best-flow.toml"))? == best,
+        "reproducible"
+    );
+    let winner = Command::new(bin_dir().join("ragctl"))
+        .args([
+            "--coordinator",
+            &cluster.coordinator.grpc,
+            "eval",
+            "retrieval",
+            "--collection",
+            "scifact",
+        ])
+        .args(["--limit-queries", "40", "--configs", "bm25"])
+        .arg("--dataset")
+        .arg(&dataset)
+        .arg("--flow-file")
+        .arg(opt_out.join("best-flow.toml"))
+        .arg("--out")
+        .arg(cluster.dir.path().join("winner"))
+        .env("RUST_BACKTRACE", "0")
+        .output()?;
+    ensure!(
+        winner.status.success(),
+        "{}",
+        String::from_utf8_lossy(&winner.stderr)
+    );
+    ensure!(String::from_utf8_lossy(&winner.stdout).contains("inline:"));
 
     let Some(python) = python_with_pytrec() else {
         println!(

@@ -85,6 +85,10 @@ pub struct RetrievalArgs {
     /// a flow's final contexts are its ranking.
     #[arg(long, value_delimiter = ',')]
     flow: Vec<String>,
+    /// Also evaluate the default flow of this flow file (e.g. `ragctl optimize`'s
+    /// best-flow.toml), sent inline.
+    #[arg(long)]
+    flow_file: Option<PathBuf>,
     /// Documents ranked per query.
     #[arg(long, default_value_t = 100)]
     top_k: usize,
@@ -162,7 +166,7 @@ async fn ingest(
 }
 
 /// One configuration's ranking of a query: doc ids and the time it took.
-async fn rank(
+pub(crate) async fn rank(
     mut c: CoordinatorClient<Channel>,
     collection: &str,
     config: &str,
@@ -170,12 +174,16 @@ async fn rank(
     top_k: usize,
 ) -> Result<(Vec<String>, f64)> {
     let t = Instant::now();
-    if let Some(flow) = config.strip_prefix("flow:") {
+    // "flow:NAME" runs a named flow, "inline:TOML" an inline one.
+    let named = config.strip_prefix("flow:");
+    let inline = config.strip_prefix("inline:");
+    if named.is_some() || inline.is_some() {
         let mut s = c
             .ask(AskRequest {
                 collection: collection.into(),
                 question: query.into(),
-                flow: flow.into(),
+                flow: named.unwrap_or_default().into(),
+                inline_flow: inline.unwrap_or_default().into(),
                 ..Default::default()
             })
             .await?
@@ -215,7 +223,27 @@ async fn rank(
     Ok((docs, t.elapsed().as_secs_f64() * 1e3))
 }
 
-fn percentile(v: &mut [f64], p: f64) -> f64 {
+/// The default flow of a flow file as an inline flow (`steps = [...]`).
+fn default_flow_of(p: &std::path::Path) -> Result<String> {
+    let doc: toml::Table = std::fs::read_to_string(p)
+        .with_context(|| p.display().to_string())?
+        .parse()
+        .with_context(|| format!("{}: not TOML", p.display()))?;
+    let name = doc
+        .get("default")
+        .and_then(|d| d.as_str())
+        .context("the flow file has no default flow")?;
+    let flow = doc
+        .get("flows")
+        .and_then(|f| f.get(name))
+        .and_then(|f| f.get("steps"))
+        .with_context(|| format!("flow {name:?} has no steps"))?;
+    let mut t = toml::Table::new();
+    t.insert("steps".into(), flow.clone());
+    Ok(toml::to_string(&t)?)
+}
+
+pub(crate) fn percentile(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
@@ -251,6 +279,18 @@ pub async fn retrieval(client: CoordinatorClient<Channel>, a: &RetrievalArgs) ->
         .cloned()
         .collect();
     configs.extend(a.flow.iter().map(|f| format!("flow:{f}")));
+    // (label, what runs): an inline flow is labelled by its file name.
+    let mut configs: Vec<(String, String)> = configs.into_iter().map(|c| (c.clone(), c)).collect();
+    if let Some(p) = &a.flow_file {
+        let stem = p
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        configs.push((
+            format!("inline:{stem}"),
+            format!("inline:{}", default_flow_of(p)?),
+        ));
+    }
     let mut per_query = String::new();
     let mut summary = serde_json::Map::new();
     let mut table = Table::new();
@@ -265,7 +305,7 @@ pub async fn retrieval(client: CoordinatorClient<Channel>, a: &RetrievalArgs) ->
     table.set_header(header);
     let queries = std::mem::take(&mut judged.queries);
     let mut charts: Vec<crate::report::Config> = Vec::new();
-    for config in &configs {
+    for (config, spec) in &configs {
         let b = bar(queries.len(), config)?;
         let results: Vec<Result<(String, Vec<String>, f64)>> =
             futures::stream::iter(queries.iter())
@@ -273,7 +313,7 @@ pub async fn retrieval(client: CoordinatorClient<Channel>, a: &RetrievalArgs) ->
                     let c = client.clone();
                     let b = b.clone();
                     async move {
-                        let (docs, ms) = rank(c, &a.collection, config, &q.text, a.top_k).await?;
+                        let (docs, ms) = rank(c, &a.collection, spec, &q.text, a.top_k).await?;
                         b.inc(1);
                         Ok((q.id.clone(), docs, ms))
                     }

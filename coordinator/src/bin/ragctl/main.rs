@@ -3,6 +3,7 @@
 //! coordinator.
 
 mod eval;
+mod optimize;
 mod report;
 
 use std::path::{Path, PathBuf};
@@ -75,6 +76,8 @@ enum Cmd {
         #[command(subcommand)]
         cmd: eval::EvalCmd,
     },
+    /// Search the best retrieval pipeline on a BEIR dataset (AutoRAG's greedy node-wise search).
+    Optimize(optimize::OptimizeArgs),
     /// Manage collections.
     Collection {
         #[command(subcommand)]
@@ -263,6 +266,9 @@ async fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Ask(a) => ask(&cli, a).await,
+        Cmd::Optimize(a) => {
+            optimize::optimize(CoordinatorClient::new(channel(&cli).await?), a).await
+        }
         Cmd::Eval {
             cmd: eval::EvalCmd::Retrieval(a),
         } => {
