@@ -525,13 +525,13 @@ pub fn maxsim(q: &[f32], d: &[f32], dim: usize) -> f32 {
     total / nq as f32
 }
 
-/// Pointwise LLM relevance: one yes/no prompt per passage, scored by P(yes).
-fn llm_rerank(
+/// Scores every passage (cut to `LLM_RERANK_PASSAGE_TOKENS`) with `score`; returns the
+/// scores and the indices of passages that were cut.
+fn per_passage(
     g: &LlamaGenerator,
-    query: &str,
     passages: &[String],
+    mut score: impl FnMut(&str) -> Result<f32, ModelError>,
 ) -> Result<(Vec<f32>, Vec<u32>), ModelError> {
-    let system = "You judge search results. Answer only yes or no.";
     let mut scores = Vec::with_capacity(passages.len());
     let mut cut = Vec::new();
     for (i, p) in passages.iter().enumerate() {
@@ -539,13 +539,24 @@ fn llm_rerank(
         if was_cut {
             cut.push(i as u32);
         }
+        scores.push(score(&passage)?);
+    }
+    Ok((scores, cut))
+}
+
+/// Pointwise LLM relevance: one yes/no prompt per passage, scored by P(yes).
+fn llm_rerank(
+    g: &LlamaGenerator,
+    query: &str,
+    passages: &[String],
+) -> Result<(Vec<f32>, Vec<u32>), ModelError> {
+    let system = "You judge search results. Answer only yes or no.";
+    per_passage(g, passages, |passage| {
         let prompt = format!(
             "Passage: {passage}\n\nQuery: {query}\n\nDoes the passage answer the query? Answer yes or no."
         );
-        let ids = g.prompt_tokens(&prompt, system, &[], false, "")?;
-        scores.push(g.yes_probability(&ids)?);
-    }
-    Ok((scores, cut))
+        g.yes_probability(&g.prompt_tokens(&prompt, system, &[], false, "")?)
+    })
 }
 
 /// UPR (Sachan et al.; the AutoRAG seed's log-prob reranker): each passage scores the mean
@@ -558,18 +569,10 @@ fn upr_rerank(
 ) -> Result<(Vec<f32>, Vec<u32>), ModelError> {
     let mut target = g.encode(query)?;
     target.truncate(128);
-    let mut scores = Vec::with_capacity(passages.len());
-    let mut cut = Vec::new();
-    for (i, p) in passages.iter().enumerate() {
-        let (passage, was_cut) = g.truncate_text(p, LLM_RERANK_PASSAGE_TOKENS)?;
-        if was_cut {
-            cut.push(i as u32);
-        }
+    per_passage(g, passages, |passage| {
         let prompt = format!("Passage: {passage}\n\nWrite a question that this passage answers.");
-        let ids = g.prompt_tokens(&prompt, "", &[], false, "")?;
-        scores.push(g.continuation_logprob(&ids, &target)?);
-    }
-    Ok((scores, cut))
+        g.continuation_logprob(&g.prompt_tokens(&prompt, "", &[], false, "")?, &target)
+    })
 }
 
 /// Checks and defaults the decoding parameters of a request.

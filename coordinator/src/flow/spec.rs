@@ -433,6 +433,23 @@ impl<'a> Keys<'a> {
         }
     }
 
+    /// One of a fixed set of names, mapped to its value; the error lists the choices.
+    fn choice<T: Copy>(
+        &mut self,
+        k: &'static str,
+        default: &str,
+        options: &[(&str, T)],
+    ) -> SpecResult<T> {
+        let v = self.string(k, default)?;
+        match options.iter().find(|(name, _)| *name == v) {
+            Some((_, t)) => Ok(*t),
+            None => {
+                let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
+                self.err(format!("{k} {v:?}: use {}", names.join(", ")))
+            }
+        }
+    }
+
     /// A required bound in [1, max] (loops and recursion must say how far they may go).
     fn bound(&mut self, k: &'static str, max: usize, what: &str) -> SpecResult<usize> {
         match self.int(k)? {
@@ -659,16 +676,15 @@ fn parse_step(flow: &str, at: &str, v: &toml::Value) -> SpecResult<Step> {
         "compress" => Op::Compress {
             budget_tokens: k.int_in("budget_tokens", 256, 16, 4096)?,
         },
-        "reorder" => Op::Reorder(match k.string("mode", "long_context")?.as_str() {
-            "long_context" => ReorderMode::LongContext,
-            "best_last" => ReorderMode::BestLast,
-            "best_first" => ReorderMode::BestFirst,
-            m => {
-                return k.err(format!(
-                    "mode {m:?}: use long_context, best_last or best_first"
-                ));
-            }
-        }),
+        "reorder" => Op::Reorder(k.choice(
+            "mode",
+            "long_context",
+            &[
+                ("long_context", ReorderMode::LongContext),
+                ("best_last", ReorderMode::BestLast),
+                ("best_first", ReorderMode::BestFirst),
+            ],
+        )?),
         "prompt" => Op::Prompt {
             template: k.template(
                 "template",
@@ -685,12 +701,15 @@ fn parse_step(flow: &str, at: &str, v: &toml::Value) -> SpecResult<Step> {
             model: k.string("model", "")?,
         },
         "route" => {
-            let method = match k.string("method", "hybrid")?.as_str() {
-                "keyword" => RouteMethod::Keyword,
-                "semantic" => RouteMethod::Semantic,
-                "hybrid" => RouteMethod::Hybrid,
-                m => return k.err(format!("method {m:?}: use keyword, semantic or hybrid")),
-            };
+            let method = k.choice(
+                "method",
+                "hybrid",
+                &[
+                    ("keyword", RouteMethod::Keyword),
+                    ("semantic", RouteMethod::Semantic),
+                    ("hybrid", RouteMethod::Hybrid),
+                ],
+            )?;
             let routes = match k.get("routes") {
                 Some(toml::Value::Array(a)) if !a.is_empty() => a
                     .iter()
@@ -708,23 +727,29 @@ fn parse_step(flow: &str, at: &str, v: &toml::Value) -> SpecResult<Step> {
             }
         }
         "judge" => Op::Judge {
-            rule: match k.string("rule", "min_token_prob")?.as_str() {
-                "min_token_prob" => JudgeRule::MinTokenProb,
-                "min_score" => JudgeRule::MinScore,
-                "llm" => JudgeRule::Llm,
-                r => return k.err(format!("rule {r:?}: use min_token_prob, min_score or llm")),
-            },
+            rule: k.choice(
+                "rule",
+                "min_token_prob",
+                &[
+                    ("min_token_prob", JudgeRule::MinTokenProb),
+                    ("min_score", JudgeRule::MinScore),
+                    ("llm", JudgeRule::Llm),
+                ],
+            )?,
             threshold: k.float_in("threshold", 0.3, -1e6, 1e6)?,
             model: k.string("model", "")?,
         },
         "fuse" => {
-            let method = match k.string("method", "rrf")?.as_str() {
-                "rrf" => FuseMethod::Rrf,
-                "weighted" => FuseMethod::Weighted,
-                "llm" => FuseMethod::Llm,
-                "concat" => FuseMethod::Concat,
-                m => return k.err(format!("method {m:?}: use rrf, weighted, llm or concat")),
-            };
+            let method = k.choice(
+                "method",
+                "rrf",
+                &[
+                    ("rrf", FuseMethod::Rrf),
+                    ("weighted", FuseMethod::Weighted),
+                    ("llm", FuseMethod::Llm),
+                    ("concat", FuseMethod::Concat),
+                ],
+            )?;
             Op::Fuse {
                 method,
                 k: k.float_in("k", 60.0, 1.0, 10_000.0)?,
@@ -737,11 +762,14 @@ fn parse_step(flow: &str, at: &str, v: &toml::Value) -> SpecResult<Step> {
             }
         }
         "branch" => {
-            let over = match k.string("over", "")?.as_str() {
-                "queries" => BranchOver::Queries,
-                "chunks" => BranchOver::Chunks,
-                o => return k.err(format!("over {o:?}: use queries or chunks")),
-            };
+            let over = k.choice(
+                "over",
+                "",
+                &[
+                    ("queries", BranchOver::Queries),
+                    ("chunks", BranchOver::Chunks),
+                ],
+            )?;
             let max_branches = k.int_in("max_branches", 4, 1, MAX_BRANCHES)?;
             let steps = k.nested(flow, at, "branch")?;
             Op::Branch {
@@ -773,12 +801,15 @@ fn parse_step(flow: &str, at: &str, v: &toml::Value) -> SpecResult<Step> {
             }
         }
         "active" => {
-            let mode = match k.string("mode", "hybrid")?.as_str() {
-                "bm25" => Mode::Bm25,
-                "dense" => Mode::Dense,
-                "hybrid" => Mode::Hybrid,
-                m => return k.err(format!("mode {m:?}: use bm25, dense or hybrid")),
-            };
+            let mode = k.choice(
+                "mode",
+                "hybrid",
+                &[
+                    ("bm25", Mode::Bm25),
+                    ("dense", Mode::Dense),
+                    ("hybrid", Mode::Hybrid),
+                ],
+            )?;
             Op::Active {
                 threshold: k.float_in("threshold", 0.4, 0.0, 1.0)?,
                 max_sentences: k.int_in("max_sentences", 4, 1, 32)?,

@@ -217,21 +217,25 @@ impl BertEncoder {
     }
 }
 
+/// One input (a text or a text pair) as a sequence with special tokens, truncated to the
+/// tokenizer's limit and flagged when it was.
+fn encode<'s>(
+    tok: &Tokenizer,
+    input: impl Into<tokenizers::EncodeInput<'s>>,
+) -> Result<Seq, ModelError> {
+    let e = tok
+        .encode(input, true)
+        .map_err(|e| ModelError::Inference(format!("tokenize: {e}")))?;
+    Ok(Seq {
+        ids: e.get_ids().to_vec(),
+        type_ids: e.get_type_ids().to_vec(),
+        truncated: !e.get_overflowing().is_empty(),
+    })
+}
+
 /// Tokenises texts (with [CLS]/[SEP], truncated to the tokenizer's limit).
 pub fn tokenize(tok: &Tokenizer, texts: &[String]) -> Result<Vec<Seq>, ModelError> {
-    texts
-        .iter()
-        .map(|t| {
-            let e = tok
-                .encode(t.as_str(), true)
-                .map_err(|e| ModelError::Inference(format!("tokenize: {e}")))?;
-            Ok(Seq {
-                ids: e.get_ids().to_vec(),
-                type_ids: e.get_type_ids().to_vec(),
-                truncated: !e.get_overflowing().is_empty(),
-            })
-        })
-        .collect()
+    texts.iter().map(|t| encode(tok, t.as_str())).collect()
 }
 
 /// Tokenises (query, passage) pairs for a cross-encoder.
@@ -242,16 +246,7 @@ pub fn tokenize_pairs(
 ) -> Result<Vec<Seq>, ModelError> {
     passages
         .iter()
-        .map(|p| {
-            let e = tok
-                .encode((query, p.as_str()), true)
-                .map_err(|e| ModelError::Inference(format!("tokenize: {e}")))?;
-            Ok(Seq {
-                ids: e.get_ids().to_vec(),
-                type_ids: e.get_type_ids().to_vec(),
-                truncated: !e.get_overflowing().is_empty(),
-            })
-        })
+        .map(|p| encode(tok, (query, p.as_str())))
         .collect()
 }
 

@@ -247,11 +247,7 @@ impl CudaTransformer {
             masked_softmax: f("masked_softmax")?,
             merge_heads: f("merge_heads")?,
         };
-        let vb = if vb.contains_tensor("bert.embeddings.word_embeddings.weight") {
-            vb.pp("bert")
-        } else {
-            vb
-        };
+        let vb = super::transformer::encoder_root(vb);
         let up = |t: Tensor| -> Result<CudaSlice<f32>, ModelError> {
             let host = t
                 .contiguous()?
@@ -281,16 +277,11 @@ impl CudaTransformer {
         };
         let e = vb.pp("embeddings");
         let head_dim = h / c.num_attention_heads;
-        let scale = 1.0 / (head_dim as f64).sqrt();
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let l = vb.pp(format!("encoder.layer.{i}"));
             let a = l.pp("attention");
-            let s = a.pp("self");
-            let w = |n: &str| get(&s.pp(n), &[h, h], "weight");
-            let b = |n: &str| get(&s.pp(n), &[h], "bias");
-            let qkv_w = Tensor::cat(&[(w("query")? * scale)?, w("key")?, w("value")?], 0)?;
-            let qkv_b = Tensor::cat(&[(b("query")? * scale)?, b("key")?, b("value")?], 0)?;
+            let (qkv_w, qkv_b) = super::transformer::fused_qkv(&a.pp("self"), h, head_dim)?;
             layers.push(Layer {
                 qkv: Dense {
                     w_t: up(qkv_w.t()?)?,

@@ -53,6 +53,36 @@ pub struct Transformer {
     act: HiddenAct,
 }
 
+/// The encoder's own weights: HF `BertFor*` checkpoints nest them under `bert.`.
+pub(crate) fn encoder_root(vb: VarBuilder) -> VarBuilder {
+    if vb.contains_tensor("bert.embeddings.word_embeddings.weight") {
+        vb.pp("bert")
+    } else {
+        vb
+    }
+}
+
+/// One layer's Q, K and V projections fused into a `(3h, h)` weight and `(3h)` bias, with
+/// 1/sqrt(head_dim) folded into Q (scores are q.k / sqrt(d): scaled once at load).
+pub(crate) fn fused_qkv(
+    attention_self: &VarBuilder,
+    h: usize,
+    head_dim: usize,
+) -> Result<(Tensor, Tensor)> {
+    let scale = 1.0 / (head_dim as f64).sqrt();
+    let get = |name: &str| -> Result<(Tensor, Tensor)> {
+        let p = attention_self.pp(name);
+        Ok((p.get((h, h), "weight")?, p.get(h, "bias")?))
+    };
+    let (qw, qb) = get("query")?;
+    let (kw, kb) = get("key")?;
+    let (vw, vb) = get("value")?;
+    Ok((
+        Tensor::cat(&[(qw * scale)?, kw, vw], 0)?,
+        Tensor::cat(&[(qb * scale)?, kb, vb], 0)?,
+    ))
+}
+
 fn layer_norm(vb: VarBuilder, size: usize, eps: f64) -> Result<LayerNorm> {
     candle_nn::layer_norm(size, eps, vb)
 }
@@ -65,11 +95,7 @@ impl Transformer {
         if !c.hidden_size.is_multiple_of(c.num_attention_heads) {
             candle_core::bail!("hidden_size is not a multiple of num_attention_heads");
         }
-        let vb = if vb.contains_tensor("bert.embeddings.word_embeddings.weight") {
-            vb.pp("bert")
-        } else {
-            vb
-        };
+        let vb = encoder_root(vb);
         let h = c.hidden_size;
         let e = vb.pp("embeddings");
         let word = e.get((c.vocab_size, h), "word_embeddings.weight")?;
@@ -77,22 +103,11 @@ impl Transformer {
         let token_type = e.get((c.type_vocab_size, h), "token_type_embeddings.weight")?;
         let emb_ln = layer_norm(e.pp("LayerNorm"), h, c.layer_norm_eps)?;
         let head_dim = h / c.num_attention_heads;
-        let scale = 1.0 / (head_dim as f64).sqrt();
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let l = vb.pp(format!("encoder.layer.{i}"));
             let a = l.pp("attention");
-            let s = a.pp("self");
-            let get = |name: &str| -> Result<(Tensor, Tensor)> {
-                let p = s.pp(name);
-                Ok((p.get((h, h), "weight")?, p.get(h, "bias")?))
-            };
-            let (qw, qb) = get("query")?;
-            let (kw, kb) = get("key")?;
-            let (vw, vbias) = get("value")?;
-            // Scores are q.k / sqrt(d): scale the query projection once at load instead.
-            let w = Tensor::cat(&[(qw * scale)?, kw, vw], 0)?; // (3h, h)
-            let b = Tensor::cat(&[(qb * scale)?, kb, vbias], 0)?;
+            let (w, b) = fused_qkv(&a.pp("self"), h, head_dim)?;
             layers.push(Layer {
                 qkv: Dense {
                     w_t: w.t()?.contiguous()?,

@@ -11,9 +11,8 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::Parser;
-use futures::StreamExt;
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::*;
 use ragcluster_tests::{Cluster, ingest_sample, percentile};
@@ -46,22 +45,16 @@ const QUESTIONS: [&str; 3] = [
 ];
 
 async fn ask(c: &mut CoordinatorClient<Channel>, flow: &str, q: &str) -> Result<AskResult> {
-    let mut s = c
-        .ask(AskRequest {
+    let r = coordinator::flow::ask_result(
+        c,
+        AskRequest {
             collection: "docs".into(),
             question: q.into(),
             flow: flow.into(),
             ..Default::default()
-        })
-        .await?
-        .into_inner();
-    let mut result = None;
-    while let Some(m) = s.next().await {
-        if let Some(ask_response::Event::Result(r)) = m?.event {
-            result = Some(r);
-        }
-    }
-    let r = result.context("no result")?;
+        },
+    )
+    .await?;
     if r.status != "ok" {
         bail!("{flow}: {} {}", r.status, r.error);
     }

@@ -13,6 +13,7 @@ use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use coordinator::eval::answers::{self, QaItem};
 use coordinator::eval::beir::{self, BeirDoc};
 use coordinator::eval::metrics;
+use coordinator::flow::ask_result;
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
@@ -178,22 +179,18 @@ pub(crate) async fn rank(
     let named = config.strip_prefix("flow:");
     let inline = config.strip_prefix("inline:");
     if named.is_some() || inline.is_some() {
-        let mut s = c
-            .ask(AskRequest {
+        let r = ask_result(
+            &mut c,
+            AskRequest {
                 collection: collection.into(),
                 question: query.into(),
                 flow: named.unwrap_or_default().into(),
                 inline_flow: inline.unwrap_or_default().into(),
                 ..Default::default()
-            })
-            .await?
-            .into_inner();
-        let mut docs = Vec::new();
-        while let Some(m) = s.next().await {
-            if let Some(ask_response::Event::Result(r)) = m?.event {
-                docs = metrics::doc_ranking(r.contexts.iter().map(|c| c.doc_id.as_str()));
-            }
-        }
+            },
+        )
+        .await?;
+        let docs = metrics::doc_ranking(r.contexts.iter().map(|c| c.doc_id.as_str()));
         return Ok((docs, t.elapsed().as_secs_f64() * 1e3));
     }
     let (mode, fusion) = match config {
@@ -421,25 +418,17 @@ async fn answer(
     q: &str,
 ) -> Result<(AskResult, f64)> {
     let t = Instant::now();
-    let mut s = c
-        .ask(AskRequest {
+    let r = ask_result(
+        &mut c,
+        AskRequest {
             collection: collection.into(),
             question: q.into(),
             flow: flow.into(),
             ..Default::default()
-        })
-        .await?
-        .into_inner();
-    let mut result = None;
-    while let Some(m) = s.next().await {
-        if let Some(ask_response::Event::Result(r)) = m?.event {
-            result = Some(r);
-        }
-    }
-    Ok((
-        result.context("no result")?,
-        t.elapsed().as_secs_f64() * 1e3,
-    ))
+        },
+    )
+    .await?;
+    Ok((r, t.elapsed().as_secs_f64() * 1e3))
 }
 
 fn mean(v: &[f64]) -> Option<f64> {
