@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything a fresh Debian machine needs to build, run and test ragcluster:
 # system packages (libclang for rocksdb's bindgen, protoc for raft-rs' prost-build),
-# then the models (scripts/fetch-models.sh). Idempotent: safe to run again.
+# then the models (scripts/fetch-models.sh), then a small Python venv with pytrec_eval (the
+# metric cross-check of tests/tests/eval.rs; skipped with a warning where Python or PyPI is
+# missing). Idempotent: safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,4 +21,14 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 bash scripts/fetch-models.sh
+
+# pytrec_eval (trec_eval's C code) checks our retrieval metrics in tests/tests/eval.rs.
+pyenv="$HOME/.cache/ragcluster-pyenv"
+if ! "$pyenv/bin/python" -c "import pytrec_eval" 2>/dev/null; then
+  if python3 -m venv "$pyenv" 2>/dev/null && "$pyenv/bin/pip" install -q pytrec-eval-terrier; then
+    echo "setup: pytrec_eval in $pyenv"
+  else
+    echo "setup: WARNING: no pytrec_eval (needs python3-venv and PyPI); its cross-check will be skipped"
+  fi
+fi
 echo "setup: done"

@@ -4,8 +4,9 @@
 //! HTML report with its two SVG charts) and
 //! then scores the run files with pytrec_eval (trec_eval) and requires every per-query metric to
 //! equal ours within 1e-6. That last part needs a Python with `pytrec_eval`
-//! (`RAGCLUSTER_PYTHON`, else ~/.cache/st-venv/bin/python, else python3;
-//! `pip install pytrec-eval-terrier`) and is skipped with a message without one.
+//! (`RAGCLUSTER_PYTHON`, else ~/.cache/ragcluster-pyenv, made by scripts/setup.sh, else
+//! ~/.cache/st-venv, else python3; `pip install pytrec-eval-terrier`) and is skipped with a
+//! message without one.
 
 use std::process::Command;
 
@@ -15,10 +16,12 @@ use ragcluster_tests::{Cluster, bin_dir, datasets_dir, workspace};
 fn python_with_pytrec() -> Option<String> {
     let mut candidates: Vec<String> = std::env::var("RAGCLUSTER_PYTHON").into_iter().collect();
     if let Some(home) = std::env::var_os("HOME") {
-        candidates.push(format!(
-            "{}/.cache/st-venv/bin/python",
-            home.to_string_lossy()
-        ));
+        for venv in ["ragcluster-pyenv", "st-venv"] {
+            candidates.push(format!(
+                "{}/.cache/{venv}/bin/python",
+                home.to_string_lossy()
+            ));
+        }
     }
     candidates.push("python3".into());
     candidates.into_iter().find(|p| {
@@ -104,7 +107,7 @@ fn eval_retrieval_matches_trec_eval() -> Result<()> {
                 "--collection",
                 "scifact",
             ])
-            .args(["--queries", "30", "--seed", "7"])
+            .args(["--limit-queries", "40", "--queries", "30", "--seed", "7"])
             .arg("--dataset")
             .arg(&dataset)
             .arg("--space")
@@ -123,6 +126,13 @@ fn eval_retrieval_matches_trec_eval() -> Result<()> {
     println!("{}", String::from_utf8_lossy(&first.stdout));
     let best = std::fs::read_to_string(opt_out.join("best-flow.toml"))?;
     coordinator::flow::spec::FlowSet::parse(&best).map_err(anyhow::Error::msg)?;
+    // The trials ran on queries whose documents were ingested: the scores are real ones.
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(opt_out.join("summary.json"))?)?;
+    for t in summary["trials"].as_array().context("trials")? {
+        let n = t["metrics"]["ndcg@10"].as_f64().context("ndcg")?;
+        ensure!(n > 0.6, "{t}");
+    }
     let trials = std::fs::read_to_string(opt_out.join("trials.jsonl"))?
         .lines()
         .count();
@@ -254,5 +264,116 @@ fn eval_answers_on_the_sample() -> Result<()> {
         let want = 0.4 * s_cos + 0.6 * s_key;
         ensure!((r["final_score"].as_f64().context("final")? - want).abs() < 1e-12);
     }
+    Ok(())
+}
+
+/// `ragctl optimize` over the whole pipeline on the sample corpus and QA file: query
+/// expansion and retrieval judged by retrieval metrics on the QA file's gold documents, the
+/// prompt maker (through the generator after it) and the generator by answer metrics with
+/// SmolLM2 and MiniLM; a space that asks a generator for nDCG is refused before any trial.
+#[test]
+fn optimize_the_whole_pipeline_on_the_sample() -> Result<()> {
+    let cluster = Cluster::start_for_ask(2)?;
+    let ragctl = |args: &[&str]| -> Result<std::process::Output> {
+        Ok(Command::new(bin_dir().join("ragctl"))
+            .current_dir(workspace())
+            .args(["--coordinator", &cluster.coordinator.grpc])
+            .args(args)
+            .env("RUST_BACKTRACE", "0")
+            .output()?)
+    };
+    let o = ragctl(&["ingest", "docs/sample"])?;
+    ensure!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = cluster.dir.path().join("opt");
+    let out_s = out.display().to_string();
+    let o = ragctl(&[
+        "optimize",
+        "--qa",
+        "docs/eval/sample-qa.jsonl",
+        "--space",
+        "docs/eval/space-answers.yaml",
+        "--model-worker",
+        &cluster.model_worker.grpc,
+        "--out",
+        &out_s,
+    ])?;
+    ensure!(
+        o.status.success(),
+        "optimize: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    println!("{}", String::from_utf8_lossy(&o.stdout));
+    let best = std::fs::read_to_string(out.join("best-flow.toml"))?;
+    let set = coordinator::flow::spec::FlowSet::parse(&best).map_err(anyhow::Error::msg)?;
+    let ops: Vec<&str> = set.flows["optimized"]
+        .steps
+        .iter()
+        .map(|s| s.op.name())
+        .collect();
+    ensure!(
+        ops.ends_with(&["prompt", "generate"]),
+        "the winner answers: {ops:?}"
+    );
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json"))?)?;
+    let trials = s["trials"].as_array().context("trials")?;
+    // 2 expansions + 3 retrievers + 2 rerankers + 2 prompts + 2 generator settings.
+    ensure!(trials.len() == 11, "{} trials", trials.len());
+    for node in [
+        "query_expansion",
+        "retrieval",
+        "passage_reranker",
+        "prompt_maker",
+        "generator",
+    ] {
+        let won = trials
+            .iter()
+            .filter(|t| t["node"] == node && t["winner"] == true)
+            .count();
+        ensure!(won == 1, "{node}: {won} winners");
+    }
+    for t in trials {
+        let answers = t["judge"] == "answers";
+        ensure!(
+            answers == (t["node"] == "prompt_maker" || t["node"] == "generator"),
+            "{t}"
+        );
+        let m = if answers { "sem_score" } else { "ndcg@10" };
+        let v = t["metrics"][m].as_f64().context("metric")?;
+        ensure!((0.0..=1.0).contains(&v), "{t}");
+        if answers {
+            ensure!(t["flow"].as_str().unwrap_or("").contains("\"generate\""));
+        }
+    }
+    // Trials with the same flow are run once: the rerank `noop`, the retriever the query
+    // expansion was judged through and the generator setting the prompt maker was judged
+    // through come from the cache.
+    let unique = std::fs::read_to_string(out.join("trials.jsonl"))?
+        .lines()
+        .count();
+    ensure!(unique == 8, "{unique} trials run");
+    let html = std::fs::read_to_string(out.join("report.html"))?;
+    ensure!(html.matches("<svg").count() == 6, "5 node charts + latency");
+
+    // A generator judged by nDCG is refused before anything runs.
+    let bad = cluster.dir.path().join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "strategy:\n  metrics: { \"ndcg@10\": 1.0 }\nnodes:\n  - node: generator\n    modules:\n      - { op: generate }\n",
+    )?;
+    let o = ragctl(&[
+        "optimize",
+        "--qa",
+        "docs/eval/sample-qa.jsonl",
+        "--space",
+        &bad.display().to_string(),
+        "--out",
+        &out_s,
+    ])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    ensure!(
+        !o.status.success() && err.contains("answer-metric strategy"),
+        "{err}"
+    );
     Ok(())
 }

@@ -410,34 +410,127 @@ pub async fn retrieval(client: CoordinatorClient<Channel>, a: &RetrievalArgs) ->
 
 const JUDGE: &str = "Rate the answer to the question against the reference answer for correctness and completeness, on a scale from 1 (wrong) to 5 (fully correct). Reply with the number only.";
 
-/// One Ask: the answer, its cited (chunk, doc) pairs and the time it took.
-async fn answer(
-    mut c: CoordinatorClient<Channel>,
-    collection: &str,
-    flow: &str,
-    q: &str,
-) -> Result<(AskResult, f64)> {
-    let t = Instant::now();
-    let r = ask_result(
-        &mut c,
-        AskRequest {
-            collection: collection.into(),
-            question: q.into(),
-            flow: flow.into(),
-            ..Default::default()
-        },
-    )
-    .await?;
-    Ok((r, t.elapsed().as_secs_f64() * 1e3))
+/// The answer metrics `ragctl eval answers` reports (and `ragctl optimize` can maximise).
+pub(crate) const ANSWER_METRICS: [&str; 7] = [
+    "rouge_l",
+    "token_f1",
+    "sem_score",
+    "key_fact",
+    "final_score",
+    "citation_precision",
+    "judge",
+];
+
+/// A client of the model worker at `addr` (SemScore embeddings, the judge).
+pub(crate) async fn model_worker(addr: Option<String>) -> Result<ModelWorkerClient<Channel>> {
+    let addr = addr.context("no model worker: pass --model-worker (needed for SemScore)")?;
+    Ok(ModelWorkerClient::new(
+        Channel::from_shared(addr.clone())?
+            .connect()
+            .await
+            .with_context(|| format!("cannot reach the model worker at {addr}"))?,
+    ))
 }
 
 fn mean(v: &[f64]) -> Option<f64> {
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
 
+/// Where an answer comes from: a named flow (empty = the collection's) or an inline one.
+#[derive(Clone, Copy)]
+pub(crate) enum FlowRef<'a> {
+    Named(&'a str),
+    Inline(&'a str),
+}
+
+/// One question through Ask, scored against its gold answer: the row of `answers.jsonl`
+/// (answer, every answer metric that applies) and the time the Ask took.
+pub(crate) async fn score_answer(
+    mut c: CoordinatorClient<Channel>,
+    mut mw: ModelWorkerClient<Channel>,
+    collection: &str,
+    flow: FlowRef<'_>,
+    item: &QaItem,
+    judge: bool,
+) -> Result<(serde_json::Value, f64)> {
+    let t = Instant::now();
+    let (flow, inline_flow) = match flow {
+        FlowRef::Named(n) => (n.to_string(), String::new()),
+        FlowRef::Inline(f) => (String::new(), f.to_string()),
+    };
+    let r = ask_result(
+        &mut c,
+        AskRequest {
+            collection: collection.into(),
+            question: item.question.clone(),
+            flow,
+            inline_flow,
+            ..Default::default()
+        },
+    )
+    .await?;
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    let emb = mw
+        .embed(EmbedRequest {
+            texts: vec![
+                if r.answer.is_empty() {
+                    " ".into()
+                } else {
+                    r.answer.clone()
+                },
+                item.answer.clone(),
+            ],
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .embeddings;
+    let s_cos = answers::sem_score(&emb[0].values, &emb[1].values);
+    let cited: Vec<(String, String)> = r
+        .citations
+        .iter()
+        .map(|c| (c.chunk_id.clone(), c.doc_id.clone()))
+        .collect();
+    let mut row = json!({
+        "question": item.question, "answer": r.answer, "gold": item.answer, "status": r.status,
+        "latency_ms": ms, "rouge_l": answers::rouge_l(&r.answer, &item.answer),
+        "token_f1": answers::token_f1(&r.answer, &item.answer), "sem_score": s_cos,
+        "citations": cited.len(),
+    });
+    if let Some(k) = answers::key_fact_score(&r.answer, &item.key_facts) {
+        row["key_fact"] = json!(k);
+        row["final_score"] = json!(answers::final_score(s_cos, k));
+    }
+    if let Some(p) = answers::citation_precision(&cited, item) {
+        row["citation_precision"] = json!(p);
+    }
+    if judge {
+        let mut s = mw
+            .generate(GenerateRequest {
+                system: JUDGE.into(),
+                prompt: format!(
+                    "Question: {}\nReference answer: {}\nAnswer: {}\nScore (1-5):",
+                    item.question, item.answer, r.answer
+                ),
+                max_tokens: 4,
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        let mut reply = String::new();
+        while let Some(m) = s.next().await {
+            reply.push_str(&m?.text);
+        }
+        if let Some(j) = answers::judge_score(&reply) {
+            row["judge"] = json!(j);
+        }
+    }
+    Ok((row, ms))
+}
+
 pub async fn answers(
     client: CoordinatorClient<Channel>,
-    mut mw: ModelWorkerClient<Channel>,
+    mw: ModelWorkerClient<Channel>,
     a: &AnswersArgs,
 ) -> Result<()> {
     let items: Vec<QaItem> = beir::read_jsonl(&a.qa, a.limit.unwrap_or(usize::MAX))?;
@@ -450,72 +543,17 @@ pub async fn answers(
     let mut lines = String::new();
     let b = bar(items.len(), "questions")?;
     for item in &items {
-        let (r, ms) = answer(client.clone(), &a.collection, &a.flow, &item.question).await?;
+        let (row, ms) = score_answer(
+            client.clone(),
+            mw.clone(),
+            &a.collection,
+            FlowRef::Named(&a.flow),
+            item,
+            a.judge,
+        )
+        .await?;
         lat.push(ms);
-        let emb = mw
-            .embed(EmbedRequest {
-                texts: vec![
-                    if r.answer.is_empty() {
-                        " ".into()
-                    } else {
-                        r.answer.clone()
-                    },
-                    item.answer.clone(),
-                ],
-                ..Default::default()
-            })
-            .await?
-            .into_inner()
-            .embeddings;
-        let s_cos = answers::sem_score(&emb[0].values, &emb[1].values);
-        let cited: Vec<(String, String)> = r
-            .citations
-            .iter()
-            .map(|c| (c.chunk_id.clone(), c.doc_id.clone()))
-            .collect();
-        let mut row = json!({
-            "question": item.question, "answer": r.answer, "gold": item.answer, "status": r.status,
-            "latency_ms": ms, "rouge_l": answers::rouge_l(&r.answer, &item.answer),
-            "token_f1": answers::token_f1(&r.answer, &item.answer), "sem_score": s_cos,
-            "citations": cited.len(),
-        });
-        if let Some(k) = answers::key_fact_score(&r.answer, &item.key_facts) {
-            row["key_fact"] = json!(k);
-            row["final_score"] = json!(answers::final_score(s_cos, k));
-        }
-        if let Some(p) = answers::citation_precision(&cited, item) {
-            row["citation_precision"] = json!(p);
-        }
-        if a.judge {
-            let mut s = mw
-                .generate(GenerateRequest {
-                    system: JUDGE.into(),
-                    prompt: format!(
-                        "Question: {}\nReference answer: {}\nAnswer: {}\nScore (1-5):",
-                        item.question, item.answer, r.answer
-                    ),
-                    max_tokens: 4,
-                    ..Default::default()
-                })
-                .await?
-                .into_inner();
-            let mut reply = String::new();
-            while let Some(m) = s.next().await {
-                reply.push_str(&m?.text);
-            }
-            if let Some(j) = answers::judge_score(&reply) {
-                row["judge"] = json!(j);
-            }
-        }
-        for k in [
-            "rouge_l",
-            "token_f1",
-            "sem_score",
-            "key_fact",
-            "final_score",
-            "citation_precision",
-            "judge",
-        ] {
+        for k in ANSWER_METRICS {
             if let Some(v) = row[k].as_f64() {
                 cols.entry(k).or_default().push(v);
             }

@@ -88,6 +88,17 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Exits 0 when the process at ADDR reports SERVING on grpc.health.v1 (container and
+    /// Kubernetes health checks; images have no shell and no grpc_health_probe).
+    Health {
+        /// e.g. http://127.0.0.1:7100
+        addr: String,
+        /// The service to ask about; empty = the whole process.
+        #[arg(long, default_value = "")]
+        service: String,
+        #[arg(long, default_value_t = 2000)]
+        timeout_ms: u64,
+    },
 }
 
 #[derive(clap::Args)]
@@ -197,6 +208,16 @@ fn coordinator_addr(cli: &Cli) -> String {
         .unwrap_or_else(|| "http://127.0.0.1:7000".into())
 }
 
+/// The model worker to use: the one given, else the local cluster's.
+fn model_worker_addr(cli: &Cli, given: &Option<String>) -> Option<String> {
+    given.clone().or_else(|| {
+        std::fs::read_to_string(cli.dir.join("cluster.json"))
+            .ok()
+            .and_then(|s| serde_json::from_str::<LocalCluster>(&s).ok())
+            .map(|c| c.model_worker)
+    })
+}
+
 async fn channel(cli: &Cli) -> Result<Channel> {
     let addr = coordinator_addr(cli);
     Channel::from_shared(addr.clone())?
@@ -267,7 +288,8 @@ async fn main() -> Result<()> {
         }
         Cmd::Ask(a) => ask(&cli, a).await,
         Cmd::Optimize(a) => {
-            optimize::optimize(CoordinatorClient::new(channel(&cli).await?), a).await
+            let addr = model_worker_addr(&cli, &a.model_worker);
+            optimize::optimize(CoordinatorClient::new(channel(&cli).await?), addr, a).await
         }
         Cmd::Eval {
             cmd: eval::EvalCmd::Retrieval(a),
@@ -281,27 +303,43 @@ async fn main() -> Result<()> {
             cmd: eval::EvalCmd::Answers(a),
         } => {
             let c = CoordinatorClient::new(channel(&cli).await?);
-            let addr = a
-                .model_worker
-                .clone()
-                .or_else(|| {
-                    std::fs::read_to_string(cli.dir.join("cluster.json"))
-                        .ok()
-                        .and_then(|s| serde_json::from_str::<LocalCluster>(&s).ok())
-                        .map(|c| c.model_worker)
-                })
-                .context("no model worker: pass --model-worker (needed for SemScore)")?;
-            let mw = ragcluster_proto::v1::model_worker_client::ModelWorkerClient::new(
-                Channel::from_shared(addr.clone())?
-                    .connect()
-                    .await
-                    .with_context(|| format!("cannot reach the model worker at {addr}"))?,
-            );
+            let mw = eval::model_worker(model_worker_addr(&cli, &a.model_worker)).await?;
             eval::answers(c, mw, a).await
         }
         Cmd::Collection { cmd } => collection(&cli, cmd).await,
         Cmd::Status { json } => status(&cli, *json).await,
+        Cmd::Health {
+            addr,
+            service,
+            timeout_ms,
+        } => health(addr, service, Duration::from_millis(*timeout_ms)).await,
     }
+}
+
+async fn health(addr: &str, service: &str, timeout: Duration) -> Result<()> {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let check = async {
+        let ch = Channel::from_shared(addr.to_owned())?
+            .connect_timeout(timeout)
+            .connect()
+            .await
+            .with_context(|| format!("cannot reach {addr}"))?;
+        let r = tonic_health::pb::health_client::HealthClient::new(ch)
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: service.to_owned(),
+            })
+            .await?
+            .into_inner();
+        anyhow::Ok(r.status())
+    };
+    let status = tokio::time::timeout(timeout, check)
+        .await
+        .with_context(|| format!("{addr}: no answer within {timeout:?}"))??;
+    println!("{addr}: {}", status.as_str_name());
+    if status != ServingStatus::Serving {
+        bail!("{addr} is {}", status.as_str_name());
+    }
+    Ok(())
 }
 
 fn spawn(bin: &Path, args: &[String], log: &Path) -> Result<u32> {
