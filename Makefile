@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: setup build demo test test-faults test-unit test-cluster lint fmt bench bench-raft bench-gen bench-embed bench-ask bench-quick eval-scifact up down
+.PHONY: images compose-up compose-down setup build demo test test-faults test-unit test-cluster lint fmt bench bench-raft bench-gen bench-embed bench-ask bench-quick eval-scifact up down
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -62,3 +62,12 @@ eval-scifact: build ## retrieval quality of every search mode on SciFact (ingest
 
 bench-quick: build
 	$(BIN)/ragbench --docs 500 --scale-chunks 5000
+
+images:           ## container images FROM scratch (ragcluster/*:$$TAG, default dev)
+	bash deploy/build-images.sh
+
+compose-up: images ## coordinator, 3 shard nodes, model worker in Docker (client port 127.0.0.1:7000)
+	docker-compose -f deploy/compose.yaml up -d
+
+compose-down:
+	docker-compose -f deploy/compose.yaml down

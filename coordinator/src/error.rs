@@ -38,6 +38,19 @@ impl CoordError {
         }
     }
 
+    /// Whether another replica may succeed where this call failed: anything but a request
+    /// that is wrong everywhere.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Unavailable { .. } | Self::Deadline(_) => true,
+            Self::Upstream(s) => !matches!(
+                s.code(),
+                Code::InvalidArgument | Code::OutOfRange | Code::PermissionDenied
+            ),
+            _ => false,
+        }
+    }
+
     /// Classifies an error from a shard node or the model worker.
     pub fn upstream(what: &str, s: Status) -> Self {
         match s.code() {

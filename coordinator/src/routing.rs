@@ -97,6 +97,16 @@ impl Routing {
             .unwrap_or_default()
     }
 
+    /// The replica an eventual read fails over to after `tried` failed: untried, healthy
+    /// first, then least loaded; `None` when every replica was tried.
+    pub fn failover(&self, replicas: &[String], tried: &[String]) -> Option<String> {
+        replicas
+            .iter()
+            .filter(|r| !tried.contains(r))
+            .min_by_key(|r| (self.is_down(r), self.load(r)))
+            .cloned()
+    }
+
     /// The replica to try after `failed` for a write with no leader hint.
     pub fn next_replica(&self, replicas: &[String], failed: &str) -> String {
         let i = replicas.iter().position(|r| r == failed).unwrap_or(0);
@@ -128,5 +138,11 @@ mod tests {
         r.set_leader("x", 0, "b");
         assert_eq!(r.read_target("x", 0, &reps, Consistency::Strong), "b");
         assert_eq!(r.next_replica(&reps, "b"), "a", "c is down");
+        assert_eq!(r.failover(&reps, &["a".into()]).as_deref(), Some("b"));
+        assert_eq!(
+            r.failover(&reps, &["a".into(), "b".into()]).as_deref(),
+            Some("c")
+        );
+        assert_eq!(r.failover(&reps, &reps), None);
     }
 }

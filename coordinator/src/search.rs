@@ -7,7 +7,9 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use futures::future::{join_all, try_join};
+use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
+use tonic::transport::Channel;
 
 use crate::State;
 use crate::error::{CoordError, Result};
@@ -23,6 +25,13 @@ pub const MAX_TIMEOUT_MS: u32 = 60_000;
 pub const DEFAULT_DENSE_WEIGHT: f32 = 0.5;
 pub const DEFAULT_RRF_K: u32 = 60;
 pub const DEFAULT_CANDIDATES: u32 = 50;
+
+/// What every shard read of one search shares.
+struct ShardRead<'a> {
+    info: &'a CollectionInfo,
+    consistency: Consistency,
+    deadline: Instant,
+}
 
 /// A validated search request.
 pub struct Plan {
@@ -164,31 +173,74 @@ fn merge(
 }
 
 impl State {
+    /// One read of a shard, starting on the replica `first`. An eventual read that fails on a
+    /// replica, or gets no answer within its share of the time left, marks that replica down
+    /// for a while and goes on to the next one: a lost or cut-off node costs latency, not an
+    /// error. Strong reads stay on the leader.
+    async fn read_shard<T, F, Fut>(
+        &self,
+        r: &ShardRead<'_>,
+        shard: u32,
+        first: &str,
+        f: F,
+    ) -> Result<T>
+    where
+        F: Fn(ShardClient<Channel>, Duration) -> Fut,
+        Fut: Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let replicas = r
+            .info
+            .shards
+            .get(shard as usize)
+            .map_or(&[][..], |p| &p.nodes[..]);
+        let mut tried: Vec<String> = Vec::new();
+        let mut node = first.to_owned();
+        loop {
+            tried.push(node.clone());
+            let next = if r.consistency == Consistency::Strong {
+                None
+            } else {
+                self.routing.failover(replicas, &tried)
+            };
+            let left = r.deadline.saturating_duration_since(Instant::now());
+            let budget = if next.is_some() { left / 2 } else { left };
+            let what = format!("shard {shard} on {node}");
+            let res = match self.clients.shard(&node) {
+                Ok(c) => call(&what, budget, f(c, budget)).await,
+                Err(e) => Err(e),
+            };
+            match (res, next) {
+                (Ok(v), _) => return Ok(v),
+                (Err(e), Some(n)) if e.is_retryable() => {
+                    tracing::warn!(shard, from = %node, to = %n, error = %e, "read failover");
+                    metrics::counter!("coordinator_read_failovers_total").increment(1);
+                    self.routing.mark_down(&node);
+                    node = n;
+                }
+                (Err(e), _) => return Err(e),
+            }
+        }
+    }
+
     /// Sums every shard's BM25 statistics for the analysed terms of `query`.
     async fn global_stats(
         &self,
-        collection: &str,
+        r: &ShardRead<'_>,
         query: &str,
         shards: &[(u32, &String)],
-        timeout: Duration,
     ) -> Result<GlobalBm25Stats> {
         let stats = join_all(shards.iter().map(|(i, node)| {
             let req = TermStatisticsRequest {
                 shard: Some(ShardRef {
-                    collection: collection.to_owned(),
+                    collection: r.info.name.clone(),
                     shard: *i,
                 }),
                 query: query.to_owned(),
             };
-            async move {
-                let mut c = self.clients.shard(node)?;
-                call(
-                    &format!("shard {i} on {node}"),
-                    timeout,
-                    c.term_statistics(request(req, timeout)),
-                )
-                .await
-            }
+            self.read_shard(r, *i, node, move |mut c, t| {
+                let req = req.clone();
+                async move { c.term_statistics(request(req, t)).await }
+            })
         }))
         .await;
         let mut global = GlobalBm25Stats::default();
@@ -206,11 +258,10 @@ impl State {
     /// Loads the chunks of the final hits from their shards (the fetch of query-then-fetch).
     async fn fetch(
         &self,
-        collection: &str,
+        r: &ShardRead<'_>,
         shards: &[(u32, &String)],
         fused: &[fusion::Fused],
         chunks: &mut HashMap<String, (Chunk, u32)>,
-        timeout: Duration,
     ) -> Result<()> {
         let mut wanted: HashMap<u32, Vec<String>> = HashMap::new();
         for f in fused {
@@ -223,7 +274,7 @@ impl State {
             let node = node_of.get(&shard).copied().cloned().unwrap_or_default();
             let req = GetChunksRequest {
                 shard: Some(ShardRef {
-                    collection: collection.to_owned(),
+                    collection: r.info.name.clone(),
                     shard,
                 }),
                 chunk_ids: ids,
@@ -231,14 +282,13 @@ impl State {
                 consistency: Consistency::Eventual as i32,
             };
             async move {
-                let mut c = self.clients.shard(&node)?;
-                let r = call(
-                    &format!("shard {shard} on {node}"),
-                    timeout,
-                    c.get_chunks(request(req, timeout)),
-                )
-                .await?;
-                Ok::<_, CoordError>((shard, r.chunks))
+                let got = self
+                    .read_shard(r, shard, &node, move |mut c, t| {
+                        let req = req.clone();
+                        async move { c.get_chunks(request(req, t)).await }
+                    })
+                    .await?;
+                Ok::<_, CoordError>((shard, got.chunks))
             }
         });
         let results = join_all(loads).await;
@@ -260,7 +310,6 @@ impl State {
         let info = self.catalog.get(&r.collection)?;
         let p = plan(&r, info.dimension, self.cfg.search_timeout)?;
         let deadline = started + p.timeout;
-        let left = || deadline.saturating_duration_since(Instant::now());
         let consistency = Consistency::try_from(r.consistency).unwrap_or(Consistency::Eventual);
         // One replica per shard for every phase of this search.
         let targets: Vec<(u32, String)> = info
@@ -284,6 +333,12 @@ impl State {
             })
         };
         let filter = r.filter.clone();
+        let read = ShardRead {
+            info: &info,
+            consistency,
+            deadline,
+        };
+        let read = &read;
         // Hybrid: query-then-fetch. Shards return ids and scores of their candidates; only the
         // fused top_k are loaded afterwards.
         let hybrid = p.mode == SearchMode::Hybrid;
@@ -297,10 +352,7 @@ impl State {
             let global = if shards.len() == 1 {
                 None
             } else {
-                Some(
-                    self.global_stats(&info.name, &r.query, &shards, left())
-                        .await?,
-                )
+                Some(self.global_stats(read, &r.query, &shards).await?)
             };
             // Round 2: score everywhere with the same statistics.
             let lists = join_all(shards.iter().map(|(i, node)| {
@@ -313,19 +365,16 @@ impl State {
                     ids_only: hybrid,
                     consistency: consistency as i32,
                 };
-                async move {
-                    let mut c = self.clients.shard(node)?;
-                    call(
-                        &format!("shard {i} on {node}"),
-                        left(),
-                        c.bm25_search(request(req, left())),
-                    )
-                    .await
-                    .map(|r| r.hits)
-                }
+                self.read_shard(read, *i, node, move |mut c, t| {
+                    let req = req.clone();
+                    async move { c.bm25_search(request(req, t)).await }
+                })
             }))
             .await;
-            lists.into_iter().collect::<Result<Vec<_>>>()
+            lists
+                .into_iter()
+                .map(|l| l.map(|r| r.hits))
+                .collect::<Result<Vec<_>>>()
         };
         let semantic = async {
             if p.mode == SearchMode::Bm25 {
@@ -357,19 +406,16 @@ impl State {
                     ids_only: hybrid,
                     consistency: consistency as i32,
                 };
-                async move {
-                    let mut c = self.clients.shard(node)?;
-                    call(
-                        &format!("shard {i} on {node}"),
-                        left(),
-                        c.vector_search(request(req, left())),
-                    )
-                    .await
-                    .map(|r| r.hits)
-                }
+                self.read_shard(read, *i, node, move |mut c, t| {
+                    let req = req.clone();
+                    async move { c.vector_search(request(req, t)).await }
+                })
             }))
             .await;
-            lists.into_iter().collect::<Result<Vec<_>>>()
+            lists
+                .into_iter()
+                .map(|l| l.map(|r| r.hits))
+                .collect::<Result<Vec<_>>>()
         };
         let (lex_lists, sem_lists) =
             match tokio::time::timeout(p.timeout, try_join(lexical, semantic)).await {
@@ -397,8 +443,7 @@ impl State {
             _ => fusion::fuse(&lex, &sem, p.fusion, p.top_k),
         };
         if hybrid {
-            self.fetch(&info.name, &shards, &fused, &mut chunks, left())
-                .await?;
+            self.fetch(read, &shards, &fused, &mut chunks).await?;
         }
         let hits = fused
             .into_iter()
