@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything a fresh Debian machine needs to build, run and test ragcluster:
 # system packages (libclang for rocksdb's bindgen, protoc for raft-rs' prost-build),
-# then the models (scripts/fetch-models.sh), then a small Python venv with pytrec_eval (the
-# metric cross-check of tests/tests/eval.rs; skipped with a warning where Python or PyPI is
+# then the models (scripts/fetch-models.sh), then a small Python venv with pytrec_eval and the
+# Helm chart checkers (tests skip those checks with a message where Python or PyPI is
 # missing). Idempotent: safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,13 +22,17 @@ fi
 
 bash scripts/fetch-models.sh
 
-# pytrec_eval (trec_eval's C code) checks our retrieval metrics in tests/tests/eval.rs.
+# Python packages of two checks: pytrec_eval (trec_eval's C code) checks our retrieval
+# metrics in tests/tests/eval.rs; helm-python-sdk (Helm v4's Go SDK, no helm binary) and
+# kubernetes-validate (Kubernetes schemas, offline) lint, render and validate the Helm chart
+# in tests/tests/helm.rs.
 pyenv="$HOME/.cache/ragcluster-pyenv"
-if ! "$pyenv/bin/python" -c "import pytrec_eval" 2>/dev/null; then
-  if python3 -m venv "$pyenv" 2>/dev/null && "$pyenv/bin/pip" install -q pytrec-eval-terrier; then
-    echo "setup: pytrec_eval in $pyenv"
+if ! "$pyenv/bin/python" -c "import pytrec_eval, helm_python, kubernetes_validate, yaml" 2>/dev/null; then
+  if python3 -m venv "$pyenv" 2>/dev/null &&
+    "$pyenv/bin/pip" install -q pytrec-eval-terrier helm-python-sdk kubernetes-validate pyyaml; then
+    echo "setup: pytrec_eval, helm-python-sdk, kubernetes-validate in $pyenv"
   else
-    echo "setup: WARNING: no pytrec_eval (needs python3-venv and PyPI); its cross-check will be skipped"
+    echo "setup: WARNING: no Python check packages (needs python3-venv and PyPI); those checks will be skipped"
   fi
 fi
 echo "setup: done"

@@ -34,7 +34,9 @@ pub struct CoordinatorConfig {
     /// Embed calls in flight per ingest request.
     pub embed_concurrency: usize,
     pub port_file: Option<PathBuf>,
-    /// This coordinator's Raft id in the catalog group (unique among `peers`, non-zero).
+    /// This coordinator's Raft id in the catalog group (unique among `peers`). 0 takes it
+    /// from the host name's StatefulSet ordinal (`NAME-N` -> N + 1), so that the pods of one
+    /// Kubernetes StatefulSet can share one config.
     pub node_id: u64,
     /// Every coordinator of the cluster as "ID=URL" (this one included), the same list on each;
     /// URL is the address other coordinators and clients reach it at. Empty: a lone
@@ -146,6 +148,25 @@ impl CoordinatorConfig {
         Ok(())
     }
 
+    /// Replaces `node_id = 0` by the ordinal of `hostname` (`NAME-N` -> N + 1).
+    pub fn resolve_node_id(&mut self, hostname: Option<&str>) -> Result<(), String> {
+        if self.node_id != 0 {
+            return Ok(());
+        }
+        let host = hostname.unwrap_or_default();
+        let ordinal = host
+            .rsplit_once('-')
+            .and_then(|(_, n)| n.parse::<u64>().ok())
+            .ok_or_else(|| {
+                format!(
+                    "coordinator.node_id = 0 takes the id from a host name NAME-N (a StatefulSet \
+                     pod), but the host name is {host:?}"
+                )
+            })?;
+        self.node_id = ordinal + 1;
+        Ok(())
+    }
+
     /// The catalog group's members by Raft id, parsed from `peers` (or this coordinator alone).
     pub fn catalog_members(&self) -> Result<BTreeMap<u64, String>, String> {
         if self.node_id == 0 {
@@ -183,5 +204,28 @@ impl CoordinatorConfig {
             return Err("coordinator.peers: at most 7 coordinators".into());
         }
         Ok(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_id_zero_comes_from_the_statefulset_ordinal() {
+        let mut c = CoordinatorConfig {
+            node_id: 0,
+            ..Default::default()
+        };
+        c.resolve_node_id(Some("rag-coordinator-2")).unwrap();
+        assert_eq!(c.node_id, 3);
+        c.resolve_node_id(Some("other-7")).unwrap();
+        assert_eq!(c.node_id, 3, "an explicit id stays");
+        let mut c = CoordinatorConfig {
+            node_id: 0,
+            ..Default::default()
+        };
+        assert!(c.resolve_node_id(Some("laptop")).is_err());
+        assert!(c.resolve_node_id(None).is_err());
     }
 }

@@ -65,7 +65,9 @@ async fn main() -> anyhow::Result<()> {
     let file = flags.config.as_deref();
     let tel = TelemetryConfig::load(file, &flags.telemetry)?;
     telemetry::init_logging(&tel);
-    let cfg: CoordinatorConfig = load_section(file, "coordinator", &flags)?;
+    let mut cfg: CoordinatorConfig = load_section(file, "coordinator", &flags)?;
+    cfg.resolve_node_id(std::env::var("HOSTNAME").ok().as_deref())
+        .map_err(anyhow::Error::msg)?;
     cfg.validate().map_err(anyhow::Error::msg)?;
     coordinator::run(cfg, &tel.metrics_listen, server::shutdown_signal()).await
 }

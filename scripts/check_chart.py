@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Lints and renders helm/ragcluster with several value sets and validates every rendered
+object against the Kubernetes schemas, offline: helm-python-sdk (Helm v4's Go SDK, no helm
+binary) and kubernetes-validate (scripts/setup.sh installs both into ~/.cache/ragcluster-pyenv).
+
+    python scripts/check_chart.py OUT_DIR
+
+Writes OUT_DIR/<value set>/ragcluster.toml (the rendered process config, which
+tests/tests/helm.rs loads with the real config code) and prints one JSON line per value set.
+Exits non-zero on the first problem.
+"""
+
+import json
+import pathlib
+import sys
+import tomllib
+
+import helm_python as helm
+import kubernetes_validate
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "ragcluster"
+KUBE = "1.30.0"
+# Custom resources whose schemas kubernetes-validate does not carry; checked by hand below.
+CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+
+
+def fail(msg):
+    print(f"FAIL: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
+def values_of(name):
+    if name == "default":
+        return {}
+    return yaml.safe_load((CHART / "ci" / f"{name}-values.yaml").read_text())
+
+
+def render(values, release="rag", namespace="search"):
+    chart = helm.Chart.load(str(CHART))
+    out = chart.render(values, name=release, namespace=namespace, is_install=True)
+    objects = []
+    for path, text in out.items():
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                objects.append(doc)
+    return objects
+
+
+def by_kind(objects, kind, suffix=""):
+    return [o for o in objects if o["kind"] == kind and o["metadata"]["name"].endswith(suffix)]
+
+
+def one(objects, kind, suffix):
+    found = by_kind(objects, kind, suffix)
+    if len(found) != 1:
+        fail(f"expected one {kind} *{suffix}, found {len(found)}")
+    return found[0]
+
+
+def check(name, out_dir):
+    values = values_of(name)
+    report = helm.lint(str(CHART), values, strict=True, kube_version="v" + KUBE)
+    bad = [m for m in report.get("messages", []) if m.get("severity", 0) >= 2] + report.get("errors", [])
+    if bad:
+        fail(f"{name}: helm lint: {bad}")
+    objects = render(values)
+    validated = 0
+    for o in objects:
+        if (o["apiVersion"], o["kind"]) in CRDS:
+            continue
+        try:
+            kubernetes_validate.validate(o, KUBE, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            fail(f"{name}: {o['kind']} {o['metadata']['name']}: {e.message} at {list(e.path)}")
+        validated += 1
+
+    merged = helm.Chart.load(str(CHART)).merge_values(values)
+    shards = one(objects, "StatefulSet", "-shard-node")
+    coords = one(objects, "StatefulSet", "-coordinator")
+    worker = one(objects, "Deployment", "-model-worker")
+    n_shards = merged["shardNode"]["replicas"]
+    n_coords = merged["coordinator"]["replicas"]
+    if shards["spec"]["replicas"] != n_shards or coords["spec"]["replicas"] != n_coords:
+        fail(f"{name}: replica counts")
+    for ss in (shards, coords):
+        if ss["spec"]["serviceName"] not in {s["metadata"]["name"] for s in by_kind(objects, "Service")}:
+            fail(f"{name}: {ss['metadata']['name']} has no headless Service")
+        if not ss["spec"]["volumeClaimTemplates"]:
+            fail(f"{name}: no PVC per replica")
+    for w in (shards, coords, worker):
+        pod = w["spec"]["template"]
+        c = pod["spec"]["containers"][0]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if "grpc" not in c.get(probe, {}):
+                fail(f"{name}: {c['name']} {probe} is not a gRPC health probe")
+        if pod["spec"]["securityContext"].get("runAsUser") != 10001:
+            fail(f"{name}: {c['name']} does not run as the images' user")
+        if merged["metrics"]["annotations"] and pod["metadata"]["annotations"].get("prometheus.io/scrape") != "true":
+            fail(f"{name}: {c['name']} lacks scrape annotations")
+    # Shard nodes: quorum-keeping PDB, anti-affinity as asked.
+    pdb = one(objects, "PodDisruptionBudget", "-shard-node")
+    if pdb["spec"]["maxUnavailable"] != merged["shardNode"]["maxUnavailable"]:
+        fail(f"{name}: shard-node PDB")
+    aff = shards["spec"]["template"]["spec"].get("affinity", {}).get("podAntiAffinity", {})
+    mode = merged["shardNode"]["antiAffinity"]
+    key = {"hard": "requiredDuringSchedulingIgnoredDuringExecution",
+           "soft": "preferredDuringSchedulingIgnoredDuringExecution"}.get(mode)
+    if key and key not in aff:
+        fail(f"{name}: shard-node anti-affinity {mode} missing")
+    coord_pdbs = by_kind(objects, "PodDisruptionBudget", "-coordinator")
+    if (n_coords > 1) != bool(coord_pdbs):
+        fail(f"{name}: coordinator PDB")
+    if coord_pdbs and coord_pdbs[0]["spec"]["maxUnavailable"] != n_coords - (n_coords // 2 + 1):
+        fail(f"{name}: coordinator PDB must keep a majority")
+    # GPU requests.
+    res = worker["spec"]["template"]["spec"]["containers"][0]["resources"]
+    gpu = merged["modelWorker"]["gpu"]
+    if gpu["enabled"] != ("nvidia.com/gpu" in res.get("limits", {})):
+        fail(f"{name}: nvidia.com/gpu limit")
+    # ServiceMonitor.
+    sms = by_kind(objects, "ServiceMonitor")
+    if merged["metrics"]["serviceMonitor"]["enabled"] != bool(sms):
+        fail(f"{name}: ServiceMonitor")
+    for sm in sms:
+        if sm["spec"]["endpoints"][0]["port"] != "metrics":
+            fail(f"{name}: ServiceMonitor port")
+    # The rendered process config.
+    cm = one(objects, "ConfigMap", "-config")
+    toml_text = cm["data"]["ragcluster.toml"]
+    cfg = tomllib.loads(toml_text)
+    if len(cfg["coordinator"]["shard_nodes"]) != n_shards:
+        fail(f"{name}: shard_nodes list")
+    if len(cfg["coordinator"].get("peers", [])) != (n_coords if n_coords > 1 else 0):
+        fail(f"{name}: peers list")
+    devices = {m["device"] for m in cfg["model_worker"]["models"]}
+    if devices != {"cuda" if gpu["enabled"] else "cpu"}:
+        fail(f"{name}: model devices {devices}")
+    d = pathlib.Path(out_dir) / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "ragcluster.toml").write_text(toml_text)
+    kinds = sorted({o["kind"] for o in objects})
+    print(json.dumps({"values": name, "objects": len(objects), "validated": validated, "kinds": kinds}))
+
+
+def check_rejected(name, values, why):
+    try:
+        render(values)
+    except helm.HelmError as e:
+        print(json.dumps({"values": name, "rejected": True, "error": str(e)[:160]}))
+        return
+    fail(f"{name}: {why} was accepted")
+
+
+def main():
+    out_dir = sys.argv[1] if len(sys.argv) > 1 else "chart-out"
+    for name in ("default", "ha", "gpu"):
+        check(name, out_dir)
+    check_rejected("even-coordinators", {"coordinator": {"replicas": 2}}, "2 coordinators")
+    check_rejected("unknown-key", {"shardNode": {"replica": 3}}, "a misspelt key")
+    check_rejected("bad-size", {"shardNode": {"persistence": {"size": "lots"}}}, "a bad size")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+//! The Helm chart (`helm/ragcluster`) linted and rendered offline with three value sets
+//! (defaults, HA with a ServiceMonitor, GPU model workers), every rendered object validated
+//! against the Kubernetes 1.30 schemas, and bad values refused by values.schema.json: that is
+//! `scripts/check_chart.py` (helm-python-sdk and kubernetes-validate, which scripts/setup.sh
+//! installs into ~/.cache/ragcluster-pyenv). Then the ragcluster.toml each value set renders
+//! is loaded and validated by the processes' own config code, as the pods would. Skipped with
+//! a message where no Python has those packages. Also: the Compose cluster's config loads.
+
+use std::process::Command;
+
+use anyhow::{Context, Result, ensure};
+use coordinator::CoordinatorConfig;
+use model_worker::ModelWorkerConfig;
+use ragcluster_common::config::load_section;
+use ragcluster_tests::workspace;
+use shard_node::ShardNodeConfig;
+
+#[derive(serde::Serialize, Default)]
+struct NoFlags {}
+
+fn python_with_helm() -> Option<String> {
+    let mut candidates: Vec<String> = std::env::var("RAGCLUSTER_PYTHON").into_iter().collect();
+    if let Some(home) = std::env::var_os("HOME") {
+        candidates.push(format!(
+            "{}/.cache/ragcluster-pyenv/bin/python",
+            home.to_string_lossy()
+        ));
+    }
+    candidates.push("python3".into());
+    candidates.into_iter().find(|p| {
+        Command::new(p)
+            .args(["-c", "import helm_python, kubernetes_validate, yaml"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+}
+
+/// Every process's section of a rendered config, through the real loaders and validators.
+fn load_all(file: &std::path::Path, hostname: &str) -> Result<(CoordinatorConfig, usize)> {
+    let f = Some(file);
+    let mut co: CoordinatorConfig = load_section(f, "coordinator", &NoFlags {})?;
+    co.resolve_node_id(Some(hostname))
+        .map_err(anyhow::Error::msg)?;
+    co.validate().map_err(anyhow::Error::msg)?;
+    co.catalog_members().map_err(anyhow::Error::msg)?;
+    let sn: ShardNodeConfig = load_section(f, "shard_node", &NoFlags {})?;
+    sn.validate().map_err(anyhow::Error::msg)?;
+    let mw: ModelWorkerConfig = load_section(f, "model_worker", &NoFlags {})?;
+    mw.validate().map_err(anyhow::Error::msg)?;
+    Ok((co, mw.models.len()))
+}
+
+#[test]
+fn chart_renders_valid_objects_and_configs() -> Result<()> {
+    // The compose coordinator keeps the default id (1): the host name does not matter.
+    let (compose, models) = load_all(
+        &workspace().join("deploy/compose/ragcluster.toml"),
+        "coordinator",
+    )?;
+    ensure!(compose.shard_nodes.len() == 3 && models == 3);
+
+    let Some(python) = python_with_helm() else {
+        println!(
+            "SKIPPED the Helm chart check: no Python with helm-python-sdk and kubernetes-validate (bash scripts/setup.sh installs them)"
+        );
+        return Ok(());
+    };
+    let out = tempfile::tempdir()?;
+    let o = Command::new(&python)
+        .arg(workspace().join("scripts/check_chart.py"))
+        .arg(out.path())
+        .output()?;
+    println!("{}", String::from_utf8_lossy(&o.stdout));
+    ensure!(
+        o.status.success(),
+        "check_chart.py: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    for (set, coordinators, shard_nodes) in [("default", 3, 3), ("ha", 3, 5), ("gpu", 1, 3)] {
+        let file = out.path().join(set).join("ragcluster.toml");
+        // Pod 1 of the coordinator StatefulSet: node id 2 (must be a catalog member if there
+        // are peers).
+        let host = if coordinators > 1 {
+            "rag-ragcluster-coordinator-1"
+        } else {
+            "rag-ragcluster-coordinator-0"
+        };
+        let (co, _) = load_all(&file, host).with_context(|| set.to_string())?;
+        ensure!(co.shard_nodes.len() == shard_nodes, "{set}");
+        ensure!(
+            co.catalog_members().map_err(anyhow::Error::msg)?.len() == coordinators,
+            "{set}"
+        );
+    }
+    Ok(())
+}
