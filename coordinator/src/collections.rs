@@ -22,7 +22,7 @@ const CATCH_UP: Duration = Duration::from_secs(5);
 /// Marks a catalog change forwarded by another coordinator.
 pub const FORWARDED: &str = "x-ragcluster-forwarded";
 
-fn forward<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
+pub(crate) fn forward<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
     let mut r = request(msg, timeout);
     r.metadata_mut()
         .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
@@ -315,7 +315,7 @@ impl State {
 
     /// Where a catalog change must be made: `None` here (this coordinator leads the catalog),
     /// or the leader's address. A change forwarded once is not forwarded again.
-    async fn catalog_leader(&self, forwarded: bool) -> Result<Option<String>> {
+    pub(crate) async fn catalog_leader(&self, forwarded: bool) -> Result<Option<String>> {
         let unavailable = |reason: &str| CoordError::Unavailable {
             what: "catalog".into(),
             reason: reason.into(),

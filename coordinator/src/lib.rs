@@ -16,6 +16,7 @@ pub mod flow;
 pub mod fusion;
 pub mod ingest;
 pub mod placement;
+pub mod rebalance;
 pub mod routing;
 pub mod search;
 pub mod service;

@@ -134,6 +134,7 @@ impl Admin for AdminService {
                     role: "shard-node".into(),
                     health: health_of(s, addr).await,
                     shards,
+                    leaders: 0,
                 }
             }))
             .await;
@@ -143,10 +144,16 @@ impl Admin for AdminService {
             address: mw,
             role: "model-worker".into(),
             shards: 0,
+            leaders: 0,
         });
         let mut out = Vec::new();
         for c in collections.iter().cloned() {
             let shards = s.shard_stats(&c).await;
+            for st in &shards {
+                if let Some(n) = nodes.iter_mut().find(|n| n.address == st.leader) {
+                    n.leaders += 1;
+                }
+            }
             out.push(CollectionStatus {
                 collection: Some(c),
                 shards,
@@ -157,5 +164,58 @@ impl Admin for AdminService {
             collections: out,
             catalog: Some(s.catalog.status()),
         }))
+    }
+
+    type MoveReplicaStream =
+        tokio_stream::wrappers::ReceiverStream<Result<MoveReplicaProgress, Status>>;
+
+    async fn move_replica(
+        &self,
+        req: Request<MoveReplicaRequest>,
+    ) -> Result<Response<Self::MoveReplicaStream>, Status> {
+        let fwd = req.metadata().contains_key(crate::collections::FORWARDED);
+        let r = req.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        // Moves change the catalog: they run on its leader.
+        if let Some(addr) = self.0.catalog_leader(fwd).await? {
+            let ch = self.0.clients.channel(&addr)?;
+            let mut up = ragcluster_proto::v1::admin_client::AdminClient::new(ch)
+                .move_replica(crate::collections::forward(r, Duration::from_secs(3600)))
+                .await?
+                .into_inner();
+            tokio::spawn(async move {
+                while let Some(m) = up.message().await.transpose() {
+                    if tx.send(m).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        } else {
+            let s = self.0.clone();
+            tokio::spawn(async move {
+                if let Err(e) = s
+                    .move_replica(&r.collection, r.shard, &r.from, &r.to, &tx)
+                    .await
+                {
+                    tracing::warn!(collection = r.collection, shard = r.shard, from = r.from,
+                                   to = r.to, error = %e, "replica move failed");
+                    let _ = tx.send(Err(e.into())).await;
+                }
+            });
+        }
+        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(
+            rx,
+        )))
+    }
+
+    async fn transfer_shard_leader(
+        &self,
+        req: Request<TransferShardLeaderRequest>,
+    ) -> Result<Response<TransferShardLeaderResponse>, Status> {
+        let r = req.into_inner();
+        self.0
+            .transfer_shard_leader(&r.collection, r.shard, &r.to)
+            .await?;
+        Ok(Response::new(TransferShardLeaderResponse {}))
     }
 }

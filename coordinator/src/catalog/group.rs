@@ -319,6 +319,18 @@ impl View {
                 .remove(&name)
                 .map(|_| ())
                 .ok_or(CoordError::UnknownCollection(name)),
+            Some(Op::SetPlacement(p)) => {
+                let c = self
+                    .collections
+                    .get_mut(&p.collection)
+                    .ok_or_else(|| CoordError::UnknownCollection(p.collection.clone()))?;
+                let shard = c
+                    .shards
+                    .get_mut(p.shard as usize)
+                    .ok_or_else(|| CoordError::invalid("shard", format!("no shard {}", p.shard)))?;
+                shard.nodes = p.nodes;
+                Ok(())
+            }
             None => Ok(()),
         }
     }

@@ -262,6 +262,24 @@ impl Catalog {
         Ok(info)
     }
 
+    /// Records a shard's new replica list (leader only), after a replica move.
+    pub async fn set_placement(
+        &self,
+        collection: &str,
+        shard: u32,
+        nodes: Vec<String>,
+        timeout: Duration,
+    ) -> Result<()> {
+        let cmd = CatalogCommand {
+            op: Some(Op::SetPlacement(ragcluster_proto::v1::SetPlacement {
+                collection: collection.to_owned(),
+                shard,
+                nodes,
+            })),
+        };
+        self.propose(cmd, timeout).await
+    }
+
     /// Waits until this coordinator's applied catalog satisfies `ok` (after a change made on
     /// the leader), so a client sees its own change here.
     pub async fn wait_for(&self, ok: impl Fn(&View) -> bool, timeout: Duration) -> bool {

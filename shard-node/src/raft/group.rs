@@ -540,6 +540,13 @@ impl Group {
                     cc.merge_from_bytes(&e.data).map_err(|err| {
                         ShardError::Corrupt(format!("conf change {}: {err}", e.index))
                     })?;
+                    let newcomer = {
+                        let old = &self.raw.store().cs;
+                        !old.voters.contains(&cc.node_id) && !old.learners.contains(&cc.node_id)
+                    } && matches!(
+                        cc.get_change_type(),
+                        ConfChangeType::AddLearnerNode | ConfChangeType::AddNode
+                    );
                     let cs = self.raw.apply_conf_change(&cc).map_err(|err| {
                         ShardError::Corrupt(format!("conf change {}: {err}", e.index))
                     })?;
@@ -549,6 +556,12 @@ impl Group {
                     }
                     self.shard.apply_noop(e.index, Some(&cs))?;
                     self.raw.mut_store().cs = cs.clone();
+                    // A newcomer starts empty, without the group's initial membership, so it
+                    // cannot apply the log from index 1: dropping the log up to this change
+                    // makes whichever replica leads send it a snapshot (state + membership).
+                    if newcomer {
+                        self.raw.mut_store().compact(e.index)?;
+                    }
                     // Visible to RPCs (e.g. a TransferLeader to a just-promoted voter) before
                     // the proposer hears back.
                     self.publish();

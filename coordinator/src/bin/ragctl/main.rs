@@ -3,6 +3,7 @@
 //! coordinator.
 
 mod eval;
+mod ops;
 mod optimize;
 mod report;
 
@@ -87,6 +88,23 @@ enum Cmd {
     Status {
         #[arg(long)]
         json: bool,
+    },
+    /// Move shard replicas between nodes.
+    Shard {
+        #[command(subcommand)]
+        cmd: ops::ShardCmd,
+    },
+    /// Shard-node operations.
+    Node {
+        #[command(subcommand)]
+        cmd: ops::NodeCmd,
+    },
+    /// Even replicas and leaders per shard node (moves run one at a time; a rerun plans only
+    /// what is left).
+    Rebalance {
+        /// Show the plan only.
+        #[arg(long)]
+        dry_run: bool,
     },
     /// Exits 0 when the process at ADDR reports SERVING on grpc.health.v1 (container and
     /// Kubernetes health checks; images have no shell and no grpc_health_probe).
@@ -308,6 +326,11 @@ async fn main() -> Result<()> {
         }
         Cmd::Collection { cmd } => collection(&cli, cmd).await,
         Cmd::Status { json } => status(&cli, *json).await,
+        Cmd::Shard { cmd } => ops::shard(&mut AdminClient::new(channel(&cli).await?), cmd).await,
+        Cmd::Node { cmd } => ops::node(&mut AdminClient::new(channel(&cli).await?), cmd).await,
+        Cmd::Rebalance { dry_run } => {
+            ops::rebalance(&mut AdminClient::new(channel(&cli).await?), *dry_run).await
+        }
         Cmd::Health {
             addr,
             service,
@@ -799,7 +822,15 @@ fn print_shards(shards: &[ShardStats]) {
             s.term.to_string(),
             s.replicas
                 .iter()
-                .map(|r| format!("{} {} @{}", r.node, r.role, r.applied_index))
+                .map(|r| {
+                    format!(
+                        "{} {} @{} lag {}",
+                        r.node,
+                        r.role,
+                        r.applied_index,
+                        s.commit_index.saturating_sub(r.applied_index)
+                    )
+                })
                 .collect::<Vec<_>>()
                 .join("\n"),
             s.documents.to_string(),
@@ -820,12 +851,12 @@ async fn status(cli: &Cli, json: bool) -> Result<()> {
         .await?
         .into_inner();
     if json {
-        let nodes: Vec<_> = st.nodes.iter().map(|n| serde_json::json!({"address": n.address, "role": n.role, "health": n.health, "shards": n.shards})).collect();
+        let nodes: Vec<_> = st.nodes.iter().map(|n| serde_json::json!({"address": n.address, "role": n.role, "health": n.health, "shards": n.shards, "leaders": n.leaders})).collect();
         let cols: Vec<_> = st
             .collections
             .iter()
             .map(|c| {
-                let shards: Vec<_> = c.shards.iter().map(|s| serde_json::json!({"shard": s.shard, "leader": s.leader, "term": s.term, "replicas": s.replicas.iter().map(|r| serde_json::json!({"node": r.node, "role": r.role, "applied": r.applied_index, "chunks": r.chunks})).collect::<Vec<_>>(), "documents": s.documents, "chunks": s.chunks, "error": s.error})).collect();
+                let shards: Vec<_> = c.shards.iter().map(|s| serde_json::json!({"shard": s.shard, "leader": s.leader, "term": s.term, "replicas": s.replicas.iter().map(|r| serde_json::json!({"node": r.node, "role": r.role, "applied": r.applied_index, "lag": s.commit_index.saturating_sub(r.applied_index), "chunks": r.chunks})).collect::<Vec<_>>(), "documents": s.documents, "chunks": s.chunks, "error": s.error})).collect();
                 serde_json::json!({"name": c.collection.as_ref().map(|x| x.name.clone()), "shards": shards})
             })
             .collect();
@@ -838,13 +869,14 @@ async fn status(cli: &Cli, json: bool) -> Result<()> {
     }
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED)
-        .set_header(["role", "address", "health", "shards"]);
+        .set_header(["role", "address", "health", "shards", "leaders"]);
     for n in &st.nodes {
         t.add_row([
             n.role.clone(),
             n.address.clone(),
             n.health.clone(),
             n.shards.to_string(),
+            n.leaders.to_string(),
         ]);
     }
     println!("{t}");

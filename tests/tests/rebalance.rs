@@ -1,0 +1,275 @@
+//! Moving replicas while clients work, as an operator does it with ragctl: on four shard nodes
+//! holding a 4-shard, 3-replica collection, one client writes and another searches without
+//! pause while `ragctl shard move` moves a shard's preferred leader away, `ragctl node drain`
+//! empties a node, and `ragctl rebalance` evens replicas and leaders again. No client request
+//! may fail except with a retried UNAVAILABLE / DEADLINE_EXCEEDED, every acknowledged write
+//! must be found afterwards, and the replicas must converge.
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use ragcluster_proto::v1::admin_client::AdminClient;
+use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
+use ragcluster_proto::v1::*;
+use ragcluster_tests::{Cluster, bin_dir};
+use tokio::sync::Mutex;
+use tonic::Code;
+use tonic::transport::Channel;
+
+#[derive(Default)]
+struct Load {
+    acked: Mutex<Vec<usize>>,
+    write_retries: AtomicUsize,
+    searches: AtomicUsize,
+    search_retries: AtomicUsize,
+    stop: AtomicBool,
+}
+
+fn transient(s: &tonic::Status) -> Result<()> {
+    ensure!(
+        matches!(s.code(), Code::Unavailable | Code::DeadlineExceeded),
+        "a client request failed with {s:?}"
+    );
+    Ok(())
+}
+
+async fn writer(load: Arc<Load>, mut c: CoordinatorClient<Channel>) -> Result<()> {
+    let mut i = 0;
+    while !load.stop.load(Ordering::Relaxed) {
+        let d = Document {
+            id: format!("m-{i}"),
+            title: format!("moving {i}"),
+            text: format!("Rebalance stream document {i} has the unique marker rb{i}z."),
+            metadata: HashMap::new(),
+            embedding: vec![],
+        };
+        match c
+            .upsert_documents(UpsertDocumentsRequest {
+                collection: "moving".into(),
+                documents: vec![d],
+            })
+            .await
+        {
+            Ok(_) => {
+                load.acked.lock().await.push(i);
+                i += 1;
+            }
+            Err(s) => {
+                transient(&s)?;
+                load.write_retries.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn searcher(load: Arc<Load>, mut c: CoordinatorClient<Channel>) -> Result<()> {
+    while !load.stop.load(Ordering::Relaxed) {
+        let r = c
+            .search(SearchRequest {
+                collection: "moving".into(),
+                query: "rebalance stream document".into(),
+                top_k: 5,
+                mode: SearchMode::Hybrid as i32,
+                ..Default::default()
+            })
+            .await;
+        match r {
+            Ok(_) => load.searches.fetch_add(1, Ordering::Relaxed),
+            Err(s) => {
+                transient(&s)?;
+                load.search_retries.fetch_add(1, Ordering::Relaxed)
+            }
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+fn ragctl(cluster: &Cluster, args: &[&str]) -> Result<String> {
+    let t = Instant::now();
+    let o = Command::new(bin_dir().join("ragctl"))
+        .args(["--coordinator", &cluster.coordinator.grpc])
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .output()?;
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    ensure!(
+        o.status.success(),
+        "ragctl {args:?}: {out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    eprintln!(
+        "ragctl {} took {:.1} s\n{out}",
+        args.join(" "),
+        t.elapsed().as_secs_f64()
+    );
+    Ok(out)
+}
+
+/// Replicas and leaders per shard node.
+async fn spread(
+    admin: &mut AdminClient<Channel>,
+) -> Result<(BTreeMap<String, u32>, BTreeMap<String, u32>)> {
+    let st = admin
+        .cluster_status(ClusterStatusRequest {})
+        .await?
+        .into_inner();
+    let nodes = st.nodes.iter().filter(|n| n.role == "shard-node");
+    Ok((
+        nodes
+            .clone()
+            .map(|n| (n.address.clone(), n.shards))
+            .collect(),
+        nodes.map(|n| (n.address.clone(), n.leaders)).collect(),
+    ))
+}
+
+fn within_one(m: &BTreeMap<String, u32>) -> bool {
+    let (lo, hi) = (m.values().min(), m.values().max());
+    matches!((lo, hi), (Some(lo), Some(hi)) if hi - lo <= 1)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn move_drain_rebalance_under_load() -> Result<()> {
+    let cluster = Cluster::start(4)?;
+    let mut c = cluster.client().await?;
+    let info = c
+        .create_collection(CreateCollectionRequest {
+            name: "moving".into(),
+            shard_count: 4,
+            replication_factor: 3,
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .collection
+        .context("collection")?;
+    let mut admin = AdminClient::new(
+        Channel::from_shared(cluster.coordinator.grpc.clone())?
+            .connect()
+            .await?,
+    );
+    let load = Arc::new(Load::default());
+    let w = tokio::spawn(writer(load.clone(), c.clone()));
+    let s = tokio::spawn(searcher(load.clone(), c.clone()));
+    while load.acked.lock().await.len() < 30 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // 1. Move shard 0's preferred leader to the node that lacks the shard.
+    let placed = info.shards[0].nodes.clone();
+    let from = placed[0].clone();
+    let to = cluster
+        .shards
+        .iter()
+        .map(|p| p.grpc.clone())
+        .find(|a| !placed.contains(a))
+        .context("a node without shard 0")?;
+    let out = tokio::task::block_in_place(|| {
+        ragctl(
+            &cluster,
+            &["shard", "move", "moving/0", "--from", &from, "--to", &to],
+        )
+    })?;
+    ensure!(out.is_empty() || !out.contains("error"), "{out}");
+    let now = c
+        .describe_collection(DescribeCollectionRequest {
+            name: "moving".into(),
+        })
+        .await?
+        .into_inner()
+        .collection
+        .context("collection")?;
+    ensure!(
+        now.shards[0].nodes.contains(&to) && !now.shards[0].nodes.contains(&from),
+        "placement after the move: {:?}",
+        now.shards[0].nodes
+    );
+    // Asking again is a no-op (the move is done).
+    tokio::task::block_in_place(|| {
+        ragctl(
+            &cluster,
+            &["shard", "move", "moving/0", "--from", &from, "--to", &to],
+        )
+    })?;
+
+    // 2. Drain a node.
+    let drained = cluster.shards[1].grpc.clone();
+    tokio::task::block_in_place(|| ragctl(&cluster, &["node", "drain", &drained]))?;
+    let (replicas, _) = spread(&mut admin).await?;
+    ensure!(replicas[&drained] == 0, "after drain: {replicas:?}");
+
+    // 3. Rebalance: plan, then run; a second run has nothing to do.
+    let plan = tokio::task::block_in_place(|| ragctl(&cluster, &["rebalance", "--dry-run"]))?;
+    ensure!(plan.contains("move replica"), "{plan}");
+    tokio::task::block_in_place(|| ragctl(&cluster, &["rebalance"]))?;
+    let (replicas, leaders) = spread(&mut admin).await?;
+    ensure!(within_one(&replicas), "replicas per node: {replicas:?}");
+    ensure!(
+        replicas.values().sum::<u32>() == 12,
+        "replicas: {replicas:?}"
+    );
+    ensure!(within_one(&leaders), "leaders per node: {leaders:?}");
+    let again = tokio::task::block_in_place(|| ragctl(&cluster, &["rebalance"]))?;
+    ensure!(again.contains("nothing to do"), "{again}");
+
+    load.stop.store(true, Ordering::Relaxed);
+    w.await??;
+    s.await??;
+    let acked = load.acked.lock().await.clone();
+    eprintln!(
+        "{} writes acknowledged ({} retried), {} searches ({} retried)",
+        acked.len(),
+        load.write_retries.load(Ordering::Relaxed),
+        load.searches.load(Ordering::Relaxed),
+        load.search_retries.load(Ordering::Relaxed)
+    );
+
+    // Replicas converge; every acknowledged write is there.
+    let t = Instant::now();
+    loop {
+        let st = admin
+            .cluster_status(ClusterStatusRequest {})
+            .await?
+            .into_inner();
+        let col = &st.collections[0];
+        if col.shards.iter().all(|s| {
+            s.replicas.len() == 3
+                && s.replicas.iter().all(|r| {
+                    r.applied_index == s.replicas[0].applied_index
+                        && r.chunks == s.replicas[0].chunks
+                })
+        }) {
+            break;
+        }
+        ensure!(
+            t.elapsed() < Duration::from_secs(60),
+            "replicas did not converge: {:?}",
+            col.shards
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for i in acked {
+        let r = c
+            .search(SearchRequest {
+                collection: "moving".into(),
+                query: format!("rb{i}z"),
+                top_k: 1,
+                mode: SearchMode::Bm25 as i32,
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        ensure!(
+            r.hits.first().is_some_and(|h| h.doc_id == format!("m-{i}")),
+            "acknowledged m-{i} is missing"
+        );
+    }
+    Ok(())
+}
