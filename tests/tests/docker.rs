@@ -7,19 +7,15 @@
 //! afterwards, and the replicas must converge. Skipped, with a message, where no Docker engine
 //! or docker-compose is reachable.
 
-use std::collections::HashMap;
 use std::process::Command;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use ragcluster_proto::v1::admin_client::AdminClient;
-use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::*;
+use ragcluster_tests::load::{Load, converged};
 use ragcluster_tests::{bin_dir, coordinator_client, free_port, workspace};
-use tokio::sync::Mutex;
-use tonic::Code;
 use tonic::transport::Channel;
 
 fn docker_available() -> Option<String> {
@@ -85,83 +81,6 @@ fn docker(args: &[&str]) -> Result<()> {
     Ok(())
 }
 
-#[derive(Default)]
-struct Load {
-    acked: Mutex<Vec<usize>>,
-    write_errors: AtomicUsize,
-    searches: AtomicUsize,
-    search_errors: AtomicUsize,
-    stop: AtomicBool,
-}
-
-fn doc(i: usize) -> Document {
-    Document {
-        id: format!("d-{i}"),
-        title: format!("document {i}"),
-        text: format!(
-            "Container stream document {i} carries the unique marker kx{i}q for the partition test."
-        ),
-        metadata: HashMap::new(),
-        embedding: vec![],
-    }
-}
-
-/// Only unavailability (a leader lost or cut off, retried by the caller) may fail a request.
-fn transient(s: &tonic::Status) -> Result<()> {
-    ensure!(
-        matches!(s.code(), Code::Unavailable | Code::DeadlineExceeded),
-        "a request failed with {s:?}"
-    );
-    Ok(())
-}
-
-async fn writer(load: Arc<Load>, mut c: CoordinatorClient<Channel>) -> Result<()> {
-    let mut i = 0;
-    while !load.stop.load(Ordering::Relaxed) {
-        match c
-            .upsert_documents(UpsertDocumentsRequest {
-                collection: "docker".into(),
-                documents: vec![doc(i)],
-            })
-            .await
-        {
-            Ok(_) => {
-                load.acked.lock().await.push(i);
-                i += 1;
-            }
-            Err(s) => {
-                transient(&s)?;
-                load.write_errors.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
-    Ok(())
-}
-
-async fn searcher(load: Arc<Load>, mut c: CoordinatorClient<Channel>) -> Result<()> {
-    while !load.stop.load(Ordering::Relaxed) {
-        let r = c
-            .search(SearchRequest {
-                collection: "docker".into(),
-                query: "container stream document marker".into(),
-                top_k: 5,
-                mode: SearchMode::Bm25 as i32,
-                ..Default::default()
-            })
-            .await;
-        match r {
-            Ok(_) => load.searches.fetch_add(1, Ordering::Relaxed),
-            Err(s) => {
-                transient(&s)?;
-                load.search_errors.fetch_add(1, Ordering::Relaxed)
-            }
-        };
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    Ok(())
-}
-
 /// Waits until `more` further writes and searches succeed (the cluster works in this state).
 async fn progress(load: &Load, more: usize, what: &str) -> Result<()> {
     let (w0, s0) = (
@@ -192,27 +111,6 @@ async fn progress(load: &Load, more: usize, what: &str) -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-}
-
-/// Every replica of every shard answers, with the same applied index and chunk count.
-async fn converged(admin: &mut AdminClient<Channel>) -> Result<bool> {
-    let st = admin
-        .cluster_status(ClusterStatusRequest {})
-        .await?
-        .into_inner();
-    let c = st
-        .collections
-        .iter()
-        .find(|c| c.collection.as_ref().is_some_and(|c| c.name == "docker"))
-        .context("collection missing")?;
-    Ok(c.shards.iter().all(|s| {
-        s.replicas.len() == 3
-            && s.replicas.iter().all(|r| {
-                r.role != "unreachable"
-                    && r.applied_index == s.replicas[0].applied_index
-                    && r.chunks == s.replicas[0].chunks
-            })
-    }))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -290,9 +188,7 @@ async fn scenario(compose: &Compose, port: u16) -> Result<()> {
     })
     .await?;
 
-    let load = Arc::new(Load::default());
-    let w = tokio::spawn(writer(load.clone(), c.clone()));
-    let s = tokio::spawn(searcher(load.clone(), c.clone()));
+    let load = Load::start(c.clone(), "docker", "kx", SearchMode::Bm25);
     progress(&load, 20, "healthy").await?;
 
     // A partition: shard-2 loses the network while writes go on.
@@ -309,50 +205,12 @@ async fn scenario(compose: &Compose, port: u16) -> Result<()> {
     docker(&["start", &shard3])?;
     progress(&load, 10, "shard-3 restarted").await?;
 
-    load.stop.store(true, Ordering::Relaxed);
-    w.await??;
-    s.await??;
-    let acked = load.acked.lock().await.clone();
-    eprintln!(
-        "{} writes acknowledged ({} retried), {} searches ({} retried)",
-        acked.len(),
-        load.write_errors.load(Ordering::Relaxed),
-        load.searches.load(Ordering::Relaxed),
-        load.search_errors.load(Ordering::Relaxed)
-    );
-
-    let t = Instant::now();
-    while !converged(&mut admin).await? {
-        ensure!(
-            t.elapsed() < Duration::from_secs(120),
-            "replicas did not converge: {:?}",
-            admin
-                .cluster_status(ClusterStatusRequest {})
-                .await?
-                .into_inner()
-                .collections
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    load.stop().await?;
+    let took = converged(&mut admin, "docker", 3, Duration::from_secs(120)).await?;
     eprintln!(
         "replicas converged {:.1} s after the load stopped",
-        t.elapsed().as_secs_f64()
+        took.as_secs_f64()
     );
-    for i in acked {
-        let r = c
-            .search(SearchRequest {
-                collection: "docker".into(),
-                query: format!("kx{i}q"),
-                top_k: 1,
-                mode: SearchMode::Bm25 as i32,
-                ..Default::default()
-            })
-            .await?
-            .into_inner();
-        ensure!(
-            r.hits.first().is_some_and(|h| h.doc_id == format!("d-{i}")),
-            "acknowledged d-{i} is missing"
-        );
-    }
+    load.verify(c).await?;
     Ok(())
 }

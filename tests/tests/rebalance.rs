@@ -5,91 +5,16 @@
 //! may fail except with a retried UNAVAILABLE / DEADLINE_EXCEEDED, every acknowledged write
 //! must be found afterwards, and the replicas must converge.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::process::Command;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use ragcluster_proto::v1::admin_client::AdminClient;
-use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::*;
+use ragcluster_tests::load::{Load, converged};
 use ragcluster_tests::{Cluster, bin_dir};
-use tokio::sync::Mutex;
-use tonic::Code;
 use tonic::transport::Channel;
-
-#[derive(Default)]
-struct Load {
-    acked: Mutex<Vec<usize>>,
-    write_retries: AtomicUsize,
-    searches: AtomicUsize,
-    search_retries: AtomicUsize,
-    stop: AtomicBool,
-}
-
-fn transient(s: &tonic::Status) -> Result<()> {
-    ensure!(
-        matches!(s.code(), Code::Unavailable | Code::DeadlineExceeded),
-        "a client request failed with {s:?}"
-    );
-    Ok(())
-}
-
-async fn writer(load: Arc<Load>, mut c: CoordinatorClient<Channel>) -> Result<()> {
-    let mut i = 0;
-    while !load.stop.load(Ordering::Relaxed) {
-        let d = Document {
-            id: format!("m-{i}"),
-            title: format!("moving {i}"),
-            text: format!("Rebalance stream document {i} has the unique marker rb{i}z."),
-            metadata: HashMap::new(),
-            embedding: vec![],
-        };
-        match c
-            .upsert_documents(UpsertDocumentsRequest {
-                collection: "moving".into(),
-                documents: vec![d],
-            })
-            .await
-        {
-            Ok(_) => {
-                load.acked.lock().await.push(i);
-                i += 1;
-            }
-            Err(s) => {
-                transient(&s)?;
-                load.write_retries.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
-    Ok(())
-}
-
-async fn searcher(load: Arc<Load>, mut c: CoordinatorClient<Channel>) -> Result<()> {
-    while !load.stop.load(Ordering::Relaxed) {
-        let r = c
-            .search(SearchRequest {
-                collection: "moving".into(),
-                query: "rebalance stream document".into(),
-                top_k: 5,
-                mode: SearchMode::Hybrid as i32,
-                ..Default::default()
-            })
-            .await;
-        match r {
-            Ok(_) => load.searches.fetch_add(1, Ordering::Relaxed),
-            Err(s) => {
-                transient(&s)?;
-                load.search_retries.fetch_add(1, Ordering::Relaxed)
-            }
-        };
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Ok(())
-}
 
 fn ragctl(cluster: &Cluster, args: &[&str]) -> Result<String> {
     let t = Instant::now();
@@ -155,10 +80,8 @@ async fn move_drain_rebalance_under_load() -> Result<()> {
             .connect()
             .await?,
     );
-    let load = Arc::new(Load::default());
-    let w = tokio::spawn(writer(load.clone(), c.clone()));
-    let s = tokio::spawn(searcher(load.clone(), c.clone()));
-    while load.acked.lock().await.len() < 30 {
+    let load = Load::start(c.clone(), "moving", "rb", SearchMode::Hybrid);
+    while load.written().await < 30 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
@@ -219,57 +142,8 @@ async fn move_drain_rebalance_under_load() -> Result<()> {
     let again = tokio::task::block_in_place(|| ragctl(&cluster, &["rebalance"]))?;
     ensure!(again.contains("nothing to do"), "{again}");
 
-    load.stop.store(true, Ordering::Relaxed);
-    w.await??;
-    s.await??;
-    let acked = load.acked.lock().await.clone();
-    eprintln!(
-        "{} writes acknowledged ({} retried), {} searches ({} retried)",
-        acked.len(),
-        load.write_retries.load(Ordering::Relaxed),
-        load.searches.load(Ordering::Relaxed),
-        load.search_retries.load(Ordering::Relaxed)
-    );
-
-    // Replicas converge; every acknowledged write is there.
-    let t = Instant::now();
-    loop {
-        let st = admin
-            .cluster_status(ClusterStatusRequest {})
-            .await?
-            .into_inner();
-        let col = &st.collections[0];
-        if col.shards.iter().all(|s| {
-            s.replicas.len() == 3
-                && s.replicas.iter().all(|r| {
-                    r.applied_index == s.replicas[0].applied_index
-                        && r.chunks == s.replicas[0].chunks
-                })
-        }) {
-            break;
-        }
-        ensure!(
-            t.elapsed() < Duration::from_secs(60),
-            "replicas did not converge: {:?}",
-            col.shards
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    for i in acked {
-        let r = c
-            .search(SearchRequest {
-                collection: "moving".into(),
-                query: format!("rb{i}z"),
-                top_k: 1,
-                mode: SearchMode::Bm25 as i32,
-                ..Default::default()
-            })
-            .await?
-            .into_inner();
-        ensure!(
-            r.hits.first().is_some_and(|h| h.doc_id == format!("m-{i}")),
-            "acknowledged m-{i} is missing"
-        );
-    }
+    load.stop().await?;
+    converged(&mut admin, "moving", 3, Duration::from_secs(60)).await?;
+    load.verify(c).await?;
     Ok(())
 }
