@@ -423,7 +423,10 @@ impl Shard {
         Ok(prev)
     }
 
+    /// The shard's figures, taken under the write lock so that they describe one applied
+    /// state: never a batch half-applied (its points in HNSW, its chunks not yet in BM25).
     pub fn info(&self) -> Result<ragcluster_proto::v1::ShardInfoResponse> {
+        let _guard = self.write_lock.lock();
         let (live, dead) = self.hnsw.counts();
         Ok(ragcluster_proto::v1::ShardInfoResponse {
             documents: self.documents.load(Ordering::Relaxed),

@@ -738,6 +738,29 @@ async fn membership_add_promote_transfer_remove() -> Result<()> {
         ensure!(Instant::now() < until, "members did not converge: {st:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // Published Raft figures may trail by one ready cycle: also wait until every member's
+    // store (read under its write lock) holds every acknowledged chunk.
+    let until = Instant::now() + Duration::from_secs(20);
+    for &m in &members {
+        let mut sc = shard_client(&c.shards[m].grpc).await?;
+        loop {
+            let info = sc
+                .shard_info(ShardInfoRequest { shard: sref("mem") })
+                .await?
+                .into_inner();
+            if info.chunks >= acked.len() as u64 {
+                break;
+            }
+            ensure!(
+                Instant::now() < until,
+                "{} holds {} of {} chunks",
+                c.shards[m].name,
+                info.chunks,
+                acked.len()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
     let mut first: Option<BTreeSet<String>> = None;
     for &m in &members {
         let (ids_m, _) = contents(&c.shards[m].grpc, "mem").await?;
