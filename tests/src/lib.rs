@@ -307,6 +307,29 @@ pub struct Options<'a> {
     pub generation: bool,
 }
 
+/// A Python that can `import` every module of `modules` (a comma-separated list):
+/// `RAGCLUSTER_PYTHON`, else ~/.cache/ragcluster-pyenv (scripts/setup.sh), else
+/// ~/.cache/st-venv (scripts/setup-bench-python.sh), else python3. Tests that need one skip
+/// their Python check with a message when there is none.
+pub fn python_with(modules: &str) -> Option<String> {
+    let mut candidates: Vec<String> = std::env::var("RAGCLUSTER_PYTHON").into_iter().collect();
+    if let Some(home) = std::env::var_os("HOME") {
+        for venv in ["ragcluster-pyenv", "st-venv"] {
+            candidates.push(format!(
+                "{}/.cache/{venv}/bin/python",
+                home.to_string_lossy()
+            ));
+        }
+    }
+    candidates.push("python3".into());
+    candidates.into_iter().find(|p| {
+        Command::new(p)
+            .args(["-c", &format!("import {modules}")])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+}
+
 /// A free loopback port (bound and released; good enough on a test machine).
 pub fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?

@@ -11,26 +11,7 @@
 use std::process::Command;
 
 use anyhow::{Context, Result, ensure};
-use ragcluster_tests::{Cluster, bin_dir, datasets_dir, workspace};
-
-fn python_with_pytrec() -> Option<String> {
-    let mut candidates: Vec<String> = std::env::var("RAGCLUSTER_PYTHON").into_iter().collect();
-    if let Some(home) = std::env::var_os("HOME") {
-        for venv in ["ragcluster-pyenv", "st-venv"] {
-            candidates.push(format!(
-                "{}/.cache/{venv}/bin/python",
-                home.to_string_lossy()
-            ));
-        }
-    }
-    candidates.push("python3".into());
-    candidates.into_iter().find(|p| {
-        Command::new(p)
-            .args(["-c", "import pytrec_eval"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    })
-}
+use ragcluster_tests::{Cluster, bin_dir, datasets_dir, python_with, workspace};
 
 #[test]
 fn eval_retrieval_matches_trec_eval() -> Result<()> {
@@ -176,7 +157,7 @@ fn eval_retrieval_matches_trec_eval() -> Result<()> {
     );
     ensure!(String::from_utf8_lossy(&winner.stdout).contains("inline:"));
 
-    let Some(python) = python_with_pytrec() else {
+    let Some(python) = python_with("pytrec_eval") else {
         println!(
             "SKIPPED the pytrec_eval cross-check: no Python with pytrec_eval (set RAGCLUSTER_PYTHON)"
         );

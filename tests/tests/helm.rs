@@ -12,28 +12,11 @@ use anyhow::{Context, Result, ensure};
 use coordinator::CoordinatorConfig;
 use model_worker::ModelWorkerConfig;
 use ragcluster_common::config::load_section;
-use ragcluster_tests::workspace;
+use ragcluster_tests::{python_with, workspace};
 use shard_node::ShardNodeConfig;
 
 #[derive(serde::Serialize, Default)]
 struct NoFlags {}
-
-fn python_with_helm() -> Option<String> {
-    let mut candidates: Vec<String> = std::env::var("RAGCLUSTER_PYTHON").into_iter().collect();
-    if let Some(home) = std::env::var_os("HOME") {
-        candidates.push(format!(
-            "{}/.cache/ragcluster-pyenv/bin/python",
-            home.to_string_lossy()
-        ));
-    }
-    candidates.push("python3".into());
-    candidates.into_iter().find(|p| {
-        Command::new(p)
-            .args(["-c", "import helm_python, kubernetes_validate, yaml"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    })
-}
 
 /// Every process's section of a rendered config, through the real loaders and validators.
 fn load_all(file: &std::path::Path, hostname: &str) -> Result<(CoordinatorConfig, usize)> {
@@ -59,7 +42,7 @@ fn chart_renders_valid_objects_and_configs() -> Result<()> {
     )?;
     ensure!(compose.shard_nodes.len() == 3 && models == 3);
 
-    let Some(python) = python_with_helm() else {
+    let Some(python) = python_with("helm_python, kubernetes_validate, yaml") else {
         println!(
             "SKIPPED the Helm chart check: no Python with helm-python-sdk and kubernetes-validate (bash scripts/setup.sh installs them)"
         );

@@ -37,6 +37,13 @@ fn legend<'a, CT: plotters::coord::CoordTranslate>(
         .map_err(err)
 }
 
+/// The category whose bar group is centred at `x` (category i spans [i, i + 1)): bar charts
+/// label only their centres.
+fn centre(x: f64) -> Option<usize> {
+    let i = x.floor() as usize;
+    ((x - i as f64 - 0.5).abs() < 0.01).then_some(i)
+}
+
 fn color(i: usize) -> RGBColor {
     const C: [RGBColor; 8] = [
         RGBColor(31, 119, 180),
@@ -69,12 +76,9 @@ fn metric_bars(configs: &[Config], metrics: &[String]) -> Result<String> {
             .configure_mesh()
             .x_labels(n * 2 + 1)
             .x_label_formatter(&|x| {
-                let i = x.floor() as usize;
-                if (x - i as f64 - 0.5).abs() < 0.01 {
-                    metrics.get(i).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
+                centre(*x)
+                    .and_then(|i| metrics.get(i).cloned())
+                    .unwrap_or_default()
             })
             .disable_x_mesh()
             .y_desc("mean over queries")
@@ -223,11 +227,9 @@ fn node_scores(node: &str, rows: &[(usize, &TrialRow)]) -> Result<String> {
             .configure_mesh()
             .x_labels(n * 2 + 1)
             .x_label_formatter(&|x| {
-                let i = x.floor() as usize;
-                match rows.get(i) {
-                    Some((k, _)) if (x - i as f64 - 0.5).abs() < 0.01 => format!("#{k}"),
-                    _ => String::new(),
-                }
+                centre(*x)
+                    .and_then(|i| rows.get(i))
+                    .map_or(String::new(), |(k, _)| format!("#{k}"))
             })
             .disable_x_mesh()
             .y_desc("score")
