@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: images compose-up compose-down setup build demo test test-faults test-unit test-cluster lint fmt bench bench-raft bench-gen bench-embed bench-ask bench-quick eval-scifact up down
+.PHONY: images compose-up compose-down setup build demo test test-faults test-unit test-cluster lint fmt bench bench-raft bench-gen bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -43,6 +43,9 @@ bench: build      ## full SciFact quality + latency + 100k scale + restart (~30 
 	mkdir -p bench-out
 	$(BIN)/ragbench --out bench-out/scifact.json
 
+bench-security: build ## search latency/QPS and new connections: plaintext vs mutual TLS + API keys
+	$(BIN)/securitybench
+
 bench-raft: build ## write throughput + commit latency (rf 1 vs 3), snapshot transfer rate
 	$(BIN)/raftbench --docs 5000
 
@@ -62,6 +65,9 @@ eval-scifact: build ## retrieval quality of every search mode on SciFact (ingest
 
 bench-quick: build
 	$(BIN)/ragbench --docs 500 --scale-chunks 5000
+
+fuzz:             ## every cargo-fuzz target for FUZZ_SECONDS (default 60) each, nightly
+	bash scripts/fuzz.sh
 
 images:           ## container images FROM scratch (ragcluster/*:$$TAG, default dev)
 	bash deploy/build-images.sh

@@ -94,9 +94,15 @@ def check(name, out_dir):
     for w in (shards, coords, worker):
         pod = w["spec"]["template"]
         c = pod["spec"]["containers"][0]
+        tls = merged["tls"]["enabled"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            if "grpc" not in c.get(probe, {}):
-                fail(f"{name}: {c['name']} {probe} is not a gRPC health probe")
+            p = c.get(probe, {})
+            ok = "health" in p.get("exec", {}).get("command", []) if tls else "grpc" in p
+            if not ok:
+                fail(f"{name}: {c['name']} {probe} is not a (TLS-aware) gRPC health probe")
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        if tls != ("/etc/ragcluster-tls" in mounts):
+            fail(f"{name}: {c['name']} TLS secret mount")
         if pod["spec"]["securityContext"].get("runAsUser") != 10001:
             fail(f"{name}: {c['name']} does not run as the images' user")
         if merged["metrics"]["annotations"] and pod["metadata"]["annotations"].get("prometheus.io/scrape") != "true":
@@ -136,6 +142,16 @@ def check(name, out_dir):
         fail(f"{name}: shard_nodes list")
     if len(cfg["coordinator"].get("peers", [])) != (n_coords if n_coords > 1 else 0):
         fail(f"{name}: peers list")
+    scheme = "https://" if merged["tls"]["enabled"] else "http://"
+    addrs = cfg["coordinator"]["shard_nodes"] + [cfg["coordinator"]["model_worker"]]
+    addrs += [p.split("=", 1)[1] for p in cfg["coordinator"].get("peers", [])]
+    if not all(a.startswith(scheme) for a in addrs):
+        fail(f"{name}: addresses must be {scheme} ({addrs})")
+    for section in ("coordinator", "shard_node", "model_worker"):
+        if merged["tls"]["enabled"] != ("tls" in cfg[section]):
+            fail(f"{name}: [{section}.tls]")
+    if merged["auth"]["enabled"] != cfg["coordinator"].get("auth", {}).get("enabled", False):
+        fail(f"{name}: [coordinator.auth]")
     devices = {m["device"] for m in cfg["model_worker"]["models"]}
     if devices != {"cuda" if gpu["enabled"] else "cpu"}:
         fail(f"{name}: model devices {devices}")
@@ -157,10 +173,11 @@ def check_rejected(name, values, why):
 
 def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "chart-out"
-    for name in ("default", "ha", "gpu"):
+    for name in ("default", "ha", "gpu", "secure"):
         check(name, out_dir)
     check_rejected("even-coordinators", {"coordinator": {"replicas": 2}}, "2 coordinators")
     check_rejected("unknown-key", {"shardNode": {"replica": 3}}, "a misspelt key")
+    check_rejected("tls-without-secret", {"tls": {"enabled": True}}, "TLS without a Secret")
     check_rejected("bad-size", {"shardNode": {"persistence": {"size": "lots"}}}, "a bad size")
 
 

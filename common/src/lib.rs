@@ -1,8 +1,11 @@
 //! What every ragcluster process shares and nothing more: layered config loading
 //! (`config`), logs and Prometheus metrics (`telemetry`), and the gRPC server shell with
-//! health, reflection, per-RPC metrics and graceful shutdown (`server`).
+//! health, reflection, per-RPC metrics and graceful shutdown (`server`), TLS with reload and
+//! member certificates (`tls`), and API-key channels for clients (`client`).
 //! It must not depend on any process crate.
 
+pub mod client;
 pub mod config;
 pub mod server;
 pub mod telemetry;
+pub mod tls;

@@ -43,18 +43,25 @@ pub async fn bind(listen: &str) -> std::io::Result<(TcpListener, SocketAddr)> {
     Ok((l, a))
 }
 
-/// Writes `{"grpc": "...", "metrics": "..."}` atomically, so launchers and tests learn the
-/// ports of a process started with port 0 without sleeping or parsing logs.
-pub fn write_port_file(path: &Path, grpc: SocketAddr, metrics: SocketAddr) -> std::io::Result<()> {
-    write_port_file_with(path, grpc, metrics, None)
+/// Writes `{"grpc": "...", "metrics": "...", "tls": bool}` atomically, so launchers and tests
+/// learn the ports (and scheme) of a process started with port 0 without sleeping or parsing
+/// logs.
+pub fn write_port_file(
+    path: &Path,
+    grpc: SocketAddr,
+    metrics: SocketAddr,
+    tls: bool,
+) -> std::io::Result<()> {
+    write_port_file_with(path, grpc, metrics, None, tls)
 }
 
-/// `write_port_file` plus an `"http"` address for processes that also serve plain HTTP.
+/// `write_port_file` plus an `"http"` address for processes that also serve HTTP.
 pub fn write_port_file_with(
     path: &Path,
     grpc: SocketAddr,
     metrics: SocketAddr,
     http: Option<SocketAddr>,
+    tls: bool,
 ) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp");
     let http = http
@@ -63,7 +70,7 @@ pub fn write_port_file_with(
     std::fs::write(
         &tmp,
         format!(
-            "{{\"grpc\":\"{grpc}\",\"metrics\":\"{metrics}\"{http},\"pid\":{}}}\n",
+            "{{\"grpc\":\"{grpc}\",\"metrics\":\"{metrics}\"{http},\"tls\":{tls},\"pid\":{}}}\n",
             std::process::id()
         ),
     )?;
@@ -161,6 +168,27 @@ where
     }
 }
 
+/// The deadline a caller set with `grpc-timeout` (e.g. "250m"), so a coordinator can pass
+/// what is left of it on to shard nodes and model workers.
+pub fn grpc_timeout(md: &tonic::metadata::MetadataMap) -> Option<std::time::Duration> {
+    let v = md.get("grpc-timeout")?.to_str().ok()?;
+    if v.len() < 2 || v.len() > 9 {
+        return None;
+    }
+    let (n, unit) = v.split_at(v.len() - 1);
+    let n: u64 = n.parse().ok()?;
+    use std::time::Duration;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
 fn split_path(path: &str) -> (String, String) {
     let mut it = path.trim_start_matches('/').splitn(2, '/');
     let service = it.next().unwrap_or_default().to_owned();
@@ -170,6 +198,24 @@ fn split_path(path: &str) -> (String, String) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn parses_grpc_timeouts() {
+        let mut md = tonic::metadata::MetadataMap::new();
+        assert_eq!(super::grpc_timeout(&md), None);
+        md.insert("grpc-timeout", "250m".parse().unwrap());
+        assert_eq!(
+            super::grpc_timeout(&md),
+            Some(std::time::Duration::from_millis(250))
+        );
+        md.insert("grpc-timeout", "2S".parse().unwrap());
+        assert_eq!(
+            super::grpc_timeout(&md),
+            Some(std::time::Duration::from_secs(2))
+        );
+        md.insert("grpc-timeout", "xS".parse().unwrap());
+        assert_eq!(super::grpc_timeout(&md), None);
+    }
+
     #[test]
     fn splits_grpc_paths() {
         assert_eq!(

@@ -22,14 +22,26 @@ const CATCH_UP: Duration = Duration::from_secs(5);
 /// Marks a catalog change forwarded by another coordinator.
 pub const FORWARDED: &str = "x-ragcluster-forwarded";
 
-pub(crate) fn forward<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
+/// A call to the catalog leader on behalf of `caller`, whose key goes along: the leader
+/// checks it again rather than trusting the forwarder.
+pub(crate) fn forward<T>(
+    msg: T,
+    timeout: Duration,
+    caller: &crate::auth::Caller,
+) -> tonic::Request<T> {
     let mut r = request(msg, timeout);
     r.metadata_mut()
         .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
+    if let Some(k) = &caller.presented
+        && let Ok(v) = format!("Bearer {k}").parse()
+    {
+        r.metadata_mut()
+            .insert(ragcluster_common::client::AUTHORIZATION, v);
+    }
     r
 }
 
-fn valid_name(n: &str) -> bool {
+pub(crate) fn valid_name(n: &str) -> bool {
     !n.is_empty()
         && n.len() <= 64
         && n.bytes()
@@ -89,15 +101,18 @@ impl State {
         &self,
         r: CreateCollectionRequest,
         forwarded: bool,
+        caller: &crate::auth::Caller,
     ) -> Result<CollectionInfo> {
         if let Some(addr) = self.catalog_leader(forwarded).await? {
             let name = r.name.clone();
             let info = call(
                 &format!("leader coordinator {addr}"),
                 ADMIN_TIMEOUT,
-                self.clients
-                    .coordinator(&addr)?
-                    .create_collection(forward(r, ADMIN_TIMEOUT)),
+                self.clients.coordinator(&addr)?.create_collection(forward(
+                    r,
+                    ADMIN_TIMEOUT,
+                    caller,
+                )),
             )
             .await?
             .collection
@@ -261,7 +276,12 @@ impl State {
         Ok(info)
     }
 
-    pub async fn drop_collection(&self, name: &str, forwarded: bool) -> Result<()> {
+    pub async fn drop_collection(
+        &self,
+        name: &str,
+        forwarded: bool,
+        caller: &crate::auth::Caller,
+    ) -> Result<()> {
         if let Some(addr) = self.catalog_leader(forwarded).await? {
             let req = DropCollectionRequest {
                 name: name.to_owned(),
@@ -269,9 +289,11 @@ impl State {
             call(
                 &format!("leader coordinator {addr}"),
                 ADMIN_TIMEOUT,
-                self.clients
-                    .coordinator(&addr)?
-                    .drop_collection(forward(req, ADMIN_TIMEOUT)),
+                self.clients.coordinator(&addr)?.drop_collection(forward(
+                    req,
+                    ADMIN_TIMEOUT,
+                    caller,
+                )),
             )
             .await?;
             self.catalog

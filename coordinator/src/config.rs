@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use ragcluster_common::tls::{ClientAuth, TlsConfig, check_scheme};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -63,6 +64,45 @@ pub struct CoordinatorConfig {
     /// own bounds; requests may only lower them).
     pub ask_max_branches: usize,
     pub ask_max_iterations: usize,
+    /// API keys and roles (`[coordinator.auth]`).
+    pub auth: crate::auth::AuthConfig,
+    /// Bounds on requests (`[coordinator.limits]`).
+    pub limits: LimitsConfig,
+    /// TLS for the client port and for calls to other members (`[coordinator.tls]`);
+    /// callers' member certificates are optional here (clients use API keys) but required
+    /// for the internal CatalogPeer service.
+    pub tls: TlsConfig,
+}
+
+/// `[coordinator.limits]`: what one request may ask for, and how many may run at once.
+/// Beyond the concurrency bounds the coordinator answers RESOURCE_EXHAUSTED with a
+/// `retry-after-ms` hint at once instead of queueing.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Largest request message, bytes (256 documents of 1 MiB fit in the default).
+    pub max_request_bytes: usize,
+    /// Documents per UpsertDocuments / ids per DeleteDocuments (at most 256).
+    pub max_batch_documents: usize,
+    /// Largest top_k (and candidates) of a Search (at most 1000).
+    pub max_top_k: u32,
+    /// Coordinator and Admin requests in flight on this coordinator (Ask streams count
+    /// until they end).
+    pub max_concurrent_requests: usize,
+    /// ...and per API key (all anonymous callers share one key when auth is off).
+    pub max_concurrent_requests_per_key: usize,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            max_request_bytes: 300 * 1024 * 1024,
+            max_batch_documents: crate::ingest::MAX_DOCS_PER_BATCH,
+            max_top_k: crate::search::MAX_TOP_K,
+            max_concurrent_requests: 512,
+            max_concurrent_requests_per_key: 128,
+        }
+    }
 }
 
 impl Default for CoordinatorConfig {
@@ -90,6 +130,9 @@ impl Default for CoordinatorConfig {
             ask_max_generated_tokens: 1024,
             ask_max_branches: 8,
             ask_max_iterations: 4,
+            auth: Default::default(),
+            limits: Default::default(),
+            tls: TlsConfig::with_client_auth(ClientAuth::Optional),
         }
     }
 }
@@ -138,6 +181,42 @@ impl CoordinatorConfig {
         if self.raft_tick.is_zero() {
             return Err("coordinator.raft_tick must be positive".into());
         }
+        let l = &self.limits;
+        if !(1024..=1 << 30).contains(&l.max_request_bytes) {
+            return Err("coordinator.limits.max_request_bytes must be in [1 KiB, 1 GiB]".into());
+        }
+        if !(1..=crate::ingest::MAX_DOCS_PER_BATCH).contains(&l.max_batch_documents) {
+            return Err(format!(
+                "coordinator.limits.max_batch_documents must be in [1, {}]",
+                crate::ingest::MAX_DOCS_PER_BATCH
+            ));
+        }
+        if !(1..=crate::search::MAX_TOP_K).contains(&l.max_top_k) {
+            return Err(format!(
+                "coordinator.limits.max_top_k must be in [1, {}]",
+                crate::search::MAX_TOP_K
+            ));
+        }
+        if l.max_concurrent_requests == 0 || l.max_concurrent_requests_per_key == 0 {
+            return Err("coordinator.limits: concurrency bounds must be positive".into());
+        }
+        self.tls.validate("coordinator")?;
+        for a in &self.shard_nodes {
+            check_scheme("coordinator", "shard_nodes", a, &self.tls)?;
+        }
+        check_scheme("coordinator", "model_worker", &self.model_worker, &self.tls)?;
+        if self.auth.enabled && self.auth.admin_key_file.is_none() {
+            return Err(
+                "coordinator.auth.admin_key_file is needed when auth.enabled (the bootstrap \
+                 admin key)"
+                    .into(),
+            );
+        }
+        if self.auth.enabled && !self.tls.enabled() {
+            tracing::warn!(
+                "coordinator.auth is enabled without TLS: API keys travel in clear text"
+            );
+        }
         let members = self.catalog_members()?;
         if members.len() % 2 == 0 {
             tracing::warn!(
@@ -174,7 +253,8 @@ impl CoordinatorConfig {
         }
         let mut m = BTreeMap::new();
         if self.peers.is_empty() {
-            m.insert(self.node_id, format!("http://{}", self.listen));
+            let scheme = if self.tls.enabled() { "https" } else { "http" };
+            m.insert(self.node_id, format!("{scheme}://{}", self.listen));
             return Ok(m);
         }
         for p in &self.peers {
@@ -199,6 +279,9 @@ impl CoordinatorConfig {
                 "coordinator.peers does not list this coordinator's node_id {}",
                 self.node_id
             ));
+        }
+        for url in m.values() {
+            check_scheme("coordinator", "peers", url, &self.tls)?;
         }
         if m.len() > 7 {
             return Err("coordinator.peers: at most 7 coordinators".into());

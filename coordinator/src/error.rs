@@ -26,6 +26,17 @@ pub enum CoordError {
     Catalog(String),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    #[error("API key {0:?} does not exist")]
+    UnknownApiKey(String),
+    /// No credentials, or credentials that are unknown, expired or revoked.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// Valid credentials without the role or collection scope the call needs.
+    #[error("{0}")]
+    PermissionDenied(String),
+    /// Admission refused: too many requests in flight (for the process or for one key).
+    #[error("overloaded: {reason}")]
+    Overloaded { reason: String, retry_after_ms: u64 },
     #[error("{0}")]
     Upstream(Status),
 }
@@ -42,10 +53,13 @@ impl CoordError {
     /// that is wrong everywhere.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Self::Unavailable { .. } | Self::Deadline(_) => true,
+            Self::Unavailable { .. } | Self::Deadline(_) | Self::Overloaded { .. } => true,
             Self::Upstream(s) => !matches!(
                 s.code(),
-                Code::InvalidArgument | Code::OutOfRange | Code::PermissionDenied
+                Code::InvalidArgument
+                    | Code::OutOfRange
+                    | Code::PermissionDenied
+                    | Code::Unauthenticated
             ),
             _ => false,
         }
@@ -69,7 +83,10 @@ impl From<CoordError> for Status {
     fn from(e: CoordError) -> Self {
         let code = match &e {
             CoordError::InvalidArgument { .. } => Code::InvalidArgument,
-            CoordError::UnknownCollection(_) => Code::NotFound,
+            CoordError::UnknownCollection(_) | CoordError::UnknownApiKey(_) => Code::NotFound,
+            CoordError::Unauthenticated(_) => Code::Unauthenticated,
+            CoordError::PermissionDenied(_) => Code::PermissionDenied,
+            CoordError::Overloaded { .. } => Code::ResourceExhausted,
             CoordError::CollectionExists(_) => Code::AlreadyExists,
             CoordError::TooLarge { .. } => Code::ResourceExhausted,
             CoordError::Unavailable { .. } => Code::Unavailable,
@@ -78,7 +95,8 @@ impl From<CoordError> for Status {
             CoordError::Upstream(s) => return s.clone(),
         };
         let mut s = Status::new(code, e.to_string());
-        if let CoordError::Unavailable { retry_after_ms, .. } = e
+        if let CoordError::Unavailable { retry_after_ms, .. }
+        | CoordError::Overloaded { retry_after_ms, .. } = e
             && let Ok(v) = retry_after_ms.to_string().parse()
         {
             s.metadata_mut().insert("retry-after-ms", v);

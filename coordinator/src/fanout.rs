@@ -9,7 +9,10 @@ use parking_lot::Mutex;
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::shard_client::ShardClient;
-use tonic::transport::{Channel, Endpoint};
+use std::sync::Arc;
+
+use ragcluster_common::tls::{Tls, lazy_channel};
+use tonic::transport::Channel;
 
 use crate::error::{CoordError, Result};
 
@@ -18,13 +21,16 @@ const MAX_MESSAGE: usize = 64 * 1024 * 1024;
 pub struct Clients {
     channels: Mutex<HashMap<String, Channel>>,
     model_worker: String,
+    /// Member certificate and CA for `https://` members.
+    tls: Option<Arc<Tls>>,
 }
 
 impl Clients {
-    pub fn new(model_worker: String) -> Self {
+    pub fn new(model_worker: String, tls: Option<Arc<Tls>>) -> Self {
         Self {
             channels: Mutex::new(HashMap::new()),
             model_worker,
+            tls,
         }
     }
 
@@ -33,12 +39,12 @@ impl Clients {
         if let Some(c) = g.get(addr) {
             return Ok(c.clone());
         }
-        let ep = Endpoint::from_shared(addr.to_owned())
-            .map_err(|e| CoordError::invalid("address", format!("{addr}: {e}")))?
-            .connect_timeout(Duration::from_secs(2))
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(20));
-        let ch = ep.connect_lazy();
+        let ch = lazy_channel(addr, self.tls.as_ref(), |ep| {
+            ep.connect_timeout(Duration::from_secs(2))
+                .tcp_nodelay(true)
+                .http2_keep_alive_interval(Duration::from_secs(20))
+        })
+        .map_err(|e| CoordError::invalid("address", e.to_string()))?;
         g.insert(addr.to_owned(), ch.clone());
         Ok(ch)
     }

@@ -37,15 +37,16 @@ fn check_id(field: &str, id: &str) -> Result<()> {
 }
 
 /// Checks a batch of documents; nothing is written unless all pass.
-pub fn validate_documents(docs: &[Document]) -> Result<()> {
+pub fn validate_documents(docs: &[Document], max_docs: usize) -> Result<()> {
     if docs.is_empty() {
         return Err(CoordError::invalid("documents", "is empty"));
     }
-    if docs.len() > MAX_DOCS_PER_BATCH {
+    let max_docs = max_docs.min(MAX_DOCS_PER_BATCH);
+    if docs.len() > max_docs {
         return Err(CoordError::TooLarge {
             field: "documents".into(),
             reason: format!(
-                "{} documents in one batch, at most {MAX_DOCS_PER_BATCH}",
+                "{} documents in one batch, at most {max_docs} (limits.max_batch_documents)",
                 docs.len()
             ),
         });
@@ -158,7 +159,7 @@ impl State {
 
     pub async fn upsert(&self, r: UpsertDocumentsRequest) -> Result<UpsertDocumentsResponse> {
         let info = self.catalog.get(&r.collection)?;
-        validate_documents(&r.documents)?;
+        validate_documents(&r.documents, self.cfg.limits.max_batch_documents)?;
         let chunking = info.chunking.unwrap_or_default();
         let params = chunk_params(&chunking);
         let label = chunking.label_with_title.unwrap_or(true);
@@ -275,10 +276,11 @@ impl State {
         if r.ids.is_empty() {
             return Err(CoordError::invalid("ids", "is empty"));
         }
-        if r.ids.len() > MAX_DOCS_PER_BATCH {
+        let max = self.cfg.limits.max_batch_documents.min(MAX_DOCS_PER_BATCH);
+        if r.ids.len() > max {
             return Err(CoordError::TooLarge {
                 field: "ids".into(),
-                reason: format!("at most {MAX_DOCS_PER_BATCH} per call"),
+                reason: format!("at most {max} per call (limits.max_batch_documents)"),
             });
         }
         let mut seen = HashSet::new();
@@ -439,21 +441,25 @@ mod tests {
 
     #[test]
     fn rejects_bad_batches_naming_the_field() {
-        let err = |d: &[Document]| validate_documents(d).unwrap_err().to_string();
+        let err = |d: &[Document]| {
+            validate_documents(d, MAX_DOCS_PER_BATCH)
+                .unwrap_err()
+                .to_string()
+        };
         assert!(err(&[]).contains("documents"));
         assert!(err(&[doc("a", "x"), doc("a", "y")]).contains("documents[1].id"));
         assert!(err(&[doc("", "x")]).contains("documents[0].id"));
         assert!(err(&[doc("a", "  ")]).contains("documents[0].text"));
         let big = "x".repeat(MAX_DOC_BYTES + 1);
         assert!(matches!(
-            validate_documents(&[doc("a", &big)]),
+            validate_documents(&[doc("a", &big)], MAX_DOCS_PER_BATCH),
             Err(CoordError::TooLarge { .. })
         ));
         let many: Vec<Document> = (0..=MAX_DOCS_PER_BATCH)
             .map(|i| doc(&i.to_string(), "x"))
             .collect();
         assert!(matches!(
-            validate_documents(&many),
+            validate_documents(&many, MAX_DOCS_PER_BATCH),
             Err(CoordError::TooLarge { .. })
         ));
     }

@@ -5,6 +5,7 @@
 //! talks to shard nodes and model workers only over
 //! gRPC (`fanout`), never through their crates. `ragctl` (the CLI) lives here too.
 
+pub mod auth;
 pub mod catalog;
 pub mod chunking;
 pub mod collections;
@@ -14,6 +15,7 @@ pub mod eval;
 pub mod fanout;
 pub mod flow;
 pub mod fusion;
+pub mod fuzzing;
 pub mod ingest;
 pub mod placement;
 pub mod rebalance;
@@ -43,14 +45,25 @@ pub struct State {
     pub catalog_changes: tokio::sync::Mutex<()>,
     /// Validated flows for Ask.
     pub flows: flow::Flows,
+    /// API keys, roles and admission (`auth`).
+    pub auth: auth::Auth,
+    /// This coordinator's certificates, when TLS is on.
+    pub tls: Option<Arc<ragcluster_common::tls::Tls>>,
 }
 
 impl State {
     pub fn open(cfg: CoordinatorConfig) -> anyhow::Result<Self> {
-        let catalog = catalog::Catalog::open(&cfg, &tokio::runtime::Handle::current())?;
+        let tls = ragcluster_common::tls::Tls::load(&cfg.tls)?;
+        let catalog =
+            catalog::Catalog::open(&cfg, &tokio::runtime::Handle::current(), tls.as_ref())?;
         let tokens: Arc<dyn chunking::Tokens> =
             Arc::new(chunking::HfTokens::load(&cfg.embedding_tokenizer)?);
-        let clients = fanout::Clients::new(cfg.model_worker.clone());
+        let clients = fanout::Clients::new(cfg.model_worker.clone(), tls.clone());
+        let auth = auth::Auth::new(
+            &cfg.auth,
+            cfg.limits.max_concurrent_requests,
+            cfg.limits.max_concurrent_requests_per_key,
+        )?;
         let flows = flow::Flows::load(cfg.flows_file.as_deref()).map_err(anyhow::Error::msg)?;
         Ok(Self {
             flows,
@@ -61,6 +74,8 @@ impl State {
             node_ids: Default::default(),
             tokens,
             catalog_changes: Default::default(),
+            auth,
+            tls,
         })
     }
 }
@@ -81,32 +96,35 @@ pub async fn run(
     let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
     let (listener, addr) = server::bind(&cfg.listen).await?;
     if let Some(p) = &cfg.port_file {
-        server::write_port_file(p, addr, metrics_addr)?;
+        server::write_port_file(
+            p,
+            addr,
+            metrics_addr,
+            state.tls.as_ref().is_some_and(|t| t.serves()),
+        )?;
     }
-    tracing::info!(%addr, %metrics_addr, shard_nodes = cfg.shard_nodes.len(), "coordinator listening");
+    tracing::info!(%addr, %metrics_addr, shard_nodes = cfg.shard_nodes.len(),
+                   tls = cfg.tls.enabled(), auth = cfg.auth.enabled, "coordinator listening");
     let (_reporter, health, reflection) = server::health_and_reflection(&[
         "ragcluster.v1.Coordinator",
         "ragcluster.v1.Admin",
         "ragcluster.v1.CatalogPeer",
     ])
     .await;
-    let incoming = futures::stream::unfold(listener, |l| async move {
-        let r = l.accept().await.map(|(s, _)| {
-            let _ = s.set_nodelay(true);
-            s
-        });
-        Some((r, l))
-    });
+    let incoming = ragcluster_common::tls::incoming(listener, state.tls.clone());
     tonic::transport::Server::builder()
         .layer(server::GrpcMetricsLayer)
         .add_service(health)
         .add_service(reflection)
         .add_service(
             CoordinatorServer::new(service::CoordinatorService(state.clone()))
-                .max_decoding_message_size(300 * 1024 * 1024)
+                .max_decoding_message_size(cfg.limits.max_request_bytes)
                 .max_encoding_message_size(64 * 1024 * 1024),
         )
-        .add_service(AdminServer::new(service::AdminService(state.clone())))
+        .add_service(
+            AdminServer::new(service::AdminService(state.clone()))
+                .max_decoding_message_size(1024 * 1024),
+        )
         .add_service(
             CatalogPeerServer::new(catalog::CatalogPeerService(state.clone()))
                 .max_decoding_message_size(64 * 1024 * 1024),

@@ -42,7 +42,13 @@ pub struct Plan {
     pub timeout: Duration,
 }
 
-pub fn plan(r: &SearchRequest, dimension: u32, default_timeout: Duration) -> Result<Plan> {
+pub fn plan(
+    r: &SearchRequest,
+    dimension: u32,
+    default_timeout: Duration,
+    max_top_k: u32,
+) -> Result<Plan> {
+    let max_top_k = max_top_k.min(MAX_TOP_K);
     if r.query.trim().is_empty() && r.query_vector.is_empty() {
         return Err(CoordError::invalid("query", "is empty"));
     }
@@ -52,10 +58,10 @@ pub fn plan(r: &SearchRequest, dimension: u32, default_timeout: Duration) -> Res
             format!("is longer than {MAX_QUERY_BYTES} bytes"),
         ));
     }
-    if r.top_k == 0 || r.top_k > MAX_TOP_K {
+    if r.top_k == 0 || r.top_k > max_top_k {
         return Err(CoordError::invalid(
             "top_k",
-            format!("must be in [1, {MAX_TOP_K}], got {}", r.top_k),
+            format!("must be in [1, {max_top_k}], got {}", r.top_k),
         ));
     }
     let mode = match SearchMode::try_from(r.mode) {
@@ -100,10 +106,10 @@ pub fn plan(r: &SearchRequest, dimension: u32, default_timeout: Duration) -> Res
             ));
         }
     };
-    if r.candidates > MAX_TOP_K {
+    if r.candidates > max_top_k {
         return Err(CoordError::invalid(
             "candidates",
-            format!("must be at most {MAX_TOP_K}"),
+            format!("must be at most {max_top_k}"),
         ));
     }
     // A single retriever needs no more than top_k; fusion needs a deeper pool per retriever.
@@ -305,10 +311,31 @@ impl State {
         Ok(())
     }
 
+    /// Distributed search under the request's deadline; a shard call cut short by that
+    /// deadline makes the whole search DEADLINE_EXCEEDED (not UNAVAILABLE: retrying elsewhere
+    /// with the same budget would not help).
     pub async fn search(&self, r: SearchRequest) -> Result<SearchResponse> {
         let started = Instant::now();
+        let budget = match r.timeout_ms {
+            0 => self.cfg.search_timeout,
+            ms => Duration::from_millis(u64::from(ms)),
+        };
+        match self.search_within(r, started).await {
+            Err(e) if e.is_retryable() && started.elapsed() >= budget => Err(CoordError::Deadline(
+                format!("search ({} ms)", budget.as_millis()),
+            )),
+            r => r,
+        }
+    }
+
+    async fn search_within(&self, r: SearchRequest, started: Instant) -> Result<SearchResponse> {
         let info = self.catalog.get(&r.collection)?;
-        let p = plan(&r, info.dimension, self.cfg.search_timeout)?;
+        let p = plan(
+            &r,
+            info.dimension,
+            self.cfg.search_timeout,
+            self.cfg.limits.max_top_k,
+        )?;
         let deadline = started + p.timeout;
         let consistency = Consistency::try_from(r.consistency).unwrap_or(Consistency::Eventual);
         // One replica per shard for every phase of this search.
@@ -493,7 +520,7 @@ mod tests {
     }
 
     fn field_of(r: SearchRequest) -> String {
-        match plan(&r, 4, Duration::from_secs(1)) {
+        match plan(&r, 4, Duration::from_secs(1), MAX_TOP_K) {
             Err(CoordError::InvalidArgument { field, .. }) => field,
             Err(e) => panic!("unexpected {e}"),
             Ok(_) => "ok".into(),
@@ -551,7 +578,7 @@ mod tests {
 
     #[test]
     fn defaults_are_the_tuned_dbsf() {
-        let p = plan(&req(), 4, Duration::from_secs(1)).unwrap();
+        let p = plan(&req(), 4, Duration::from_secs(1), MAX_TOP_K).unwrap();
         assert_eq!(p.mode, SearchMode::Hybrid);
         assert_eq!(
             p.fusion,

@@ -34,6 +34,9 @@ pub struct ModelWorkerConfig {
     /// processing ~7x slower). `genbench` compares them.
     pub dequantize: String,
     pub port_file: Option<PathBuf>,
+    /// Mutual TLS (`[model_worker.tls]`) for the gRPC port and `http_listen`: with a
+    /// certificate set, only callers presenting a member certificate get through.
+    pub tls: ragcluster_common::tls::TlsConfig,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -121,6 +124,7 @@ impl Default for ModelWorkerConfig {
             max_queued_generations: 64,
             dequantize: "f16".into(),
             port_file: None,
+            tls: Default::default(),
         }
     }
 }
@@ -178,6 +182,14 @@ impl ModelWorkerConfig {
         if self.max_batch == 0 || self.max_queue == 0 || self.max_batch_tokens == 0 {
             return Err(
                 "model_worker.max_batch, max_batch_tokens and max_queue must be positive".into(),
+            );
+        }
+        self.tls.validate("model_worker")?;
+        if self.tls.client_auth != ragcluster_common::tls::ClientAuth::Required {
+            return Err(
+                "model_worker.tls.client_auth must be \"required\": model workers serve members \
+                 only"
+                    .into(),
             );
         }
         Ok(())

@@ -20,6 +20,26 @@ use tokio::sync::mpsc;
 use crate::error::ModelError;
 use crate::registry::Registry;
 
+/// Accepted connections (after the TLS handshake when the worker serves TLS) for axum.
+pub struct TlsListener(pub ragcluster_common::tls::Listener);
+
+impl axum::serve::Listener for TlsListener {
+    type Io = ragcluster_common::tls::ServerConn;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.0.next().await {
+            Some(c) => c,
+            // The accept loop ended: nothing more will come.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.0.local_addr())
+    }
+}
+
 pub fn router(reg: Arc<Registry>) -> Router {
     Router::new()
         .route("/v1/models", get(models))

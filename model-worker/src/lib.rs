@@ -33,6 +33,7 @@ pub async fn run(
         let cfg = cfg.clone();
         Arc::new(tokio::task::spawn_blocking(move || registry::Registry::load(&cfg)).await??)
     };
+    let tls = ragcluster_common::tls::Tls::load(&cfg.tls)?;
     let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
     let (listener, addr) = server::bind(&cfg.listen).await?;
     // Both servers stop on the one shutdown signal.
@@ -44,6 +45,7 @@ pub async fn run(
         http_addr = Some(a);
         let app = http::router(reg.clone());
         let mut stop = stop_rx.clone();
+        let l = http::TlsListener(ragcluster_common::tls::Listener::new(l, tls.clone())?);
         http_task = Some(tokio::spawn(async move {
             axum::serve(l, app)
                 .with_graceful_shutdown(async move {
@@ -53,18 +55,13 @@ pub async fn run(
         }));
     }
     if let Some(p) = &cfg.port_file {
-        server::write_port_file_with(p, addr, metrics_addr, http_addr)?;
+        server::write_port_file_with(p, addr, metrics_addr, http_addr, cfg.tls.enabled())?;
     }
-    tracing::info!(%addr, %metrics_addr, http = ?http_addr, models = cfg.models.len(), "model worker listening");
+    tracing::info!(%addr, %metrics_addr, http = ?http_addr, models = cfg.models.len(),
+                   tls = cfg.tls.enabled(), "model worker listening");
     let (_reporter, health, reflection) =
         server::health_and_reflection(&["ragcluster.v1.ModelWorker"]).await;
-    let incoming = futures::stream::unfold(listener, |l| async move {
-        let r = l.accept().await.map(|(s, _)| {
-            let _ = s.set_nodelay(true);
-            s
-        });
-        Some((r, l))
-    });
+    let incoming = ragcluster_common::tls::incoming(listener, tls);
     let grpc_shutdown = async move {
         shutdown.await;
         let _ = stop_tx.send(true);

@@ -37,6 +37,10 @@ pub struct ShardNodeConfig {
     /// Enables `Shard.SetFaults` (partitions, corrupted snapshots) for fault tests. Never in
     /// production.
     pub fault_injection: bool,
+    /// Mutual TLS (`[shard_node.tls]`): with a certificate set, only callers presenting a
+    /// member certificate of the cluster CA get through the handshake, and this node dials
+    /// its Raft peers over TLS (their addresses are then `https://`).
+    pub tls: ragcluster_common::tls::TlsConfig,
 }
 
 impl Default for ShardNodeConfig {
@@ -55,6 +59,7 @@ impl Default for ShardNodeConfig {
             raft_log_gc_threshold: 10_000,
             write_timeout: std::time::Duration::from_secs(10),
             fault_injection: false,
+            tls: Default::default(),
         }
     }
 }
@@ -74,6 +79,13 @@ impl ShardNodeConfig {
         }
         if self.raft_tick.is_zero() || self.raft_log_gc_threshold < 2 {
             return Err("shard_node.raft_tick must be > 0 and raft_log_gc_threshold >= 2".into());
+        }
+        self.tls.validate("shard_node")?;
+        if self.tls.client_auth != ragcluster_common::tls::ClientAuth::Required {
+            return Err(
+                "shard_node.tls.client_auth must be \"required\": shard nodes serve members only"
+                    .into(),
+            );
         }
         Ok(())
     }

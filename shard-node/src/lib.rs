@@ -30,10 +30,12 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
+    let tls = ragcluster_common::tls::Tls::load(&cfg.tls)?;
     let node = {
         let cfg = cfg.clone();
         let rt = tokio::runtime::Handle::current();
-        tokio::task::spawn_blocking(move || Node::open(cfg, rt)).await??
+        let tls = tls.clone();
+        tokio::task::spawn_blocking(move || Node::open(cfg, rt, tls)).await??
     };
     let node = Arc::new(node);
     tracing::info!(
@@ -68,9 +70,10 @@ pub async fn run(
     }
     let (listener, addr) = server::bind(&cfg.listen).await?;
     if let Some(p) = &cfg.port_file {
-        server::write_port_file(p, addr, metrics_addr)?;
+        server::write_port_file(p, addr, metrics_addr, cfg.tls.enabled())?;
     }
-    tracing::info!(%addr, %metrics_addr, data_dir = %cfg.data_dir.display(), "shard node listening");
+    tracing::info!(%addr, %metrics_addr, data_dir = %cfg.data_dir.display(),
+                   tls = cfg.tls.enabled(), "shard node listening");
     let (_reporter, health, reflection) =
         server::health_and_reflection(&["ragcluster.v1.Shard"]).await;
     let svc = ShardServer::new(service::ShardService::new(node.clone(), &cfg))
@@ -81,21 +84,9 @@ pub async fn run(
         .add_service(health)
         .add_service(reflection)
         .add_service(svc)
-        .serve_with_incoming_shutdown(tokio_stream_wrapper(listener), shutdown)
+        .serve_with_incoming_shutdown(ragcluster_common::tls::incoming(listener, tls), shutdown)
         .await?;
     tracing::info!("grpc drained; flushing indexes");
     tokio::task::spawn_blocking(move || node.flush()).await??;
     Ok(())
-}
-
-fn tokio_stream_wrapper(
-    listener: tokio::net::TcpListener,
-) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
-    futures::stream::unfold(listener, |l| async move {
-        let r = l.accept().await.map(|(s, _)| {
-            let _ = s.set_nodelay(true);
-            s
-        });
-        Some((r, l))
-    })
 }

@@ -30,14 +30,18 @@ pub struct Node {
 impl Node {
     /// Opens the node's RocksDB and restarts every replica recorded in it. `rt` runs the
     /// Raft transport.
-    pub fn open(cfg: ShardNodeConfig, rt: tokio::runtime::Handle) -> Result<Self> {
+    pub fn open(
+        cfg: ShardNodeConfig,
+        rt: tokio::runtime::Handle,
+        tls: Option<Arc<ragcluster_common::tls::Tls>>,
+    ) -> Result<Self> {
         std::fs::create_dir_all(&cfg.data_dir)?;
         let store = Arc::new(Store::open(&cfg.data_dir.join("rocksdb"), cfg.sync_writes)?);
         let node_id = store.node_id()?;
         let snap_dir = cfg.data_dir.join("snap");
         std::fs::create_dir_all(&snap_dir)?;
         let router: Router = Default::default();
-        let transport = Transport::new(node_id, rt, router.clone(), store.clone(), snap_dir)?;
+        let transport = Transport::new(node_id, rt, router.clone(), store.clone(), snap_dir, tls)?;
         let node = Self {
             store,
             node_id,

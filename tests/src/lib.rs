@@ -77,6 +77,9 @@ pub fn datasets_dir() -> PathBuf {
 struct PortFile {
     grpc: String,
     metrics: String,
+    /// The process serves TLS: its address is https://.
+    #[serde(default)]
+    tls: bool,
 }
 
 /// One running process of ours.
@@ -205,7 +208,8 @@ impl Proc {
         loop {
             if let Ok(s) = std::fs::read_to_string(self.port_file()) {
                 let pf: PortFile = serde_json::from_str(&s)?;
-                self.grpc = format!("http://{}", pf.grpc);
+                let scheme = if pf.tls { "https" } else { "http" };
+                self.grpc = format!("{scheme}://{}", pf.grpc);
                 self.metrics = format!("http://{}/metrics", pf.metrics);
                 return Ok(());
             }
@@ -295,6 +299,7 @@ pub struct Cluster {
 }
 
 /// What `Cluster::start_opts` starts.
+#[derive(Default)]
 pub struct Options<'a> {
     pub shard_nodes: usize,
     /// TOML read by every shard node (its `[shard_node]` section).
@@ -305,6 +310,18 @@ pub struct Options<'a> {
     pub coordinator_config: Option<&'a str>,
     /// The model worker also serves SmolLM2 generation and MiniLM MaxSim reranking (Ask).
     pub generation: bool,
+    /// TOML read by the model worker (its `[model_worker]` section).
+    pub model_worker_config: Option<&'a str>,
+}
+
+impl Options<'_> {
+    /// Replicated coordinators dial each other over TLS when their config enables it.
+    fn peer_scheme(&self) -> &'static str {
+        match self.coordinator_config {
+            Some(c) if c.contains("[coordinator.tls]") => "https",
+            _ => "http",
+        }
+    }
 }
 
 /// A Python that can `import` every module of `modules` (a comma-separated list):
@@ -350,6 +367,7 @@ impl Cluster {
             coordinators: 1,
             coordinator_config: None,
             generation: false,
+            model_worker_config: None,
         })
     }
 
@@ -362,6 +380,7 @@ impl Cluster {
             coordinators: 1,
             coordinator_config: None,
             generation: true,
+            model_worker_config: None,
         })
     }
 
@@ -387,12 +406,18 @@ impl Cluster {
         };
         let config = write("shard-node.toml", o.shard_config)?;
         let coord_config = write("coordinator.toml", o.coordinator_config)?;
+        let mw_config = write("model-worker.toml", o.model_worker_config)?;
         let model = embed_model()?;
         let mw = if o.generation {
             let rerank = model.display().to_string();
-            Proc::model_worker_with(dir.path(), true, None, &["--rerank-model", &rerank])?
+            Proc::model_worker_with(
+                dir.path(),
+                true,
+                mw_config.as_deref(),
+                &["--rerank-model", &rerank],
+            )?
         } else {
-            Proc::model_worker(dir.path(), false, None)?
+            Proc::model_worker(dir.path(), false, mw_config.as_deref())?
         };
         let mut shards = Vec::new();
         for i in 0..o.shard_nodes {
@@ -413,7 +438,7 @@ impl Cluster {
         let peers = ports
             .iter()
             .enumerate()
-            .map(|(i, p)| format!("{}=http://127.0.0.1:{p}", i + 1))
+            .map(|(i, p)| format!("{}={}://127.0.0.1:{p}", i + 1, o.peer_scheme()))
             .collect::<Vec<_>>()
             .join(",");
         let mut coordinators = Vec::new();
@@ -562,11 +587,15 @@ pub async fn http_post_json(url: &str, body: &serde_json::Value) -> Result<(u16,
 
 /// Creates `collection` (Markdown chunking, 96-token chunks, `shards` shards) and upserts the
 /// files of docs/sample, titled by their first heading, as the demo's `ragctl ingest` does.
-pub async fn ingest_sample(
-    c: &mut CoordinatorClient<Channel>,
+pub async fn ingest_sample<T>(
+    c: &mut CoordinatorClient<T>,
     collection: &str,
     shards: u32,
-) -> Result<UpsertDocumentsResponse> {
+) -> Result<UpsertDocumentsResponse>
+where
+    T: tonic::client::GrpcService<tonic::body::Body, ResponseBody = tonic::body::Body>,
+    T::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     c.create_collection(CreateCollectionRequest {
         name: collection.into(),
         shard_count: shards,

@@ -122,6 +122,7 @@ async fn replicated_catalog() -> Result<()> {
         coordinators: 3,
         coordinator_config: Some(COORDINATOR_CONFIG),
         generation: false,
+        model_worker_config: None,
     })?;
     let addrs: Vec<String> = cluster
         .coordinators_mut()

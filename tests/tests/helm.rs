@@ -1,5 +1,5 @@
-//! The Helm chart (`helm/ragcluster`) linted and rendered offline with three value sets
-//! (defaults, HA with a ServiceMonitor, GPU model workers), every rendered object validated
+//! The Helm chart (`helm/ragcluster`) linted and rendered offline with four value sets
+//! (defaults, HA with a ServiceMonitor, GPU model workers, mutual TLS with API keys), every rendered object validated
 //! against the Kubernetes 1.30 schemas, and bad values refused by values.schema.json: that is
 //! `scripts/check_chart.py` (helm-python-sdk and kubernetes-validate, which scripts/setup.sh
 //! installs into ~/.cache/ragcluster-pyenv). Then the ragcluster.toml each value set renders
@@ -59,7 +59,12 @@ fn chart_renders_valid_objects_and_configs() -> Result<()> {
         "check_chart.py: {}",
         String::from_utf8_lossy(&o.stderr)
     );
-    for (set, coordinators, shard_nodes) in [("default", 3, 3), ("ha", 3, 5), ("gpu", 1, 3)] {
+    for (set, coordinators, shard_nodes) in [
+        ("default", 3, 3),
+        ("ha", 3, 5),
+        ("gpu", 1, 3),
+        ("secure", 3, 3),
+    ] {
         let file = out.path().join(set).join("ragcluster.toml");
         // Pod 1 of the coordinator StatefulSet: node id 2 (must be a catalog member if there
         // are peers).
@@ -70,6 +75,12 @@ fn chart_renders_valid_objects_and_configs() -> Result<()> {
         };
         let (co, _) = load_all(&file, host).with_context(|| set.to_string())?;
         ensure!(co.shard_nodes.len() == shard_nodes, "{set}");
+        if set == "secure" {
+            ensure!(
+                co.tls.enabled() && co.auth.enabled,
+                "secure: TLS and API keys on"
+            );
+        }
         ensure!(
             co.catalog_members().map_err(anyhow::Error::msg)?.len() == coordinators,
             "{set}"

@@ -331,6 +331,29 @@ impl View {
                 shard.nodes = p.nodes;
                 Ok(())
             }
+            Some(Op::CreateApiKey(k)) => {
+                let id = k.info.as_ref().map(|i| i.id.clone()).unwrap_or_default();
+                if id.is_empty() || self.api_keys.contains_key(&id) {
+                    return Err(CoordError::invalid(
+                        "api key",
+                        format!("id {id:?} is taken"),
+                    ));
+                }
+                self.api_keys.insert(id, k);
+                Ok(())
+            }
+            Some(Op::RevokeApiKey(r)) => {
+                let info = self
+                    .api_keys
+                    .get_mut(&r.id)
+                    .and_then(|k| k.info.as_mut())
+                    .ok_or_else(|| CoordError::UnknownApiKey(r.id.clone()))?;
+                // Revoking twice keeps the first time.
+                if info.revoked_at_ms == 0 {
+                    info.revoked_at_ms = r.at_ms.max(1);
+                }
+                Ok(())
+            }
             None => Ok(()),
         }
     }

@@ -22,8 +22,8 @@ use raft::eraftpb::{ConfState, Message, Snapshot};
 use raft::storage::MemStorage;
 use ragcluster_proto::v1::catalog_peer_server::CatalogPeer;
 use ragcluster_proto::v1::{
-    CatalogCommand, CatalogRaftAck, CatalogRaftBatch, CatalogState, CatalogStatus, CollectionInfo,
-    catalog_command::Op,
+    ApiKeyRecord, CatalogCommand, CatalogRaftAck, CatalogRaftBatch, CatalogState, CatalogStatus,
+    CollectionInfo, catalog_command::Op,
 };
 use tokio::sync::oneshot;
 
@@ -35,6 +35,8 @@ use group::{Group, Msg, raft_err};
 #[derive(Clone, Default)]
 pub struct View {
     pub collections: BTreeMap<String, CollectionInfo>,
+    /// API keys by id (hashed; see `auth`).
+    pub api_keys: BTreeMap<String, ApiKeyRecord>,
     pub applied_index: u64,
     pub applied_term: u64,
 }
@@ -47,6 +49,11 @@ impl View {
                 .into_iter()
                 .map(|c| (c.name.clone(), c))
                 .collect(),
+            api_keys: st
+                .api_keys
+                .into_iter()
+                .filter_map(|k| Some((k.info.as_ref()?.id.clone(), k)))
+                .collect(),
             applied_index: st.applied_index,
             applied_term: st.applied_term,
         }
@@ -57,6 +64,7 @@ impl View {
             applied_index: self.applied_index,
             applied_term: self.applied_term,
             collections: self.collections.values().cloned().collect(),
+            api_keys: self.api_keys.values().cloned().collect(),
         }
     }
 }
@@ -80,7 +88,11 @@ pub struct Catalog {
 impl Catalog {
     /// Opens the durable store under `data_dir/catalog`, rebuilds the Raft log and starts the
     /// group member. A lone coordinator elects itself at once.
-    pub fn open(cfg: &CoordinatorConfig, rt: &tokio::runtime::Handle) -> Result<Self> {
+    pub fn open(
+        cfg: &CoordinatorConfig,
+        rt: &tokio::runtime::Handle,
+        tls: Option<&Arc<ragcluster_common::tls::Tls>>,
+    ) -> Result<Self> {
         let members = cfg.catalog_members().map_err(CoordError::Catalog)?;
         let node_id = cfg.node_id;
         let store = Arc::new(store::CatalogStore::open(&cfg.data_dir.join("catalog"))?);
@@ -139,7 +151,7 @@ impl Catalog {
         }
         let (tx, rx) = std::sync::mpsc::channel();
         let transport = Arc::new(
-            transport::Transport::start(node_id, members, tx.clone(), rt)
+            transport::Transport::start(node_id, members, tx.clone(), rt, tls)
                 .map_err(CoordError::Catalog)?,
         );
         let status = Arc::new(RwLock::new(CatalogStatus {
@@ -280,6 +292,34 @@ impl Catalog {
         self.propose(cmd, timeout).await
     }
 
+    /// One API key record by id, as of this coordinator's applied catalog.
+    pub fn api_key(&self, id: &str) -> Option<ApiKeyRecord> {
+        self.view.read().api_keys.get(id).cloned()
+    }
+
+    pub fn api_keys(&self) -> Vec<ApiKeyRecord> {
+        self.view.read().api_keys.values().cloned().collect()
+    }
+
+    /// Records a new API key (leader only).
+    pub async fn add_api_key(&self, rec: ApiKeyRecord, timeout: Duration) -> Result<()> {
+        let cmd = CatalogCommand {
+            op: Some(Op::CreateApiKey(rec)),
+        };
+        self.propose(cmd, timeout).await
+    }
+
+    /// Marks an API key revoked at `at_ms` (leader only).
+    pub async fn revoke_api_key(&self, id: &str, at_ms: u64, timeout: Duration) -> Result<()> {
+        let cmd = CatalogCommand {
+            op: Some(Op::RevokeApiKey(ragcluster_proto::v1::RevokeApiKey {
+                id: id.to_owned(),
+                at_ms,
+            })),
+        };
+        self.propose(cmd, timeout).await
+    }
+
     /// Waits until this coordinator's applied catalog satisfies `ok` (after a change made on
     /// the leader), so a client sees its own change here.
     pub async fn wait_for(&self, ok: impl Fn(&View) -> bool, timeout: Duration) -> bool {
@@ -319,6 +359,14 @@ impl CatalogPeer for CatalogPeerService {
         &self,
         req: tonic::Request<CatalogRaftBatch>,
     ) -> std::result::Result<tonic::Response<CatalogRaftAck>, tonic::Status> {
+        // With TLS on, only coordinators holding a member certificate may talk Raft.
+        if self.0.tls.as_ref().is_some_and(|t| t.serves())
+            && !ragcluster_common::tls::peer(req.extensions()).member
+        {
+            return Err(tonic::Status::unauthenticated(
+                "CatalogPeer is internal: callers must present a cluster member certificate",
+            ));
+        }
         let b = req.into_inner();
         let cat = &self.0.catalog;
         if !cat.transport.is_member(b.from_node_id) {

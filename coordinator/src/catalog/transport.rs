@@ -13,7 +13,7 @@ use raft::eraftpb::Message;
 use ragcluster_proto::v1::CatalogRaftBatch;
 use ragcluster_proto::v1::catalog_peer_client::CatalogPeerClient;
 use tokio::sync::mpsc;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use super::group::Msg;
 
@@ -33,17 +33,17 @@ impl Transport {
         members: BTreeMap<u64, String>,
         group: Sender<Msg>,
         rt: &tokio::runtime::Handle,
+        tls: Option<&std::sync::Arc<ragcluster_common::tls::Tls>>,
     ) -> Result<Self, String> {
         let mut queues = BTreeMap::new();
         for (&id, addr) in &members {
             if id == node_id {
                 continue;
             }
-            let ch = Endpoint::from_shared(addr.clone())
-                .map_err(|e| format!("coordinator.peers {id}={addr}: {e}"))?
-                .connect_timeout(Duration::from_secs(1))
-                .tcp_nodelay(true)
-                .connect_lazy();
+            let ch = ragcluster_common::tls::lazy_channel(addr, tls, |ep| {
+                ep.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true)
+            })
+            .map_err(|e| format!("coordinator.peers {id}={addr}: {e}"))?;
             let (tx, rx) = mpsc::channel(QUEUE);
             rt.spawn(peer_loop(node_id, id, ch, rx, group.clone()));
             queues.insert(id, tx);

@@ -89,11 +89,9 @@ pub fn chunk(text: &str, p: &ChunkParams, tok: &dyn Tokens) -> Vec<ChunkText> {
     }
 }
 
-/// Whitespace-separated words as tokens: for tests and for counting without a model.
-#[cfg(test)]
+/// Whitespace-separated words as tokens: for tests, fuzzing and counting without a model.
 pub struct WordTokens;
 
-#[cfg(test)]
 impl Tokens for WordTokens {
     fn spans(&self, text: &str) -> Vec<(usize, usize)> {
         let mut out = Vec::new();

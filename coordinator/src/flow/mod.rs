@@ -60,7 +60,8 @@ impl Flows {
 
 type Events = mpsc::Receiver<std::result::Result<AskResponse, tonic::Status>>;
 
-fn overrides(o: &AskOverrides, max_tokens_cap: usize) -> Result<Overrides> {
+/// Checks an Ask request's per-call overrides against the caps.
+pub fn overrides(o: &AskOverrides, max_tokens_cap: usize) -> Result<Overrides> {
     let mut out = Overrides::default();
     if let Some(k) = o.top_k {
         if !(1..=spec::MAX_TOP_K as u32).contains(&k) {
@@ -272,10 +273,14 @@ impl State {
 
 /// A client of `Ask` that needs only the outcome: drains the stream (tokens ignored) to its
 /// `AskResult`. A flow that fails after it started returns its error status.
-pub async fn ask_result(
-    c: &mut ragcluster_proto::v1::coordinator_client::CoordinatorClient<tonic::transport::Channel>,
+pub async fn ask_result<T>(
+    c: &mut ragcluster_proto::v1::coordinator_client::CoordinatorClient<T>,
     r: AskRequest,
-) -> std::result::Result<AskResult, tonic::Status> {
+) -> std::result::Result<AskResult, tonic::Status>
+where
+    T: tonic::client::GrpcService<tonic::body::Body, ResponseBody = tonic::body::Body>,
+    T::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     use futures::StreamExt;
     let mut s = c.ask(r).await?.into_inner();
     let mut result = None;

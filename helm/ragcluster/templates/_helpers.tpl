@@ -94,17 +94,54 @@ securityContext:
     drop: [ALL]
 {{- end -}}
 
-{{/* gRPC health probes (grpc.health.v1, native Kubernetes gRPC probes). */}}
+{{/* gRPC health probes (grpc.health.v1): native Kubernetes gRPC probes, or `ragctl health`
+over mutual TLS (native probes cannot do TLS). Call with (dict "ctx" $ "port" 7100). */}}
+{{- define "ragcluster.probeAction" -}}
+{{- if .ctx.Values.tls.enabled }}
+exec:
+  command: ["/usr/local/bin/ragctl", "health", "https://127.0.0.1:{{ .port }}", "--tls-ca", "/etc/ragcluster-tls/ca.crt", "--tls-cert", "/etc/ragcluster-tls/tls.crt", "--tls-key", "/etc/ragcluster-tls/tls.key"]
+{{- else }}
+grpc: { port: {{ .port }} }
+{{- end }}
+{{- end -}}
+
 {{- define "ragcluster.probes" -}}
 startupProbe:
-  grpc: { port: {{ .port }} }
+  {{- include "ragcluster.probeAction" . | nindent 2 }}
   periodSeconds: 5
   failureThreshold: 60
 readinessProbe:
-  grpc: { port: {{ .port }} }
+  {{- include "ragcluster.probeAction" . | nindent 2 }}
   periodSeconds: 5
 livenessProbe:
-  grpc: { port: {{ .port }} }
+  {{- include "ragcluster.probeAction" . | nindent 2 }}
   periodSeconds: 10
   failureThreshold: 6
+{{- end -}}
+
+{{/* TLS (and, for coordinators, bootstrap key) Secret mounts and volumes. */}}
+{{- define "ragcluster.secretMounts" -}}
+{{- if .ctx.Values.tls.enabled }}
+- { name: tls, mountPath: /etc/ragcluster-tls, readOnly: true }
+{{- end }}
+{{- if and .auth .ctx.Values.auth.enabled }}
+- { name: auth, mountPath: /etc/ragcluster-auth, readOnly: true }
+{{- end }}
+{{- end -}}
+
+{{- define "ragcluster.secretVolumes" -}}
+{{- if .ctx.Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .ctx.Values.tls.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- if and .auth .ctx.Values.auth.enabled }}
+- name: auth
+  secret:
+    secretName: {{ .ctx.Values.auth.adminKeySecret }}
+    defaultMode: 0440
+    items:
+      - { key: admin-key, path: admin-key }
+{{- end }}
 {{- end -}}

@@ -18,7 +18,6 @@ use raft::eraftpb::Message;
 use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::{RaftBatch, RaftMessage, ShardRef, SnapshotChunk};
 use tokio::sync::mpsc;
-use tonic::transport::Endpoint;
 
 use super::group::GroupMsg;
 use crate::storage::{ShardKey, Store};
@@ -45,6 +44,8 @@ pub struct Transport {
     store: Arc<Store>,
     snap_dir: PathBuf,
     pub faults: Faults,
+    /// Member certificate for `https://` peers.
+    tls: Option<Arc<ragcluster_common::tls::Tls>>,
 }
 
 fn shard_ref(key: &ShardKey) -> ShardRef {
@@ -61,6 +62,7 @@ impl Transport {
         router: Router,
         store: Arc<Store>,
         snap_dir: PathBuf,
+        tls: Option<Arc<ragcluster_common::tls::Tls>>,
     ) -> crate::error::Result<Arc<Self>> {
         let addresses = store.peers()?.into_iter().collect();
         Ok(Arc::new(Self {
@@ -72,6 +74,7 @@ impl Transport {
             store,
             snap_dir,
             faults: Faults::default(),
+            tls,
         }))
     }
 
@@ -152,13 +155,15 @@ impl Transport {
 
     async fn connect(&self, to: u64) -> Option<ShardClient<tonic::transport::Channel>> {
         let addr = self.address(to)?;
-        let ep = Endpoint::from_shared(addr)
-            .ok()?
-            .connect_timeout(Duration::from_millis(500))
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(2))
-            .keep_alive_timeout(Duration::from_secs(3));
-        let ch = ep.connect().await.ok()?;
+        let ch = ragcluster_common::tls::channel(&addr, self.tls.as_ref(), |ep| {
+            ep.connect_timeout(Duration::from_millis(500))
+                .tcp_nodelay(true)
+                .http2_keep_alive_interval(Duration::from_secs(2))
+                .keep_alive_timeout(Duration::from_secs(3))
+        })
+        .await
+        .inspect_err(|e| tracing::debug!(peer = to, error = %e, "raft peer unreachable"))
+        .ok()?;
         Some(
             ShardClient::new(ch)
                 .max_encoding_message_size(64 << 20)

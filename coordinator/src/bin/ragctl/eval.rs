@@ -16,11 +16,11 @@ use coordinator::eval::metrics;
 use coordinator::flow::ask_result;
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
+use ragcluster_common::client::KeyedChannel;
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::*;
 use serde_json::json;
-use tonic::transport::Channel;
 
 #[derive(clap::Subcommand)]
 pub enum EvalCmd {
@@ -111,7 +111,7 @@ fn bar(n: usize, what: &str) -> Result<ProgressBar> {
 }
 
 async fn ingest(
-    c: &mut CoordinatorClient<Channel>,
+    c: &mut CoordinatorClient<KeyedChannel>,
     a: &RetrievalArgs,
     judged: &HashSet<String>,
 ) -> Result<()> {
@@ -168,7 +168,7 @@ async fn ingest(
 
 /// One configuration's ranking of a query: doc ids and the time it took.
 pub(crate) async fn rank(
-    mut c: CoordinatorClient<Channel>,
+    mut c: CoordinatorClient<KeyedChannel>,
     collection: &str,
     config: &str,
     query: &str,
@@ -249,7 +249,7 @@ pub(crate) fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[i.clamp(1, v.len()) - 1]
 }
 
-pub async fn retrieval(client: CoordinatorClient<Channel>, a: &RetrievalArgs) -> Result<()> {
+pub async fn retrieval(client: CoordinatorClient<KeyedChannel>, a: &RetrievalArgs) -> Result<()> {
     let mut judged =
         beir::judged_queries(&a.dataset, &a.split, a.limit_queries.unwrap_or(usize::MAX))?;
     if judged.queries.is_empty() {
@@ -422,11 +422,10 @@ pub(crate) const ANSWER_METRICS: [&str; 7] = [
 ];
 
 /// A client of the model worker at `addr` (SemScore embeddings, the judge).
-pub(crate) async fn model_worker(addr: Option<String>) -> Result<ModelWorkerClient<Channel>> {
+pub(crate) async fn model_worker(addr: Option<String>) -> Result<ModelWorkerClient<KeyedChannel>> {
     let addr = addr.context("no model worker: pass --model-worker (needed for SemScore)")?;
     Ok(ModelWorkerClient::new(
-        Channel::from_shared(addr.clone())?
-            .connect()
+        crate::connect(&addr, std::time::Duration::from_secs(5))
             .await
             .with_context(|| format!("cannot reach the model worker at {addr}"))?,
     ))
@@ -446,8 +445,8 @@ pub(crate) enum FlowRef<'a> {
 /// One question through Ask, scored against its gold answer: the row of `answers.jsonl`
 /// (answer, every answer metric that applies) and the time the Ask took.
 pub(crate) async fn score_answer(
-    mut c: CoordinatorClient<Channel>,
-    mut mw: ModelWorkerClient<Channel>,
+    mut c: CoordinatorClient<KeyedChannel>,
+    mut mw: ModelWorkerClient<KeyedChannel>,
     collection: &str,
     flow: FlowRef<'_>,
     item: &QaItem,
@@ -529,8 +528,8 @@ pub(crate) async fn score_answer(
 }
 
 pub async fn answers(
-    client: CoordinatorClient<Channel>,
-    mw: ModelWorkerClient<Channel>,
+    client: CoordinatorClient<KeyedChannel>,
+    mw: ModelWorkerClient<KeyedChannel>,
     a: &AnswersArgs,
 ) -> Result<()> {
     let items: Vec<QaItem> = beir::read_jsonl(&a.qa, a.limit.unwrap_or(usize::MAX))?;

@@ -3,6 +3,7 @@
 //! coordinator.
 
 mod eval;
+mod keys;
 mod ops;
 mod optimize;
 mod report;
@@ -15,11 +16,12 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use indicatif::{ProgressBar, ProgressStyle};
+use ragcluster_common::client::KeyedChannel;
+use ragcluster_common::tls::{ClientAuth, Tls, TlsConfig};
 use ragcluster_proto::v1::admin_client::AdminClient;
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::*;
 use serde::{Deserialize, Serialize};
-use tonic::transport::Channel;
 
 #[derive(Parser)]
 #[command(name = "ragctl", about = "ragcluster command line")]
@@ -30,6 +32,23 @@ struct Cli {
     /// Directory of the local cluster (data, logs, cluster.json).
     #[arg(long, global = true, default_value = ".ragcluster", env = "RAGCTL_DIR")]
     dir: PathBuf,
+    /// API key sent with every call (`authorization: Bearer ...`).
+    #[arg(
+        long,
+        global = true,
+        env = "RAGCLUSTER_API_KEY",
+        hide_env_values = true
+    )]
+    api_key: Option<String>,
+    /// CA bundle that verifies `https://` servers.
+    #[arg(long, global = true, env = "RAGCTL_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+    /// Member certificate and key, for calls to internal services (shard nodes, model
+    /// workers: `ragctl health`) of a cluster with mutual TLS.
+    #[arg(long, global = true, env = "RAGCTL_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    #[arg(long, global = true, env = "RAGCTL_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -105,6 +124,11 @@ enum Cmd {
         /// Show the plan only.
         #[arg(long)]
         dry_run: bool,
+    },
+    /// API keys (admin): create, list, revoke.
+    Key {
+        #[command(subcommand)]
+        cmd: keys::KeyCmd,
     },
     /// Exits 0 when the process at ADDR reports SERVING on grpc.health.v1 (container and
     /// Kubernetes health checks; images have no shell and no grpc_health_probe).
@@ -236,10 +260,41 @@ fn model_worker_addr(cli: &Cli, given: &Option<String>) -> Option<String> {
     })
 }
 
-async fn channel(cli: &Cli) -> Result<Channel> {
+/// How this invocation dials: API key and TLS material from the global flags.
+struct Dialer {
+    key: Option<String>,
+    tls: Option<std::sync::Arc<Tls>>,
+}
+
+static DIALER: std::sync::OnceLock<Dialer> = std::sync::OnceLock::new();
+
+fn init_dialer(cli: &Cli) -> Result<()> {
+    let cfg = TlsConfig {
+        cert_file: cli.tls_cert.clone(),
+        key_file: cli.tls_key.clone(),
+        ca_file: cli.tls_ca.clone(),
+        ..TlsConfig::with_client_auth(ClientAuth::Required)
+    };
+    let tls = Tls::load(&cfg)?;
+    let _ = DIALER.set(Dialer {
+        key: cli.api_key.clone(),
+        tls,
+    });
+    Ok(())
+}
+
+/// A connected channel to `addr` (https:// with --tls-ca), presenting --api-key.
+pub(crate) async fn connect(addr: &str, timeout: Duration) -> Result<KeyedChannel> {
+    let d = DIALER.get().context("dialer not initialised")?;
+    let ch =
+        ragcluster_common::tls::channel(addr, d.tls.as_ref(), |ep| ep.connect_timeout(timeout))
+            .await?;
+    Ok(KeyedChannel::new(ch, d.key.as_deref())?)
+}
+
+async fn channel(cli: &Cli) -> Result<KeyedChannel> {
     let addr = coordinator_addr(cli);
-    Channel::from_shared(addr.clone())?
-        .connect()
+    connect(&addr, Duration::from_secs(5))
         .await
         .with_context(|| {
             format!("cannot reach the coordinator at {addr} (is the cluster up? `ragctl local up`)")
@@ -249,6 +304,7 @@ async fn channel(cli: &Cli) -> Result<Channel> {
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
+    init_dialer(&cli)?;
     match &cli.cmd {
         Cmd::Local {
             cmd: LocalCmd::Up {
@@ -331,6 +387,7 @@ async fn main() -> Result<()> {
         Cmd::Rebalance { dry_run } => {
             ops::rebalance(&mut AdminClient::new(channel(&cli).await?), *dry_run).await
         }
+        Cmd::Key { cmd } => keys::run(&mut AdminClient::new(channel(&cli).await?), cmd).await,
         Cmd::Health {
             addr,
             service,
@@ -342,9 +399,7 @@ async fn main() -> Result<()> {
 async fn health(addr: &str, service: &str, timeout: Duration) -> Result<()> {
     use tonic_health::pb::health_check_response::ServingStatus;
     let check = async {
-        let ch = Channel::from_shared(addr.to_owned())?
-            .connect_timeout(timeout)
-            .connect()
+        let ch = connect(addr, timeout)
             .await
             .with_context(|| format!("cannot reach {addr}"))?;
         let r = tonic_health::pb::health_client::HealthClient::new(ch)
@@ -522,9 +577,7 @@ async fn local_up(dir: &Path, n: usize, models: &Path) -> Result<()> {
         serde_json::to_string_pretty(&cluster)?,
     )?;
     // Health through the coordinator's Admin API: every node must answer SERVING.
-    let ch = Channel::from_shared(cluster.coordinator.clone())?
-        .connect()
-        .await?;
+    let ch = connect(&cluster.coordinator, Duration::from_secs(5)).await?;
     let st = AdminClient::new(ch)
         .cluster_status(ClusterStatusRequest {})
         .await?

@@ -8,9 +8,9 @@ use anyhow::{Context, Result, bail};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use coordinator::rebalance::{ShardView, Step, plan_leaders, plan_replicas};
 use indicatif::{ProgressBar, ProgressStyle};
+use ragcluster_common::client::KeyedChannel;
 use ragcluster_proto::v1::admin_client::AdminClient;
 use ragcluster_proto::v1::*;
-use tonic::transport::Channel;
 
 #[derive(clap::Subcommand)]
 pub enum ShardCmd {
@@ -37,7 +37,7 @@ pub enum NodeCmd {
 }
 
 /// Shard-node addresses and every shard's placement and leader.
-async fn state(admin: &mut AdminClient<Channel>) -> Result<(Vec<String>, Vec<ShardView>)> {
+async fn state(admin: &mut AdminClient<KeyedChannel>) -> Result<(Vec<String>, Vec<ShardView>)> {
     let st = admin
         .cluster_status(ClusterStatusRequest {})
         .await?
@@ -114,7 +114,7 @@ fn show(steps: &[Step]) {
 }
 
 /// Runs the steps in order, one at a time, each with a progress bar.
-async fn execute(admin: &mut AdminClient<Channel>, steps: &[Step]) -> Result<()> {
+async fn execute(admin: &mut AdminClient<KeyedChannel>, steps: &[Step]) -> Result<()> {
     for (i, s) in steps.iter().enumerate() {
         let label = format!("[{}/{}]", i + 1, steps.len());
         match s {
@@ -171,7 +171,7 @@ async fn execute(admin: &mut AdminClient<Channel>, steps: &[Step]) -> Result<()>
     Ok(())
 }
 
-pub async fn shard(admin: &mut AdminClient<Channel>, cmd: &ShardCmd) -> Result<()> {
+pub async fn shard(admin: &mut AdminClient<KeyedChannel>, cmd: &ShardCmd) -> Result<()> {
     let ShardCmd::Move { shard, from, to } = cmd;
     let (collection, n) = shard
         .rsplit_once('/')
@@ -189,7 +189,7 @@ pub async fn shard(admin: &mut AdminClient<Channel>, cmd: &ShardCmd) -> Result<(
     .await
 }
 
-pub async fn node(admin: &mut AdminClient<Channel>, cmd: &NodeCmd) -> Result<()> {
+pub async fn node(admin: &mut AdminClient<KeyedChannel>, cmd: &NodeCmd) -> Result<()> {
     let NodeCmd::Drain { node, dry_run } = cmd;
     let (nodes, shards) = state(admin).await?;
     if !nodes.contains(node) {
@@ -209,7 +209,7 @@ pub async fn node(admin: &mut AdminClient<Channel>, cmd: &NodeCmd) -> Result<()>
 }
 
 /// Evens replicas per node, then (on the state after the moves) leaders per node.
-pub async fn rebalance(admin: &mut AdminClient<Channel>, dry_run: bool) -> Result<()> {
+pub async fn rebalance(admin: &mut AdminClient<KeyedChannel>, dry_run: bool) -> Result<()> {
     let (nodes, shards) = state(admin).await?;
     let moves = plan_replicas(&nodes, &shards, None);
     if dry_run {

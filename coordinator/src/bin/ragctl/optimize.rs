@@ -26,11 +26,11 @@ use coordinator::eval::answers::QaItem;
 use coordinator::eval::beir::{self, BeirQuery};
 use coordinator::eval::metrics::{self, Rels};
 use futures::StreamExt;
+use ragcluster_common::client::KeyedChannel;
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use serde::Deserialize;
 use serde_json::json;
-use tonic::transport::Channel;
 
 use crate::eval::{ANSWER_METRICS, FlowRef, percentile, rank, score_answer};
 
@@ -336,8 +336,8 @@ fn load_judged(a: &OptimizeArgs) -> Result<Judged> {
 
 /// Mean metrics and p50 latency of one flow over the judged questions.
 async fn run_trial(
-    client: &CoordinatorClient<Channel>,
-    mw: Option<&ModelWorkerClient<Channel>>,
+    client: &CoordinatorClient<KeyedChannel>,
+    mw: Option<&ModelWorkerClient<KeyedChannel>>,
     a: &OptimizeArgs,
     judged: &Judged,
     judge: Judge,
@@ -435,7 +435,7 @@ fn score(node: &str, s: &Strategy, means: &BTreeMap<String, f64>) -> Result<f64>
 }
 
 pub async fn optimize(
-    client: CoordinatorClient<Channel>,
+    client: CoordinatorClient<KeyedChannel>,
     model_worker: Option<String>,
     a: &OptimizeArgs,
 ) -> Result<()> {

@@ -1,0 +1,793 @@
+//! Security on a real cluster on loopback, with mutual TLS between every process (certificates
+//! from `scripts/dev-certs.sh`) and API keys on the coordinator:
+//! - every Coordinator and Admin RPC is tried with no key, a revoked key, an expired key, a
+//!   key whose role is too low and a key scoped to another collection: each is refused with
+//!   UNAUTHENTICATED or PERMISSION_DENIED, and afterwards nothing has changed (documents,
+//!   collections, keys, placement);
+//! - internal services (Shard, ModelWorker, CatalogPeer) refuse callers without a member
+//!   certificate of the cluster CA; plaintext clients against TLS ports fail cleanly;
+//! - rotating the CA and certificates on disk takes effect without restarts.
+//!
+//! A second test loads a coordinator at 10x its per-key concurrency limit: the excess is shed
+//! at once with RESOURCE_EXHAUSTED (and a retry hint), admitted requests keep a bounded p99,
+//! and the process stays up.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use ragcluster_common::client::KeyedChannel;
+use ragcluster_common::tls::{ClientAuth, Tls, TlsConfig};
+use ragcluster_proto::v1::admin_client::AdminClient;
+use ragcluster_proto::v1::catalog_peer_client::CatalogPeerClient;
+use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
+use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
+use ragcluster_proto::v1::shard_client::ShardClient;
+use ragcluster_proto::v1::*;
+use ragcluster_tests::{Cluster, Options, ingest_sample, percentile, workspace};
+use tonic::Code;
+
+/// Runs the dev-CA script into `dir`.
+fn make_certs(dir: &Path) -> Result<()> {
+    let out = std::process::Command::new("bash")
+        .arg(workspace().join("scripts/dev-certs.sh"))
+        .arg(dir)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "dev-certs.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+/// Client TLS: trusts `ca`, presents `member` (cert, key) when given.
+fn client_tls(ca: &Path, member: Option<&Path>) -> Result<Arc<Tls>> {
+    let cfg = TlsConfig {
+        ca_file: Some(ca.to_owned()),
+        cert_file: member.map(|d| d.join("member.pem")),
+        key_file: member.map(|d| d.join("member.key")),
+        ..TlsConfig::with_client_auth(ClientAuth::Required)
+    };
+    Tls::load(&cfg)?.context("client tls")
+}
+
+fn lazy(addr: &str, tls: Option<&Arc<Tls>>, key: Option<&str>) -> Result<KeyedChannel> {
+    let ch = ragcluster_common::tls::lazy_channel(addr, tls, |e| {
+        e.connect_timeout(Duration::from_secs(3))
+            .timeout(Duration::from_secs(10))
+    })?;
+    Ok(KeyedChannel::new(ch, key)?)
+}
+
+fn secure_config(certs: &Path, extra_coordinator: &str) -> String {
+    let d = certs.display();
+    let tls = |auth: &str| {
+        format!(
+            "cert_file = \"{d}/member.pem\"\nkey_file = \"{d}/member.key\"\n\
+             ca_file = \"{d}/ca.pem\"\nclient_auth = \"{auth}\"\nreload_interval = \"200ms\"\n"
+        )
+    };
+    format!(
+        "[coordinator]\n{extra_coordinator}\n[coordinator.auth]\nenabled = true\n\
+         admin_key_file = \"{d}/admin.key\"\n\n[coordinator.tls]\n{}\n\
+         [shard_node.tls]\n{}\n[model_worker.tls]\n{}",
+        tls("optional"),
+        tls("required"),
+        tls("required")
+    )
+}
+
+fn code<T>(r: &std::result::Result<T, tonic::Status>) -> Code {
+    match r {
+        Ok(_) => Code::Ok,
+        Err(s) => s.code(),
+    }
+}
+
+/// Every Coordinator and Admin RPC once, but those in `skip` (allowed to this caller: an
+/// allowed Upsert would change what is compared), with requests that would change things if
+/// they were allowed.
+async fn try_every_rpc(
+    ch: KeyedChannel,
+    shard_nodes: &[String],
+    victim_key: &str,
+    skip: &[&str],
+) -> BTreeMap<&'static str, Code> {
+    let mut c = CoordinatorClient::new(ch.clone());
+    let mut a = AdminClient::new(ch);
+    let mut out = BTreeMap::new();
+    macro_rules! attempt {
+        ($name:literal, $call:expr) => {
+            if !skip.contains(&$name) {
+                out.insert($name, code(&$call.await));
+            }
+        };
+    }
+    let sec = || "sec".to_string();
+    attempt!(
+        "CreateCollection",
+        c.create_collection(CreateCollectionRequest {
+            name: "evil".into(),
+            shard_count: 1,
+            ..Default::default()
+        })
+    );
+    attempt!(
+        "DropCollection",
+        c.drop_collection(DropCollectionRequest { name: sec() })
+    );
+    attempt!(
+        "ListCollections",
+        c.list_collections(ListCollectionsRequest {})
+    );
+    attempt!(
+        "DescribeCollection",
+        c.describe_collection(DescribeCollectionRequest { name: sec() })
+    );
+    attempt!(
+        "UpsertDocuments",
+        c.upsert_documents(UpsertDocumentsRequest {
+            collection: sec(),
+            documents: vec![Document {
+                id: "evil.md".into(),
+                text: "planted text".into(),
+                ..Default::default()
+            }],
+        })
+    );
+    attempt!(
+        "DeleteDocuments",
+        c.delete_documents(DeleteDocumentsRequest {
+            collection: sec(),
+            ids: vec!["raft-consensus.md".into()],
+        })
+    );
+    attempt!(
+        "Search",
+        c.search(SearchRequest {
+            collection: sec(),
+            query: "raft leader".into(),
+            top_k: 3,
+            ..Default::default()
+        })
+    );
+    attempt!(
+        "Ask",
+        c.ask(AskRequest {
+            collection: sec(),
+            question: "What is Raft?".into(),
+            ..Default::default()
+        })
+    );
+    attempt!("ClusterStatus", a.cluster_status(ClusterStatusRequest {}));
+    attempt!(
+        "MoveReplica",
+        a.move_replica(MoveReplicaRequest {
+            collection: sec(),
+            shard: 0,
+            from: shard_nodes[0].clone(),
+            to: shard_nodes[1].clone(),
+        })
+    );
+    attempt!(
+        "TransferShardLeader",
+        a.transfer_shard_leader(TransferShardLeaderRequest {
+            collection: sec(),
+            shard: 0,
+            to: shard_nodes[1].clone(),
+        })
+    );
+    attempt!(
+        "CreateApiKey",
+        a.create_api_key(CreateApiKeyRequest {
+            name: "evil".into(),
+            role: Role::Admin as i32,
+            ..Default::default()
+        })
+    );
+    attempt!("ListApiKeys", a.list_api_keys(ListApiKeysRequest {}));
+    attempt!(
+        "RevokeApiKey",
+        a.revoke_api_key(RevokeApiKeyRequest {
+            id: victim_key.to_owned(),
+        })
+    );
+    out
+}
+
+const ADMIN_RPCS: [&str; 6] = [
+    "ClusterStatus",
+    "MoveReplica",
+    "TransferShardLeader",
+    "CreateApiKey",
+    "ListApiKeys",
+    "RevokeApiKey",
+];
+
+/// What must stay the same whatever refused callers tried.
+#[derive(Debug, PartialEq)]
+struct Snapshot {
+    collections: Vec<String>,
+    documents: u64,
+    chunks: u64,
+    keys: Vec<(String, u64)>,
+    placement: Vec<Vec<String>>,
+    hits: Vec<String>,
+}
+
+async fn snapshot(admin: &KeyedChannel) -> Result<Snapshot> {
+    let mut c = CoordinatorClient::new(admin.clone());
+    let mut a = AdminClient::new(admin.clone());
+    let mut collections: Vec<String> = c
+        .list_collections(ListCollectionsRequest {})
+        .await?
+        .into_inner()
+        .collections
+        .into_iter()
+        .map(|c| c.name)
+        .collect();
+    collections.sort();
+    let d = c
+        .describe_collection(DescribeCollectionRequest { name: "sec".into() })
+        .await?
+        .into_inner();
+    let (documents, chunks) = d
+        .shards
+        .iter()
+        .fold((0, 0), |(a, b), s| (a + s.documents, b + s.chunks));
+    let mut keys: Vec<(String, u64)> = a
+        .list_api_keys(ListApiKeysRequest {})
+        .await?
+        .into_inner()
+        .keys
+        .into_iter()
+        .map(|k| (k.id, k.revoked_at_ms))
+        .collect();
+    keys.sort();
+    let placement = d
+        .collection
+        .unwrap_or_default()
+        .shards
+        .into_iter()
+        .map(|p| p.nodes)
+        .collect();
+    let hits = c
+        .search(SearchRequest {
+            collection: "sec".into(),
+            query: "planted text raft leader election".into(),
+            top_k: 5,
+            mode: SearchMode::Bm25 as i32,
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .hits
+        .into_iter()
+        .map(|h| h.doc_id)
+        .collect();
+    Ok(Snapshot {
+        collections,
+        documents,
+        chunks,
+        keys,
+        placement,
+        hits,
+    })
+}
+
+async fn new_key(
+    admin: &KeyedChannel,
+    name: &str,
+    role: Role,
+    collections: &[&str],
+    ttl_seconds: u64,
+) -> Result<(String, String)> {
+    let r = AdminClient::new(admin.clone())
+        .create_api_key(CreateApiKeyRequest {
+            name: name.into(),
+            role: role as i32,
+            collections: collections.iter().map(|s| s.to_string()).collect(),
+            ttl_seconds,
+        })
+        .await?
+        .into_inner();
+    Ok((r.key.unwrap_or_default().id, r.secret))
+}
+
+/// Whether a call on a fresh connection fails within 10 s (instead of hanging or passing).
+async fn refused<T>(
+    what: &str,
+    fut: impl std::future::Future<Output = std::result::Result<T, tonic::Status>>,
+) -> Result<Code> {
+    let started = Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(10), fut)
+        .await
+        .with_context(|| format!("{what}: no answer in 10 s"))?;
+    match r {
+        Ok(_) => anyhow::bail!("{what}: accepted"),
+        Err(s) => {
+            eprintln!(
+                "{what}: refused with {:?} in {} ms ({})",
+                s.code(),
+                started.elapsed().as_millis(),
+                s.message()
+            );
+            Ok(s.code())
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> {
+    let certs_dir = tempfile::tempdir()?;
+    let certs = certs_dir.path().join("cluster");
+    let rogue = certs_dir.path().join("rogue");
+    make_certs(&certs)?;
+    make_certs(&rogue)?;
+    let config = secure_config(&certs, "");
+    let cluster = Cluster::start_opts(Options {
+        shard_nodes: 2,
+        shard_config: Some(&config),
+        coordinators: 1,
+        coordinator_config: Some(&config),
+        model_worker_config: Some(&config),
+        ..Default::default()
+    })?;
+    let co = cluster.coordinator.grpc.clone();
+    ensure!(co.starts_with("https://"), "coordinator serves TLS: {co}");
+    let shard_nodes: Vec<String> = cluster.shards.iter().map(|s| s.grpc.clone()).collect();
+    let admin_key = std::fs::read_to_string(certs.join("admin.key"))?
+        .trim()
+        .to_owned();
+    // Clients need only the CA (and a key); member certificates are for the cluster.
+    let ca_only = client_tls(&certs.join("ca.pem"), None)?;
+    let admin = lazy(&co, Some(&ca_only), Some(&admin_key))?;
+    ingest_sample(&mut CoordinatorClient::new(admin.clone()), "sec", 2).await?;
+    CoordinatorClient::new(admin.clone())
+        .create_collection(CreateCollectionRequest {
+            name: "other".into(),
+            shard_count: 1,
+            ..Default::default()
+        })
+        .await?;
+
+    let (reader_id, reader) = new_key(&admin, "reader", Role::Reader, &["sec"], 0).await?;
+    let (_, writer) = new_key(&admin, "writer", Role::Writer, &["sec"], 0).await?;
+    let (_, other_admin) = new_key(&admin, "other-admin", Role::Admin, &["other"], 0).await?;
+    let (revoked_id, revoked) = new_key(&admin, "revoked", Role::Admin, &[], 0).await?;
+    let (_, expiring) = new_key(&admin, "expiring", Role::Admin, &[], 1).await?;
+    // The keys work before they are revoked or expire.
+    for k in [&revoked, &expiring] {
+        AdminClient::new(lazy(&co, Some(&ca_only), Some(k))?)
+            .list_api_keys(ListApiKeysRequest {})
+            .await?;
+    }
+    AdminClient::new(admin.clone())
+        .revoke_api_key(RevokeApiKeyRequest {
+            id: revoked_id.clone(),
+        })
+        .await?;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let before = snapshot(&admin).await?;
+    ensure!(
+        before.documents > 0 && before.hits.iter().all(|h| h != "evil.md"),
+        "{before:?}"
+    );
+
+    fn every(m: &BTreeMap<&'static str, Code>) -> Vec<&'static str> {
+        m.keys().copied().collect()
+    }
+    let mut refusals = 0;
+    for (case, key) in [
+        ("no key", None),
+        ("revoked key", Some(revoked.as_str())),
+        ("expired key", Some(expiring.as_str())),
+        ("malformed key", Some("rck_nope")),
+        ("bootstrap key with a typo", Some(&admin_key[1..])),
+    ] {
+        let got = try_every_rpc(
+            lazy(&co, Some(&ca_only), key)?,
+            &shard_nodes,
+            &reader_id,
+            &[],
+        )
+        .await;
+        for (rpc, c) in &got {
+            ensure!(*c == Code::Unauthenticated, "{case}: {rpc} answered {c:?}");
+            refusals += 1;
+        }
+        ensure!(got.len() == 14, "{case}: {:?}", every(&got));
+    }
+    // Roles too low: a reader and a writer of "sec".
+    let denied = |got: &BTreeMap<&'static str, Code>, rpcs: &[&str], case: &str| -> Result<()> {
+        for rpc in rpcs {
+            let c = got.iter().find(|(k, _)| **k == *rpc).map(|(_, c)| *c);
+            ensure!(
+                c == Some(Code::PermissionDenied),
+                "{case}: {rpc} answered {c:?}"
+            );
+        }
+        Ok(())
+    };
+    let reads = ["ListCollections", "DescribeCollection", "Search", "Ask"];
+    let got = try_every_rpc(
+        lazy(&co, Some(&ca_only), Some(&reader))?,
+        &shard_nodes,
+        &reader_id,
+        &reads,
+    )
+    .await;
+    let mut reader_denied = vec![
+        "CreateCollection",
+        "DropCollection",
+        "UpsertDocuments",
+        "DeleteDocuments",
+    ];
+    reader_denied.extend(ADMIN_RPCS);
+    denied(&got, &reader_denied, "reader")?;
+    refusals += reader_denied.len();
+    ensure!(got.len() == reader_denied.len(), "{:?}", every(&got));
+    let mut writes = reads.to_vec();
+    writes.extend(["UpsertDocuments", "DeleteDocuments"]);
+    let got = try_every_rpc(
+        lazy(&co, Some(&ca_only), Some(&writer))?,
+        &shard_nodes,
+        &reader_id,
+        &writes,
+    )
+    .await;
+    let mut writer_denied = vec!["CreateCollection", "DropCollection"];
+    writer_denied.extend(ADMIN_RPCS);
+    denied(&got, &writer_denied, "writer")?;
+    refusals += writer_denied.len();
+    ensure!(got.len() == writer_denied.len(), "{:?}", every(&got));
+    // ...and what they may do, they can.
+    CoordinatorClient::new(lazy(&co, Some(&ca_only), Some(&reader))?)
+        .search(SearchRequest {
+            collection: "sec".into(),
+            query: "raft".into(),
+            top_k: 3,
+            ..Default::default()
+        })
+        .await
+        .context("a reader searches its collection")?;
+    // An admin of another collection: nothing on "sec", no cluster operations.
+    let got = try_every_rpc(
+        lazy(&co, Some(&ca_only), Some(&other_admin))?,
+        &shard_nodes,
+        &reader_id,
+        &[],
+    )
+    .await;
+    let scoped: Vec<&str> = every(&got)
+        .into_iter()
+        .filter(|r| *r != "ListCollections")
+        .collect();
+    denied(&got, &scoped, "admin of another collection")?;
+    refusals += scoped.len();
+    let visible = CoordinatorClient::new(lazy(&co, Some(&ca_only), Some(&other_admin))?)
+        .list_collections(ListCollectionsRequest {})
+        .await?
+        .into_inner()
+        .collections;
+    ensure!(
+        visible.iter().map(|c| c.name.as_str()).collect::<Vec<_>>() == ["other"],
+        "a scoped key lists only its collections"
+    );
+
+    let after = snapshot(&admin).await?;
+    ensure!(
+        before == after,
+        "refused calls changed the cluster:\nbefore {before:?}\nafter  {after:?}"
+    );
+    eprintln!("{refusals} refused calls, no side effect: {after:?}");
+
+    // Internal services take only member certificates of the cluster CA.
+    let member = client_tls(&certs.join("ca.pem"), Some(&certs))?;
+    let rogue_member = client_tls(&certs.join("ca.pem"), Some(&rogue))?;
+    let shard = &shard_nodes[0];
+    let plain = shard.replace("https://", "http://");
+    for (what, ch) in [
+        ("shard node, plaintext", lazy(&plain, None, None)?),
+        (
+            "shard node, TLS without certificate",
+            lazy(shard, Some(&ca_only), None)?,
+        ),
+        (
+            "shard node, certificate of another CA",
+            lazy(shard, Some(&rogue_member), None)?,
+        ),
+        (
+            "shard node, with the admin API key",
+            lazy(shard, Some(&ca_only), Some(&admin_key))?,
+        ),
+    ] {
+        let mut s = ShardClient::new(ch);
+        refused(what, s.node_info(NodeInfoRequest {})).await?;
+        refused(
+            what,
+            s.drop_shard(DropShardRequest {
+                shard: Some(ShardRef {
+                    collection: "sec".into(),
+                    shard: 0,
+                }),
+            }),
+        )
+        .await?;
+    }
+    ShardClient::new(lazy(shard, Some(&member), None)?)
+        .node_info(NodeInfoRequest {})
+        .await
+        .context("a member certificate gets through")?;
+    let mw = &cluster.model_worker.grpc;
+    for (what, ch) in [
+        (
+            "model worker, plaintext",
+            lazy(&mw.replace("https://", "http://"), None, None)?,
+        ),
+        (
+            "model worker, TLS without certificate",
+            lazy(mw, Some(&ca_only), None)?,
+        ),
+        (
+            "model worker, certificate of another CA",
+            lazy(mw, Some(&rogue_member), None)?,
+        ),
+    ] {
+        refused(
+            what,
+            ModelWorkerClient::new(ch).embed(EmbedRequest {
+                texts: vec!["hello".into()],
+                ..Default::default()
+            }),
+        )
+        .await?;
+    }
+    ModelWorkerClient::new(lazy(mw, Some(&member), None)?)
+        .list_models(ListModelsRequest {})
+        .await?;
+    let raft = |ch: KeyedChannel| async move {
+        CatalogPeerClient::new(ch)
+            .raft(CatalogRaftBatch {
+                from_node_id: 1,
+                messages: vec![],
+            })
+            .await
+    };
+    let c = refused(
+        "CatalogPeer without member certificate",
+        raft(lazy(&co, Some(&ca_only), Some(&admin_key))?),
+    )
+    .await?;
+    ensure!(c == Code::Unauthenticated, "CatalogPeer answered {c:?}");
+    raft(lazy(&co, Some(&member), None)?).await?;
+    refused(
+        "coordinator, plaintext client",
+        CoordinatorClient::new(lazy(
+            &co.replace("https://", "http://"),
+            None,
+            Some(&admin_key),
+        )?)
+        .list_collections(ListCollectionsRequest {}),
+    )
+    .await?;
+    refused(
+        "coordinator, client that trusts another CA",
+        CoordinatorClient::new(lazy(
+            &co,
+            Some(&client_tls(&rogue.join("ca.pem"), None)?),
+            Some(&admin_key),
+        )?)
+        .list_collections(ListCollectionsRequest {}),
+    )
+    .await?;
+    ensure!(
+        snapshot(&admin).await? == after,
+        "internal refusals changed nothing"
+    );
+
+    // Rotation: a new CA and certificates on disk; the processes reload them within
+    // reload_interval, with no restart.
+    let old_ca = certs_dir.path().join("old-ca.pem");
+    std::fs::copy(certs.join("ca.pem"), &old_ca)?;
+    std::fs::remove_file(certs.join("ca.pem"))?;
+    std::fs::remove_file(certs.join("ca.key"))?;
+    make_certs(&certs)?;
+    let new_ca = client_tls(&certs.join("ca.pem"), None)?;
+    let started = Instant::now();
+    loop {
+        let r = CoordinatorClient::new(lazy(&co, Some(&new_ca), Some(&admin_key))?)
+            .list_collections(ListCollectionsRequest {})
+            .await;
+        if r.is_ok() {
+            break;
+        }
+        ensure!(
+            started.elapsed() < Duration::from_secs(10),
+            "the coordinator did not reload its certificates: {r:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "certificates reloaded within {} ms",
+        started.elapsed().as_millis()
+    );
+    let old = client_tls(&old_ca, None)?;
+    refused(
+        "coordinator after rotation, client trusting the old CA",
+        CoordinatorClient::new(lazy(&co, Some(&old), Some(&admin_key))?)
+            .list_collections(ListCollectionsRequest {}),
+    )
+    .await?;
+    // New member connections use the new certificates (the shard node reloaded too).
+    let new_member = client_tls(&certs.join("ca.pem"), Some(&certs))?;
+    let started = Instant::now();
+    while ShardClient::new(lazy(shard, Some(&new_member), None)?)
+        .node_info(NodeInfoRequest {})
+        .await
+        .is_err()
+    {
+        ensure!(
+            started.elapsed() < Duration::from_secs(10),
+            "shard node did not reload"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let admin = lazy(&co, Some(&new_ca), Some(&admin_key))?;
+    ensure!(
+        snapshot(&admin).await? == after,
+        "the cluster serves as before"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn overload_is_shed_with_resource_exhausted_and_admitted_p99_stays_bounded() -> Result<()> {
+    const LIMIT: usize = 4;
+    let config = format!(
+        "[coordinator.limits]\nmax_concurrent_requests_per_key = {LIMIT}\nmax_top_k = 50\n\
+         max_batch_documents = 8\nmax_request_bytes = 1048576\n"
+    );
+    let cluster = Cluster::start_opts(Options {
+        shard_nodes: 2,
+        coordinators: 1,
+        coordinator_config: Some(&config),
+        ..Default::default()
+    })?;
+    let mut c = cluster.client().await?;
+    ingest_sample(&mut c, "docs", 2).await?;
+
+    // Limits on what one request may ask for.
+    let search = |top_k| SearchRequest {
+        collection: "docs".into(),
+        query: "how does raft elect a leader".into(),
+        top_k,
+        mode: SearchMode::Bm25 as i32,
+        ..Default::default()
+    };
+    let e = c.search(search(51)).await.unwrap_err();
+    ensure!(
+        e.code() == Code::InvalidArgument,
+        "top_k over the limit: {e:?}"
+    );
+    let docs = (0..9)
+        .map(|i| Document {
+            id: format!("d{i}"),
+            text: "x".into(),
+            ..Default::default()
+        })
+        .collect();
+    let e = c
+        .upsert_documents(UpsertDocumentsRequest {
+            collection: "docs".into(),
+            documents: docs,
+        })
+        .await
+        .unwrap_err();
+    ensure!(
+        e.code() == Code::ResourceExhausted,
+        "batch over the limit: {e:?}"
+    );
+    let e = c
+        .upsert_documents(UpsertDocumentsRequest {
+            collection: "docs".into(),
+            documents: vec![Document {
+                id: "big".into(),
+                text: "word ".repeat(300_000),
+                ..Default::default()
+            }],
+        })
+        .await
+        .unwrap_err();
+    ensure!(
+        matches!(e.code(), Code::OutOfRange | Code::ResourceExhausted),
+        "request over max_request_bytes: {e:?}"
+    );
+    // A caller's deadline bounds the search (embedding, shards): 1 ms cannot be met by a
+    // hybrid search, and the answer comes at once (DEADLINE_EXCEEDED from the coordinator, or
+    // CANCELLED when tonic's own deadline check fires first).
+    let mut r = tonic::Request::new(SearchRequest {
+        mode: SearchMode::Hybrid as i32,
+        ..search(10)
+    });
+    r.set_timeout(Duration::from_millis(1));
+    let started = Instant::now();
+    let e = c.search(r).await.unwrap_err();
+    ensure!(
+        matches!(e.code(), Code::DeadlineExceeded | Code::Cancelled)
+            && started.elapsed() < Duration::from_secs(2),
+        "deadline: {e:?} after {:?}",
+        started.elapsed()
+    );
+
+    // Run `clients` searchers for `secs`; latencies of admitted calls and refusal counts.
+    let run = |clients: usize, secs: u64| {
+        let addr = cluster.coordinator.grpc.clone();
+        async move {
+            let stop = Instant::now() + Duration::from_secs(secs);
+            let mut tasks = Vec::new();
+            for _ in 0..clients {
+                let addr = addr.clone();
+                tasks.push(tokio::spawn(async move {
+                    let mut c = ragcluster_tests::coordinator_client(&addr).await?;
+                    let (mut ok, mut shed, mut hinted) = (Vec::new(), 0usize, 0usize);
+                    while Instant::now() < stop {
+                        let t = Instant::now();
+                        match c.search(search(10)).await {
+                            Ok(_) => ok.push(t.elapsed().as_secs_f64() * 1000.0),
+                            Err(s) if s.code() == Code::ResourceExhausted => {
+                                shed += 1;
+                                if s.metadata().contains_key("retry-after-ms") {
+                                    hinted += 1;
+                                }
+                                // An eager client: back off 2 ms, not the hinted 100.
+                                tokio::time::sleep(Duration::from_millis(2)).await;
+                            }
+                            Err(s) => anyhow::bail!("unexpected {s:?}"),
+                        }
+                    }
+                    anyhow::Ok((ok, shed, hinted))
+                }));
+            }
+            let (mut ok, mut shed, mut hinted) = (Vec::new(), 0, 0);
+            for t in tasks {
+                let (o, s, h) = t.await??;
+                ok.extend(o);
+                shed += s;
+                hinted += h;
+            }
+            anyhow::Ok((ok, shed, hinted))
+        }
+    };
+    let (mut base, base_shed, _) = run(LIMIT, 4).await?;
+    ensure!(base_shed == 0, "at the limit nothing is shed ({base_shed})");
+    let (mut over, shed, hinted) = run(10 * LIMIT, 6).await?;
+    let (b50, b99) = (percentile(&mut base, 50.0), percentile(&mut base, 99.0));
+    let (o50, o99) = (percentile(&mut over, 50.0), percentile(&mut over, 99.0));
+    eprintln!(
+        "at the limit ({LIMIT} clients): {} searches, p50 {b50:.1} ms, p99 {b99:.1} ms; \
+         at 10x ({} clients): {} admitted, {shed} shed, p50 {o50:.1} ms, p99 {o99:.1} ms \
+         (ratio {:.2})",
+        base.len(),
+        10 * LIMIT,
+        over.len(),
+        o99 / b99
+    );
+    ensure!(
+        shed > 0 && hinted == shed,
+        "the excess is shed with a retry hint"
+    );
+    ensure!(!over.is_empty(), "admitted requests still complete");
+    ensure!(
+        o99 <= 4.0 * b99 + 200.0,
+        "p99 of admitted searches grew from {b99:.1} ms to {o99:.1} ms under 10x overload"
+    );
+    // Alive and serving, and the refusals are counted.
+    c.search(search(10)).await?;
+    let page = ragcluster_tests::http_get(&cluster.coordinator.metrics).await?;
+    ensure!(ragcluster_tests::metric_sum(&page, "coordinator_requests_shed_total") >= shed as f64);
+    Ok(())
+}
