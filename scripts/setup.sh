@@ -12,6 +12,8 @@ command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
 dpkg -s libclang-dev >/dev/null 2>&1 || need_apt+=(libclang-dev)
 command -v clang >/dev/null 2>&1 || need_apt+=(clang)
 command -v unzip >/dev/null 2>&1 || need_apt+=(unzip)
+# scripts/dev-certs.sh (TLS certificates for the security tests and development clusters).
+command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 if [ ${#need_apt[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
