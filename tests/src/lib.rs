@@ -304,7 +304,7 @@ pub struct Options<'a> {
     pub shard_nodes: usize,
     /// TOML read by every shard node (its `[shard_node]` section).
     pub shard_config: Option<&'a str>,
-    /// Coordinators replicating the catalog (1 or 3).
+    /// Coordinators replicating the catalog (1 or 3; 0 means 1).
     pub coordinators: usize,
     /// TOML read by every coordinator (its `[coordinator]` section).
     pub coordinator_config: Option<&'a str>,
@@ -386,7 +386,8 @@ impl Cluster {
 
     /// Starts the processes in a fresh temporary directory, removed afterwards unless
     /// `RAGCLUSTER_KEEP_TEST_DIRS` is set (logs and data for a post-mortem).
-    pub fn start_opts(o: Options) -> Result<Self> {
+    pub fn start_opts(mut o: Options) -> Result<Self> {
+        o.coordinators = o.coordinators.max(1);
         let mut dir = tempfile::Builder::new()
             .prefix("ragcluster-test-")
             .tempdir()?;
