@@ -303,11 +303,20 @@ impl ShardRpc for ShardService {
             )));
         }
         replica.transfer_leader(r.to_node_id)?;
-        // Leadership moves within a few heartbeats when the target is caught up.
+        // Leadership moves within a few heartbeats when the target is caught up. Raft aborts
+        // a transfer the target does not finish within an election timeout (a busy or lagging
+        // target), so while this replica still leads, ask again now and then.
+        let me = st.leader_id;
         let until = std::time::Instant::now() + self.write_timeout;
+        let mut asked = std::time::Instant::now();
         while std::time::Instant::now() < until {
-            if replica.status().leader_id == r.to_node_id {
+            let now = replica.status().leader_id;
+            if now == r.to_node_id {
                 return Ok(Response::new(TransferLeaderResponse {}));
+            }
+            if now == me && asked.elapsed() >= Duration::from_secs(1) {
+                replica.transfer_leader(r.to_node_id)?;
+                asked = std::time::Instant::now();
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
