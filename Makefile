@@ -23,18 +23,24 @@ up: build
 down:
 	$(BIN)/ragctl local down
 
-test: build       ## every test: unit, model reference, black-box cluster tests
-	cargo test --release --workspace
+# Tests run binaries with failpoints (a cargo feature, never in `build`): partitions and
+# corrupted snapshots in the Raft fault tests.
+TEST_FEATURES := --features shard-node/failpoints
 
-test-faults: build ## Raft fault schedules: 200 random seeds (CI runs 20)
-	RAGCLUSTER_FAULT_SEEDS=200 cargo test --release --workspace --test raft -- --nocapture
+test:             ## every test: unit, model reference, black-box cluster tests
+	cargo build --release --workspace $(TEST_FEATURES)
+	cargo test --release --workspace $(TEST_FEATURES)
+
+test-faults:       ## Raft fault schedules: 200 random seeds (CI runs 20)
+	cargo build --release --workspace $(TEST_FEATURES)
+	RAGCLUSTER_FAULT_SEEDS=200 cargo test --release --workspace $(TEST_FEATURES) --test raft -- --nocapture
 
 test-unit:
-	cargo test --release --workspace --lib --bins
+	cargo test --release --workspace $(TEST_FEATURES) --lib --bins
 
 lint:
 	cargo fmt --all -- --check
-	cargo clippy --release --workspace --all-targets -- -D warnings
+	cargo clippy --release --workspace --all-targets $(TEST_FEATURES) -- -D warnings
 
 fmt:
 	cargo fmt --all

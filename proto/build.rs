@@ -11,6 +11,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "ragcluster/v1/model_worker.proto",
         "ragcluster/v1/admin.proto",
         "ragcluster/v1/catalog.proto",
+        "ragcluster/v1/failpoints.proto",
     ];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");

@@ -9,22 +9,20 @@
 //! of queueing without bound.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
-use ragcluster_proto::v1::admin_client::AdminClient;
 use ragcluster_proto::v1::{
-    ApiKeyInfo, ApiKeyRecord, CreateApiKeyRequest, CreateApiKeyResponse, RevokeApiKeyRequest,
-    RevokeApiKeyResponse, Role,
+    ApiKeyInfo, ApiKeyRecord, CreateApiKeyRequest, CreateApiKeyResponse, Role,
 };
-use serde::{Deserialize, Serialize};
+
 use sha2::{Digest, Sha256};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::metadata::MetadataMap;
 
 use crate::catalog::Catalog;
+use crate::config::AuthConfig;
 use crate::error::{CoordError, Result};
 
 pub const KEY_PREFIX: &str = "rck_";
@@ -33,18 +31,6 @@ const ID_HEX: usize = 16;
 const SECRET_HEX: usize = 48;
 /// Shortest bootstrap key accepted (the file is a secret; make it long).
 const MIN_BOOTSTRAP_KEY: usize = 32;
-
-/// `[coordinator.auth]`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct AuthConfig {
-    /// Require an API key on every Coordinator and Admin call (health and reflection stay
-    /// open). Off: every caller is an anonymous admin, as on a trusted network.
-    pub enabled: bool,
-    /// File holding the bootstrap admin key (one line, at least 32 characters, e.g.
-    /// `openssl rand -hex 32`); needed when `enabled`. Read at start.
-    pub admin_key_file: Option<PathBuf>,
-}
 
 /// Who is calling, after authentication.
 #[derive(Debug, Clone)]
@@ -317,121 +303,65 @@ impl Auth {
     }
 }
 
-impl crate::State {
-    /// Makes a key on the catalog leader (forwarding there) and waits until this
-    /// coordinator has applied it, so the key works here as soon as it is returned.
-    pub async fn create_api_key(
-        &self,
-        r: CreateApiKeyRequest,
-        forwarded: bool,
-        caller: &Caller,
-    ) -> Result<CreateApiKeyResponse> {
-        let name = r.name.trim().to_owned();
-        if name.is_empty() || name.len() > 128 || name.chars().any(char::is_control) {
-            return Err(CoordError::invalid(
-                "name",
-                "must be 1 to 128 characters without control characters",
-            ));
-        }
-        let role = match Role::try_from(r.role) {
-            Ok(Role::Unspecified) | Err(_) => {
-                return Err(CoordError::invalid(
-                    "role",
-                    "must be reader, writer or admin",
-                ));
-            }
-            Ok(role) => role,
-        };
-        if r.collections.len() > 256 {
-            return Err(CoordError::invalid("collections", "at most 256"));
-        }
-        if let Some(c) = r
-            .collections
-            .iter()
-            .find(|c| !crate::collections::valid_name(c))
-        {
-            return Err(CoordError::invalid(
-                "collections",
-                format!("{c:?} is not a valid collection name"),
-            ));
-        }
-        if r.ttl_seconds > 100 * 365 * 86_400 {
-            return Err(CoordError::invalid("ttl_seconds", "at most 100 years"));
-        }
-        let resp = if let Some(addr) = self.catalog_leader(forwarded).await? {
-            let ch = self.clients.channel(&addr)?;
-            crate::fanout::call(
-                "catalog leader",
-                KEY_TIMEOUT,
-                AdminClient::new(ch).create_api_key(crate::collections::forward(
-                    r,
-                    KEY_TIMEOUT,
-                    caller,
-                )),
-            )
-            .await?
-        } else {
-            let (rec, secret) = new_key(&name, role, r.collections, r.ttl_seconds * 1000);
-            let info = rec.info.clone();
-            self.catalog.add_api_key(rec, KEY_TIMEOUT).await?;
-            tracing::info!(
-                by = caller.id,
-                key = info.as_ref().map(|i| i.id.as_str()),
-                role = role_name(role),
-                "API key created"
-            );
-            CreateApiKeyResponse { key: info, secret }
-        };
-        let id = resp.key.as_ref().map(|k| k.id.clone()).unwrap_or_default();
-        self.catalog
-            .wait_for(|v| v.api_keys.contains_key(&id), KEY_TIMEOUT)
-            .await;
-        Ok(resp)
+/// Checks a key request and makes the key (on the catalog leader: the gRPC edge forwards
+/// there). Returns its info and its secret, which is shown only here.
+pub async fn create_key(
+    catalog: &Catalog,
+    r: CreateApiKeyRequest,
+    caller: &Caller,
+) -> Result<CreateApiKeyResponse> {
+    let name = r.name.trim().to_owned();
+    if name.is_empty() || name.len() > 128 || name.chars().any(char::is_control) {
+        return Err(CoordError::invalid(
+            "name",
+            "must be 1 to 128 characters without control characters",
+        ));
     }
+    let role = match Role::try_from(r.role) {
+        Ok(Role::Unspecified) | Err(_) => {
+            return Err(CoordError::invalid(
+                "role",
+                "must be reader, writer or admin",
+            ));
+        }
+        Ok(role) => role,
+    };
+    if r.collections.len() > 256 {
+        return Err(CoordError::invalid("collections", "at most 256"));
+    }
+    if let Some(c) = r
+        .collections
+        .iter()
+        .find(|c| !crate::catalog::valid_name(c))
+    {
+        return Err(CoordError::invalid(
+            "collections",
+            format!("{c:?} is not a valid collection name"),
+        ));
+    }
+    if r.ttl_seconds > 100 * 365 * 86_400 {
+        return Err(CoordError::invalid("ttl_seconds", "at most 100 years"));
+    }
+    let (rec, secret) = new_key(&name, role, r.collections, r.ttl_seconds * 1000);
+    let info = rec.info.clone();
+    catalog.add_api_key(rec, KEY_TIMEOUT).await?;
+    tracing::info!(
+        by = caller.id,
+        key = info.as_ref().map(|i| i.id.as_str()),
+        role = role_name(role),
+        "API key created"
+    );
+    Ok(CreateApiKeyResponse { key: info, secret })
+}
 
-    /// Revokes a key on the catalog leader and waits until this coordinator refuses it.
-    pub async fn revoke_api_key(
-        &self,
-        id: &str,
-        forwarded: bool,
-        caller: &Caller,
-    ) -> Result<RevokeApiKeyResponse> {
-        if self.catalog.api_key(id).is_none() {
-            return Err(CoordError::UnknownApiKey(id.to_owned()));
-        }
-        if let Some(addr) = self.catalog_leader(forwarded).await? {
-            let ch = self.clients.channel(&addr)?;
-            crate::fanout::call(
-                "catalog leader",
-                KEY_TIMEOUT,
-                AdminClient::new(ch).revoke_api_key(crate::collections::forward(
-                    RevokeApiKeyRequest { id: id.to_owned() },
-                    KEY_TIMEOUT,
-                    caller,
-                )),
-            )
-            .await?;
-        } else {
-            self.catalog
-                .revoke_api_key(id, now_ms(), KEY_TIMEOUT)
-                .await?;
-            tracing::info!(by = caller.id, key = id, "API key revoked");
-        }
-        self.catalog
-            .wait_for(
-                |v| {
-                    v.api_keys
-                        .get(id)
-                        .and_then(|k| k.info.as_ref())
-                        .is_some_and(|i| i.revoked_at_ms != 0)
-                },
-                KEY_TIMEOUT,
-            )
-            .await;
-        Ok(RevokeApiKeyResponse {
-            key: self.catalog.api_key(id).and_then(|k| k.info),
-        })
+/// Revokes a key (on the catalog leader).
+pub async fn revoke_key(catalog: &Catalog, id: &str, caller: &Caller) -> Result<()> {
+    if catalog.api_key(id).is_none() {
+        return Err(CoordError::UnknownApiKey(id.to_owned()));
     }
+    catalog.revoke_api_key(id, now_ms(), KEY_TIMEOUT).await?;
+    tracing::info!(by = caller.id, key = id, "API key revoked");
+    Ok(())
 }
 
 const KEY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);

@@ -65,13 +65,25 @@ pub struct CoordinatorConfig {
     pub ask_max_branches: usize,
     pub ask_max_iterations: usize,
     /// API keys and roles (`[coordinator.auth]`).
-    pub auth: crate::auth::AuthConfig,
+    pub auth: AuthConfig,
     /// Bounds on requests (`[coordinator.limits]`).
     pub limits: LimitsConfig,
     /// TLS for the client port and for calls to other members (`[coordinator.tls]`);
     /// callers' member certificates are optional here (clients use API keys) but required
     /// for the internal CatalogPeer service.
     pub tls: TlsConfig,
+}
+
+/// `[coordinator.auth]`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// Require an API key on every Coordinator and Admin call (health and reflection stay
+    /// open). Off: every caller is an anonymous admin, as on a trusted network.
+    pub enabled: bool,
+    /// File holding the bootstrap admin key (one line, at least 32 characters, e.g.
+    /// `openssl rand -hex 32`); needed when `enabled`. Read at start.
+    pub admin_key_file: Option<PathBuf>,
 }
 
 /// `[coordinator.limits]`: what one request may ask for, and how many may run at once.
@@ -97,8 +109,8 @@ impl Default for LimitsConfig {
     fn default() -> Self {
         Self {
             max_request_bytes: 300 * 1024 * 1024,
-            max_batch_documents: crate::ingest::MAX_DOCS_PER_BATCH,
-            max_top_k: crate::search::MAX_TOP_K,
+            max_batch_documents: crate::limits::MAX_DOCS_PER_BATCH,
+            max_top_k: crate::limits::MAX_SEARCH_TOP_K,
             max_concurrent_requests: 512,
             max_concurrent_requests_per_key: 128,
         }
@@ -163,16 +175,16 @@ impl CoordinatorConfig {
         if !(1..=16_384).contains(&self.ask_max_generated_tokens) {
             return Err("coordinator.ask_max_generated_tokens must be in [1, 16384]".into());
         }
-        if !(1..=crate::flow::spec::MAX_BRANCHES).contains(&self.ask_max_branches) {
+        if !(1..=crate::limits::MAX_FLOW_BRANCHES).contains(&self.ask_max_branches) {
             return Err(format!(
                 "coordinator.ask_max_branches must be in [1, {}]",
-                crate::flow::spec::MAX_BRANCHES
+                crate::limits::MAX_FLOW_BRANCHES
             ));
         }
-        if !(1..=crate::flow::spec::MAX_ITERATIONS).contains(&self.ask_max_iterations) {
+        if !(1..=crate::limits::MAX_FLOW_ITERATIONS).contains(&self.ask_max_iterations) {
             return Err(format!(
                 "coordinator.ask_max_iterations must be in [1, {}]",
-                crate::flow::spec::MAX_ITERATIONS
+                crate::limits::MAX_FLOW_ITERATIONS
             ));
         }
         if self.ask_timeout.is_zero() {
@@ -185,16 +197,16 @@ impl CoordinatorConfig {
         if !(1024..=1 << 30).contains(&l.max_request_bytes) {
             return Err("coordinator.limits.max_request_bytes must be in [1 KiB, 1 GiB]".into());
         }
-        if !(1..=crate::ingest::MAX_DOCS_PER_BATCH).contains(&l.max_batch_documents) {
+        if !(1..=crate::limits::MAX_DOCS_PER_BATCH).contains(&l.max_batch_documents) {
             return Err(format!(
                 "coordinator.limits.max_batch_documents must be in [1, {}]",
-                crate::ingest::MAX_DOCS_PER_BATCH
+                crate::limits::MAX_DOCS_PER_BATCH
             ));
         }
-        if !(1..=crate::search::MAX_TOP_K).contains(&l.max_top_k) {
+        if !(1..=crate::limits::MAX_SEARCH_TOP_K).contains(&l.max_top_k) {
             return Err(format!(
                 "coordinator.limits.max_top_k must be in [1, {}]",
-                crate::search::MAX_TOP_K
+                crate::limits::MAX_SEARCH_TOP_K
             ));
         }
         if l.max_concurrent_requests == 0 || l.max_concurrent_requests_per_key == 0 {

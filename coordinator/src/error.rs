@@ -37,6 +37,12 @@ pub enum CoordError {
     /// Admission refused: too many requests in flight (for the process or for one key).
     #[error("overloaded: {reason}")]
     Overloaded { reason: String, retry_after_ms: u64 },
+    /// A shard call failed (`what` names the shard for the client: no node addresses).
+    #[error("{what}: {error}")]
+    Shard {
+        what: String,
+        error: crate::shards::ShardCallError,
+    },
     #[error("{0}")]
     Upstream(Status),
 }
@@ -54,6 +60,7 @@ impl CoordError {
     pub fn is_retryable(&self) -> bool {
         match self {
             Self::Unavailable { .. } | Self::Deadline(_) | Self::Overloaded { .. } => true,
+            Self::Shard { error, .. } => error.is_retryable(),
             Self::Upstream(s) => !matches!(
                 s.code(),
                 Code::InvalidArgument
@@ -93,11 +100,24 @@ impl From<CoordError> for Status {
             CoordError::Deadline(_) => Code::DeadlineExceeded,
             CoordError::Catalog(_) | CoordError::Tokenizer(_) => Code::Internal,
             CoordError::Upstream(s) => return s.clone(),
+            CoordError::Shard { error, .. } => error.code(),
         };
         let mut s = Status::new(code, e.to_string());
-        if let CoordError::Unavailable { retry_after_ms, .. }
-        | CoordError::Overloaded { retry_after_ms, .. } = e
-            && let Ok(v) = retry_after_ms.to_string().parse()
+        let retry_after_ms = match &e {
+            CoordError::Unavailable { retry_after_ms, .. }
+            | CoordError::Overloaded { retry_after_ms, .. } => Some(*retry_after_ms),
+            CoordError::Shard {
+                error: crate::shards::ShardCallError::Unavailable { retry_after, .. },
+                ..
+            } => Some(retry_after.as_millis() as u64),
+            CoordError::Shard {
+                error: crate::shards::ShardCallError::NotLeader { .. },
+                ..
+            } => Some(crate::shards::error::DEFAULT_RETRY_AFTER.as_millis() as u64),
+            _ => None,
+        };
+        if let Some(ms) = retry_after_ms
+            && let Ok(v) = ms.to_string().parse()
         {
             s.metadata_mut().insert("retry-after-ms", v);
         }

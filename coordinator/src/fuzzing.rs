@@ -56,17 +56,17 @@ pub fn flow_config(data: &[u8]) {
 /// them), through the checks that run before any work.
 pub fn request_validators(data: &[u8]) {
     if let Ok(r) = UpsertDocumentsRequest::decode(data) {
-        let _ = crate::ingest::validate_documents(&r.documents, crate::ingest::MAX_DOCS_PER_BATCH);
+        let _ = crate::ingest::validate_documents(&r.documents, crate::limits::MAX_DOCS_PER_BATCH);
     }
     if let Ok(r) = SearchRequest::decode(data)
-        && let Ok(p) = crate::search::plan(
+        && let Ok(p) = crate::service::convert::search_query(
             &r,
             384,
             std::time::Duration::from_secs(5),
-            crate::search::MAX_TOP_K,
+            crate::limits::MAX_SEARCH_TOP_K,
         )
     {
-        assert!(p.top_k >= 1 && p.top_k <= crate::search::MAX_TOP_K as usize);
+        assert!(p.top_k >= 1 && p.top_k <= crate::limits::MAX_SEARCH_TOP_K as usize);
         assert!(p.candidates >= p.top_k);
     }
     if let Ok(r) = AskRequest::decode(data) {

@@ -4,21 +4,22 @@
 //! searchable. Upserts replace whole documents, so retrying a failed call is safe.
 
 use std::collections::{BTreeMap, HashSet};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use futures::stream::{self, StreamExt, TryStreamExt};
 use ragcluster_proto::v1::*;
 
+use std::sync::Arc;
+
+use crate::catalog::Catalog;
 use crate::chunking::{self, ChunkParams, Strategy};
 use crate::error::{CoordError, Result};
-use crate::fanout::{call, request};
-use crate::{State, placement};
-
-pub const MAX_DOCS_PER_BATCH: usize = 256;
-pub const MAX_DOC_BYTES: usize = 1 << 20;
-pub const MAX_ID_BYTES: usize = 512;
-pub const MAX_TITLE_BYTES: usize = 4096;
-pub const MAX_METADATA_ENTRIES: usize = 64;
+use crate::limits::{
+    MAX_DOC_BYTES, MAX_DOCS_PER_BATCH, MAX_ID_BYTES, MAX_METADATA_ENTRIES, MAX_METADATA_KEY_BYTES,
+    MAX_TITLE_BYTES,
+};
+use crate::models::Models;
+use crate::placement;
+use crate::shards::Shards;
 
 fn check_id(field: &str, id: &str) -> Result<()> {
     if id.is_empty() {
@@ -87,7 +88,7 @@ pub fn validate_documents(docs: &[Document], max_docs: usize) -> Result<()> {
         if let Some(k) = d
             .metadata
             .keys()
-            .find(|k| k.is_empty() || k.len() > 256 || k.contains('\u{1f}'))
+            .find(|k| k.is_empty() || k.len() > MAX_METADATA_KEY_BYTES || k.contains('\u{1f}'))
         {
             return Err(CoordError::invalid(
                 format!("documents[{i}].metadata"),
@@ -124,49 +125,48 @@ pub fn embedding_text(title: &str, section: &str, text: &str, label: bool) -> St
     format!("{label_text}\n{text}")
 }
 
-impl State {
-    /// Embeds texts through the model worker, `embed_batch` at a time with
-    /// `embed_concurrency` calls in flight.
-    pub async fn embed(&self, model: &str, texts: Vec<String>) -> Result<Vec<Vec<f32>>> {
-        let batches: Vec<Vec<String>> = texts
-            .chunks(self.cfg.embed_batch)
-            .map(<[String]>::to_vec)
-            .collect();
-        let timeout = self.cfg.embed_timeout;
-        let out: Vec<Vec<Vec<f32>>> = stream::iter(batches)
-            .map(|b| async move {
-                let mut c = self.clients.model_worker()?;
-                let req = request(
-                    EmbedRequest {
-                        model: model.to_owned(),
-                        texts: b,
-                    },
-                    timeout,
-                );
-                let r = call("model worker", timeout, c.embed(req)).await?;
-                Ok::<_, CoordError>(
-                    r.embeddings
-                        .into_iter()
-                        .map(|e| e.values)
-                        .collect::<Vec<_>>(),
-                )
-            })
-            .buffered(self.cfg.embed_concurrency)
-            .try_collect()
-            .await?;
-        Ok(out.into_iter().flatten().collect())
+/// Writes documents: chunked, embedded through the model worker, and written to each shard's
+/// Raft leader as one batch per shard.
+pub struct Ingestor {
+    catalog: Arc<Catalog>,
+    shards: Arc<Shards>,
+    models: Arc<Models>,
+    tokens: Arc<dyn chunking::Tokens>,
+    /// Deadline of one shard's write (retries included).
+    write_timeout: Duration,
+    /// `limits.max_batch_documents`.
+    max_batch: usize,
+}
+
+/// A document cut into chunk texts (a document with its own embedding is one chunk, as given).
+struct Chunked {
+    doc: Document,
+    pieces: Vec<chunking::ChunkText>,
+}
+
+impl Ingestor {
+    pub fn new(
+        catalog: Arc<Catalog>,
+        shards: Arc<Shards>,
+        models: Arc<Models>,
+        tokens: Arc<dyn chunking::Tokens>,
+        write_timeout: Duration,
+        max_batch: usize,
+    ) -> Self {
+        Self {
+            catalog,
+            shards,
+            models,
+            tokens,
+            write_timeout,
+            max_batch,
+        }
     }
 
     pub async fn upsert(&self, r: UpsertDocumentsRequest) -> Result<UpsertDocumentsResponse> {
         let info = self.catalog.get(&r.collection)?;
-        validate_documents(&r.documents, self.cfg.limits.max_batch_documents)?;
-        let chunking = info.chunking.unwrap_or_default();
-        let params = chunk_params(&chunking);
-        let label = chunking.label_with_title.unwrap_or(true);
-        let tokens = self.tokens.clone();
-        let docs = r.documents;
-        // Chunking is CPU work: keep it off the async workers.
-        for (i, d) in docs.iter().enumerate() {
+        validate_documents(&r.documents, self.max_batch)?;
+        for (i, d) in r.documents.iter().enumerate() {
             if !d.embedding.is_empty() && d.embedding.len() != info.dimension as usize {
                 return Err(CoordError::invalid(
                     format!("documents[{i}].embedding"),
@@ -178,89 +178,25 @@ impl State {
                 ));
             }
         }
-        let (docs, pieces) = tokio::task::spawn_blocking(move || {
-            // A document with its own embedding is one chunk, as given.
-            let pieces: Vec<Vec<chunking::ChunkText>> = docs
-                .iter()
-                .map(|d| {
-                    if d.embedding.is_empty() {
-                        chunking::chunk(&d.text, &params, tokens.as_ref())
-                    } else {
-                        vec![chunking::ChunkText {
-                            text: d.text.clone(),
-                            section: String::new(),
-                        }]
-                    }
-                })
-                .collect();
-            (docs, pieces)
-        })
-        .await
-        .map_err(|e| CoordError::Catalog(e.to_string()))?;
-        let mut texts = Vec::new();
-        let mut total_chunks = 0;
-        for (d, ps) in docs.iter().zip(&pieces) {
-            total_chunks += ps.len();
-            if d.embedding.is_empty() {
-                for p in ps {
-                    texts.push(embedding_text(&d.title, &p.section, &p.text, label));
-                }
-            }
-        }
-        let to_embed = texts.len();
-        let mut vectors = if to_embed == 0 {
-            Vec::new().into_iter()
+        let chunking = info.chunking.unwrap_or_default();
+        let docs = self.chunk(r.documents, &chunking).await?;
+        let total_chunks: usize = docs.iter().map(|d| d.pieces.len()).sum();
+        let label = chunking.label_with_title.unwrap_or(true);
+        let texts: Vec<String> = docs
+            .iter()
+            .filter(|d| d.doc.embedding.is_empty())
+            .flat_map(|d| {
+                d.pieces
+                    .iter()
+                    .map(|p| embedding_text(&d.doc.title, &p.section, &p.text, label))
+            })
+            .collect();
+        let vectors = if texts.is_empty() {
+            Vec::new()
         } else {
-            self.embed(&info.embedding_model, texts).await?.into_iter()
+            self.models.embed(&info.embedding_model, texts).await?
         };
-        if vectors.len() != to_embed {
-            return Err(CoordError::Unavailable {
-                what: "model worker".into(),
-                reason: format!("returned {} embeddings for {to_embed} texts", vectors.len()),
-                retry_after_ms: 100,
-            });
-        }
-        let mut per_shard: BTreeMap<u32, Vec<DocumentWrite>> = BTreeMap::new();
-        for (mut d, ps) in docs.into_iter().zip(pieces) {
-            let own = std::mem::take(&mut d.embedding);
-            let ids: Vec<String> = (0..ps.len()).map(|i| format!("{}#{i}", d.id)).collect();
-            let chunks = ps
-                .into_iter()
-                .enumerate()
-                .map(|(i, p)| {
-                    let mut metadata = d.metadata.clone();
-                    if !p.section.is_empty() {
-                        metadata.insert("section".into(), p.section.clone());
-                    }
-                    Chunk {
-                        chunk_id: ids[i].clone(),
-                        doc_id: d.id.clone(),
-                        position: i as u32,
-                        prev_chunk_id: if i > 0 {
-                            ids[i - 1].clone()
-                        } else {
-                            String::new()
-                        },
-                        next_chunk_id: ids.get(i + 1).cloned().unwrap_or_default(),
-                        title: d.title.clone(),
-                        section: p.section,
-                        text: p.text,
-                        metadata,
-                        embedding: if own.is_empty() {
-                            vectors.next().unwrap_or_default()
-                        } else {
-                            own.clone()
-                        },
-                    }
-                })
-                .collect();
-            let shard = placement::shard_for_doc(&d.id, info.shard_count);
-            per_shard.entry(shard).or_default().push(DocumentWrite {
-                doc_id: d.id,
-                chunks,
-                delete: false,
-            });
-        }
+        let per_shard = writes(docs, vectors, info.shard_count);
         let n_docs = per_shard.values().map(Vec::len).sum::<usize>() as u32;
         self.write_shards(&info, per_shard).await?;
         metrics::counter!("coordinator_ingested_documents_total").increment(u64::from(n_docs));
@@ -271,12 +207,35 @@ impl State {
         })
     }
 
+    /// Chunking is CPU work: it runs off the async workers.
+    async fn chunk(&self, docs: Vec<Document>, c: &ChunkingConfig) -> Result<Vec<Chunked>> {
+        let params = chunk_params(c);
+        let tokens = self.tokens.clone();
+        tokio::task::spawn_blocking(move || {
+            docs.into_iter()
+                .map(|doc| {
+                    let pieces = if doc.embedding.is_empty() {
+                        chunking::chunk(&doc.text, &params, tokens.as_ref())
+                    } else {
+                        vec![chunking::ChunkText {
+                            text: doc.text.clone(),
+                            section: String::new(),
+                        }]
+                    };
+                    Chunked { doc, pieces }
+                })
+                .collect()
+        })
+        .await
+        .map_err(|e| CoordError::Catalog(e.to_string()))
+    }
+
     pub async fn delete(&self, r: DeleteDocumentsRequest) -> Result<DeleteDocumentsResponse> {
         let info = self.catalog.get(&r.collection)?;
         if r.ids.is_empty() {
             return Err(CoordError::invalid("ids", "is empty"));
         }
-        let max = self.cfg.limits.max_batch_documents.min(MAX_DOCS_PER_BATCH);
+        let max = self.max_batch.min(MAX_DOCS_PER_BATCH);
         if r.ids.len() > max {
             return Err(CoordError::TooLarge {
                 field: "ids".into(),
@@ -315,117 +274,76 @@ impl State {
         info: &CollectionInfo,
         per_shard: BTreeMap<u32, Vec<DocumentWrite>>,
     ) -> Result<Vec<WriteBatchResponse>> {
-        let writes = per_shard
-            .into_iter()
-            .map(|(shard, writes)| self.write_shard(info, shard, writes));
+        let writes = per_shard.into_iter().map(|(shard, writes)| async move {
+            let replicas = &info
+                .shards
+                .get(shard as usize)
+                .ok_or_else(|| CoordError::Catalog(format!("{} has no shard {shard}", info.name)))?
+                .nodes;
+            self.shards
+                .write(&info.name, shard, replicas, writes, self.write_timeout)
+                .await
+        });
         futures::future::join_all(writes)
             .await
             .into_iter()
             .collect()
     }
-
-    /// Writes one shard's batch through its Raft leader: follows NotLeader hints, tries the
-    /// other replicas with backoff when the leader is unknown or down, all within
-    /// `write_timeout`. Every attempt carries the same request id, so a batch whose first
-    /// attempt timed out but did commit is not applied twice.
-    async fn write_shard(
-        &self,
-        info: &CollectionInfo,
-        shard: u32,
-        writes: Vec<DocumentWrite>,
-    ) -> Result<WriteBatchResponse> {
-        let replicas = &info
-            .shards
-            .get(shard as usize)
-            .ok_or_else(|| CoordError::Catalog(format!("{} has no shard {shard}", info.name)))?
-            .nodes;
-        let req = WriteBatchRequest {
-            shard: Some(ShardRef {
-                collection: info.name.clone(),
-                shard,
-            }),
-            writes,
-            request_id: format!("{:032x}", rand::random::<u128>()),
-        };
-        let deadline = Instant::now() + self.cfg.write_timeout;
-        let mut target = self.routing.leader(&info.name, shard, replicas);
-        let mut backoff = Duration::from_millis(20);
-        let mut last_error = String::from("no attempt");
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                metrics::counter!("coordinator_write_failures_total").increment(1);
-                return Err(CoordError::Unavailable {
-                    what: format!("shard {shard} of {}", info.name),
-                    reason: format!(
-                        "not committed within {} ms (last error: {last_error}); retrying the \
-                         same call is safe",
-                        self.cfg.write_timeout.as_millis()
-                    ),
-                    retry_after_ms: 500,
-                });
-            }
-            // One attempt may hang on a cut-off leader; keep time for the others.
-            let attempt = left.min(ATTEMPT_TIMEOUT);
-            let mut c = self.clients.shard(&target)?;
-            let res =
-                tokio::time::timeout(attempt, c.write_batch(request(req.clone(), attempt))).await;
-            let status = match res {
-                Ok(Ok(r)) => {
-                    self.routing.set_leader(&info.name, shard, &target);
-                    return Ok(r.into_inner());
-                }
-                Ok(Err(s)) => s,
-                Err(_) => tonic::Status::deadline_exceeded("attempt timed out"),
-            };
-            metrics::counter!("coordinator_write_retries_total").increment(1);
-            last_error = format!("{target}: {}", status.message());
-            match status.code() {
-                tonic::Code::Unavailable
-                | tonic::Code::DeadlineExceeded
-                | tonic::Code::Unknown
-                | tonic::Code::Cancelled => {}
-                // Bad input or a missing shard: retrying cannot help.
-                _ => {
-                    return Err(CoordError::upstream(
-                        &format!("shard {shard} on {target}"),
-                        status,
-                    ));
-                }
-            }
-            let hint = status
-                .metadata()
-                .get("x-ragcluster-leader")
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.split_once(' '))
-                .map(|(_, addr)| addr.to_owned())
-                .filter(|a| !a.is_empty() && *a != target);
-            match hint {
-                Some(addr) => {
-                    self.routing.set_leader(&info.name, shard, &addr);
-                    target = addr;
-                }
-                None => {
-                    // A live replica without a leader means an election is running: poll
-                    // again soon (those answers are cheap) so the write lands right after it.
-                    let electing = status.metadata().get("x-ragcluster-leader").is_some()
-                        || status.message().contains("not the shard leader");
-                    if !electing {
-                        // Unreachable or timed out: avoid it for a moment.
-                        self.routing.mark_down(&target);
-                    }
-                    target = self.routing.next_replica(replicas, &target);
-                    tokio::time::sleep(backoff.min(left)).await;
-                    let cap = if electing { 50 } else { 500 };
-                    backoff = (backoff * 2).min(Duration::from_millis(cap));
-                }
-            }
-        }
-    }
 }
 
-/// Per-attempt limit of a shard write (the whole write gets `write_timeout`).
-const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Each document's chunks (ids `doc#i`, linked to their neighbours, metadata plus section),
+/// grouped by the shard that owns the document.
+fn writes(
+    docs: Vec<Chunked>,
+    vectors: Vec<Vec<f32>>,
+    shard_count: u32,
+) -> BTreeMap<u32, Vec<DocumentWrite>> {
+    let mut vectors = vectors.into_iter();
+    let mut per_shard: BTreeMap<u32, Vec<DocumentWrite>> = BTreeMap::new();
+    for Chunked { mut doc, pieces } in docs {
+        let own = std::mem::take(&mut doc.embedding);
+        let ids: Vec<String> = (0..pieces.len())
+            .map(|i| format!("{}#{i}", doc.id))
+            .collect();
+        let chunks = pieces
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let mut metadata = doc.metadata.clone();
+                if !p.section.is_empty() {
+                    metadata.insert("section".into(), p.section.clone());
+                }
+                Chunk {
+                    chunk_id: ids[i].clone(),
+                    doc_id: doc.id.clone(),
+                    position: i as u32,
+                    prev_chunk_id: if i > 0 {
+                        ids[i - 1].clone()
+                    } else {
+                        String::new()
+                    },
+                    next_chunk_id: ids.get(i + 1).cloned().unwrap_or_default(),
+                    title: doc.title.clone(),
+                    section: p.section,
+                    text: p.text,
+                    metadata,
+                    embedding: if own.is_empty() {
+                        vectors.next().unwrap_or_default()
+                    } else {
+                        own.clone()
+                    },
+                }
+            })
+            .collect();
+        let shard = placement::shard_for_doc(&doc.id, shard_count);
+        per_shard.entry(shard).or_default().push(DocumentWrite {
+            doc_id: doc.id,
+            chunks,
+            delete: false,
+        });
+    }
+    per_shard
+}
 
 #[cfg(test)]
 mod tests {

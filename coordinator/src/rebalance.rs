@@ -5,17 +5,19 @@
 //! learner and catches up (by snapshot if the log was compacted), is promoted, leadership
 //! leaves the source if it led, the source is removed, and only then does the catalog record
 //! the new placement. Every step checks the group's current membership first, so asking again
-//! after an interruption resumes where the move stopped.
+//! after an interruption resumes where the move stopped. Moves run on the catalog leader (the
+//! gRPC edge forwards them there).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ragcluster_proto::v1::*;
 use tokio::sync::mpsc;
 
-use crate::State;
+use crate::catalog::Catalog;
 use crate::error::{CoordError, Result};
-use crate::fanout::{call, request};
+use crate::shards::Shards;
 
 const STEP_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a new replica may take to catch up (snapshot of a large shard included).
@@ -33,91 +35,38 @@ fn step(name: &str, detail: impl Into<String>) -> MoveReplicaProgress {
     }
 }
 
-impl State {
-    /// Each replica's Raft view of shard `shard` (None where the node did not answer).
-    async fn raft_views(&self, sref: &ShardRef, nodes: &[String]) -> Vec<Option<RaftStatus>> {
-        let calls = nodes.iter().map(|n| async move {
-            let mut c = self.clients.shard(n).ok()?;
-            let r = call(
-                n,
-                STEP_TIMEOUT,
-                c.shard_info(request(
-                    ShardInfoRequest {
-                        shard: Some(sref.clone()),
-                    },
-                    STEP_TIMEOUT,
-                )),
-            )
-            .await
-            .ok()?;
-            r.raft
-        });
-        futures::future::join_all(calls).await
-    }
+pub struct Rebalancer {
+    catalog: Arc<Catalog>,
+    shards: Arc<Shards>,
+    /// The cluster's shard nodes (a move's source and target must be among them).
+    shard_nodes: Vec<String>,
+}
 
-    /// The current leader of a shard among `nodes` and its Raft view, waiting out an election.
-    async fn shard_leader(
-        &self,
-        sref: &ShardRef,
-        nodes: &[String],
-    ) -> Result<(String, RaftStatus)> {
-        let until = Instant::now() + STEP_TIMEOUT;
-        loop {
-            let views = self.raft_views(sref, nodes).await;
-            if let Some((n, v)) = nodes
-                .iter()
-                .zip(views)
-                .filter_map(|(n, v)| Some((n, v?)))
-                .filter(|(_, v)| v.role == "leader")
-                .max_by_key(|(_, v)| v.term)
-            {
-                return Ok((n.clone(), v));
-            }
-            if Instant::now() >= until {
-                return Err(CoordError::Upstream(tonic::Status::failed_precondition(
-                    format!(
-                        "shard {} of {} has no leader among {nodes:?}",
-                        sref.shard, sref.collection
-                    ),
-                )));
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
+/// One move, as validated: the shard, its replicas before the move, source and target.
+struct Move<'a> {
+    sref: ShardRef,
+    info: CollectionInfo,
+    placement: Vec<String>,
+    /// Everyone who may lead during the move: the old replicas and the newcomer.
+    members: Vec<String>,
+    from: &'a str,
+    to: &'a str,
+    progress: &'a Progress,
+}
 
-    /// A membership change sent to the shard's leader (found again if leadership moved).
-    async fn change_replicas(
-        &self,
-        sref: &ShardRef,
-        nodes: &[String],
-        change: ReplicaChange,
-        peer: Peer,
-    ) -> Result<ChangeReplicasResponse> {
-        let mut last = None;
-        for _ in 0..5 {
-            let (leader, _) = self.shard_leader(sref, nodes).await?;
-            let mut c = self.clients.shard(&leader)?;
-            let req = ChangeReplicasRequest {
-                shard: Some(sref.clone()),
-                change: change as i32,
-                peer: Some(peer.clone()),
-            };
-            match call(
-                &format!("shard {} on {leader}", sref.shard),
-                STEP_TIMEOUT,
-                c.change_replicas(request(req, STEP_TIMEOUT)),
-            )
-            .await
-            {
-                Ok(r) => return Ok(r),
-                Err(e) if e.is_retryable() => {
-                    last = Some(e);
-                    tokio::time::sleep(Duration::from_millis(300)).await;
-                }
-                Err(e) => return Err(e),
-            }
+impl Move<'_> {
+    async fn say(&self, m: MoveReplicaProgress) {
+        let _ = self.progress.send(Ok(m)).await;
+    }
+}
+
+impl Rebalancer {
+    pub fn new(catalog: Arc<Catalog>, shards: Arc<Shards>, shard_nodes: Vec<String>) -> Self {
+        Self {
+            catalog,
+            shards,
+            shard_nodes,
         }
-        Err(last.unwrap_or_else(|| CoordError::Deadline("membership change".into())))
     }
 
     /// Moves the replica of `collection`/`shard` on `from` to `to` (see the module doc),
@@ -130,9 +79,59 @@ impl State {
         to: &str,
         progress: &Progress,
     ) -> Result<()> {
-        let say = |m: MoveReplicaProgress| async move {
-            let _ = progress.send(Ok(m)).await;
+        let Some(m) = self.check(collection, shard, from, to, progress).await? else {
+            return Ok(());
         };
+        let from_id = self.shards.node_id(from).await?;
+        let to_id = self.shards.node_id(to).await?;
+        let to_peer = Peer {
+            node_id: to_id,
+            address: to.to_owned(),
+        };
+        self.join(&m, to_id, &to_peer).await?;
+        self.catch_up(&m).await?;
+        // Promote.
+        let (_, view) = self.shards.leader(&m.sref, &m.members).await?;
+        if view.learners.contains(&to_id) {
+            self.shards
+                .change_replicas(&m.sref, &m.members, ReplicaChange::Promote, to_peer)
+                .await?;
+            m.say(step("promoted", to)).await;
+        }
+        self.lead_away(&m).await?;
+        // Remove the source.
+        let (_, view) = self.shards.leader(&m.sref, &m.members).await?;
+        if view.voters.contains(&from_id) || view.learners.contains(&from_id) {
+            let peer = Peer {
+                node_id: from_id,
+                address: from.to_owned(),
+            };
+            self.shards
+                .change_replicas(&m.sref, &m.members, ReplicaChange::Remove, peer)
+                .await?;
+            m.say(step("removed", from)).await;
+        }
+        self.record(&m).await?;
+        // The removed replica drops its data once it applies its removal; one cut off at that
+        // moment is dropped here (best effort: it may be down).
+        let _ = self
+            .shards
+            .drop_shard(from, m.sref.clone(), STEP_TIMEOUT)
+            .await;
+        metrics::counter!("coordinator_replica_moves_total").increment(1);
+        m.say(step("done", format!("{from} -> {to}"))).await;
+        Ok(())
+    }
+
+    /// Checks a move; `None` when it was done already.
+    async fn check<'a>(
+        &self,
+        collection: &str,
+        shard: u32,
+        from: &'a str,
+        to: &'a str,
+        progress: &'a Progress,
+    ) -> Result<Option<Move<'a>>> {
         let info = self.catalog.get(collection)?;
         let placement = info
             .shards
@@ -146,7 +145,7 @@ impl State {
             .nodes
             .clone();
         for (field, node) in [("from", from), ("to", to)] {
-            if !self.cfg.shard_nodes.iter().any(|n| n == node) {
+            if !self.shard_nodes.iter().any(|n| n == node) {
                 return Err(CoordError::invalid(
                     field,
                     format!("{node} is not a shard node of this cluster"),
@@ -156,156 +155,145 @@ impl State {
         if from == to {
             return Err(CoordError::invalid("to", "the same node as from"));
         }
-        if !placement.iter().any(|n| n == from) {
-            if placement.iter().any(|n| n == to) {
-                say(step("done", "already moved")).await;
-                return Ok(());
+        let holds = |n: &str| placement.iter().any(|p| p == n);
+        if !holds(from) {
+            if holds(to) {
+                let _ = progress.send(Ok(step("done", "already moved"))).await;
+                return Ok(None);
             }
             return Err(CoordError::invalid(
                 "from",
                 format!("{from} holds no replica of shard {shard} ({placement:?})"),
             ));
         }
-        if placement.iter().any(|n| n == to) {
+        if holds(to) {
             return Err(CoordError::invalid(
                 "to",
                 format!("{to} already holds a replica of shard {shard}"),
             ));
         }
-        let sref = ShardRef {
-            collection: collection.to_owned(),
-            shard,
-        };
-        let from_id = self.node_id(from).await?;
-        let to_id = self.node_id(to).await?;
-        let to_peer = Peer {
-            node_id: to_id,
-            address: to.to_owned(),
-        };
-        // Everyone who may lead during the move: the old replicas and the newcomer.
         let mut members = placement.clone();
         members.push(to.to_owned());
+        Ok(Some(Move {
+            sref: ShardRef {
+                collection: collection.to_owned(),
+                shard,
+            },
+            info,
+            placement,
+            members,
+            from,
+            to,
+            progress,
+        }))
+    }
 
-        // 1. The newcomer joins as a learner.
-        let (_, view) = self.shard_leader(&sref, &placement).await?;
-        if !view.voters.contains(&to_id) && !view.learners.contains(&to_id) {
-            let mut peers = Vec::new();
-            for n in &placement {
-                peers.push(Peer {
-                    node_id: self.node_id(n).await?,
-                    address: n.clone(),
-                });
-            }
-            let mut c = self.clients.shard(to)?;
-            let open = call(
-                &format!("shard node {to}"),
-                STEP_TIMEOUT,
-                c.open_shard(request(
-                    OpenShardRequest {
-                        shard: Some(sref.clone()),
-                        dimension: info.dimension,
-                        hnsw: info.hnsw,
-                        peers,
-                        join: true,
-                    },
-                    STEP_TIMEOUT,
-                )),
-            )
-            .await;
-            match open {
-                Ok(_) => {}
-                // Opened by an earlier, interrupted attempt.
-                Err(CoordError::Upstream(s)) if s.code() == tonic::Code::AlreadyExists => {}
-                Err(e) => return Err(e),
-            }
-            self.change_replicas(
-                &sref,
-                &placement,
+    /// Step 1: the newcomer opens an empty replica and joins as a learner.
+    async fn join(&self, m: &Move<'_>, to_id: u64, to_peer: &Peer) -> Result<()> {
+        let (_, view) = self.shards.leader(&m.sref, &m.placement).await?;
+        if view.voters.contains(&to_id) || view.learners.contains(&to_id) {
+            return Ok(());
+        }
+        let mut peers = Vec::new();
+        for n in &m.placement {
+            peers.push(Peer {
+                node_id: self.shards.node_id(n).await?,
+                address: n.clone(),
+            });
+        }
+        let open = OpenShardRequest {
+            shard: Some(m.sref.clone()),
+            dimension: m.info.dimension,
+            hnsw: m.info.hnsw,
+            peers,
+            join: true,
+        };
+        // Opening again after an interrupted attempt is a no-op on the node.
+        self.shards.open(m.to, open, STEP_TIMEOUT).await?;
+        self.shards
+            .change_replicas(
+                &m.sref,
+                &m.placement,
                 ReplicaChange::AddLearner,
                 to_peer.clone(),
             )
             .await?;
-            say(step("learner-added", to)).await;
-        }
+        m.say(step("learner-added", m.to)).await;
+        Ok(())
+    }
 
-        // 2. Catch up: the newcomer applies everything the leader had committed when the
-        // catch-up began (under a steady write load it trails by the replication pipeline, as
-        // every follower does).
+    /// Step 2: the newcomer applies everything the leader had committed when the catch-up began
+    /// (under a steady write load it trails by the replication pipeline, as every follower
+    /// does).
+    async fn catch_up(&self, m: &Move<'_>) -> Result<()> {
         let until = Instant::now() + CATCH_UP_TIMEOUT;
         let mut target = 0;
         loop {
-            let (_, lv) = self.shard_leader(&sref, &members).await?;
+            let (_, lv) = self.shards.leader(&m.sref, &m.members).await?;
             if target == 0 {
                 target = lv.commit_index;
             }
-            let mine = self.raft_views(&sref, &[to.to_owned()]).await;
+            let mine = self.shards.views(&m.sref, &[m.to.to_owned()]).await;
             let applied = mine
                 .first()
                 .cloned()
                 .flatten()
                 .map_or(0, |v| v.applied_index);
-            let _ = progress
-                .send(Ok(MoveReplicaProgress {
-                    step: "catching-up".into(),
-                    applied,
-                    target,
-                    detail: String::new(),
-                }))
-                .await;
+            m.say(MoveReplicaProgress {
+                step: "catching-up".into(),
+                applied,
+                target,
+                detail: String::new(),
+            })
+            .await;
             if applied >= target && target > 0 {
-                break;
+                return Ok(());
             }
             if Instant::now() >= until {
                 return Err(CoordError::Deadline(format!(
-                    "{to} catching up on shard {shard} ({applied} of {target})"
+                    "{} catching up on shard {} ({applied} of {target})",
+                    m.to, m.sref.shard
                 )));
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
 
-        // 3. Promote.
-        let (_, view) = self.shard_leader(&sref, &members).await?;
-        if view.learners.contains(&to_id) {
-            self.change_replicas(&sref, &members, ReplicaChange::Promote, to_peer)
-                .await?;
-            say(step("promoted", to)).await;
+    /// Step 4: leadership leaves the source: to another old replica (which the catalog's placement
+    /// lists throughout), else the newcomer.
+    async fn lead_away(&self, m: &Move<'_>) -> Result<()> {
+        let (leader, _) = self.shards.leader(&m.sref, &m.members).await?;
+        if leader != m.from {
+            return Ok(());
         }
-
-        // 4. Leadership leaves the source: to another old replica (which the catalog's
-        // placement lists throughout), else the newcomer.
-        let (leader, _) = self.shard_leader(&sref, &members).await?;
-        if leader == from {
-            let target = placement
-                .iter()
-                .find(|n| n.as_str() != from)
-                .cloned()
-                .unwrap_or_else(|| to.to_owned());
-            self.transfer_to(&sref, &members, &target).await?;
-            say(step("leader-moved", target)).await;
-        }
-
-        // 5. Remove the source.
-        let (_, view) = self.shard_leader(&sref, &members).await?;
-        if view.voters.contains(&from_id) || view.learners.contains(&from_id) {
-            self.change_replicas(
-                &sref,
-                &members,
-                ReplicaChange::Remove,
-                Peer {
-                    node_id: from_id,
-                    address: from.to_owned(),
-                },
-            )
-            .await?;
-            say(step("removed", from)).await;
-        }
-
-        // 6. The catalog records the new placement (the newcomer takes the source's place, so
-        // the preferred-leader order is kept).
-        let new: Vec<String> = placement
+        let target = m
+            .placement
             .iter()
-            .map(|n| if n == from { to.to_owned() } else { n.clone() })
+            .find(|n| n.as_str() != m.from)
+            .cloned()
+            .unwrap_or_else(|| m.to.to_owned());
+        self.shards
+            .transfer_leader(&m.sref, &m.members, &target)
+            .await?;
+        m.say(step("leader-moved", target)).await;
+        Ok(())
+    }
+
+    /// Step 6: the catalog records the new placement (the newcomer takes the source's place, so the
+    /// preferred-leader order is kept).
+    async fn record(&self, m: &Move<'_>) -> Result<()> {
+        let new: Vec<String> = m
+            .placement
+            .iter()
+            .map(|n| {
+                if n == m.from {
+                    m.to.to_owned()
+                } else {
+                    n.clone()
+                }
+            })
             .collect();
+        let (collection, shard) = (&m.sref.collection, m.sref.shard);
         self.catalog
             .set_placement(collection, shard, new.clone(), CATALOG_TIMEOUT)
             .await?;
@@ -320,58 +308,8 @@ impl State {
                 CATALOG_TIMEOUT,
             )
             .await;
-        say(step("placed", new.join(","))).await;
-
-        // The removed replica drops its data once it applies its removal; one cut off at that
-        // moment is dropped here (best effort: it may be down).
-        if let Ok(mut c) = self.clients.shard(from) {
-            let _ = call(
-                from,
-                STEP_TIMEOUT,
-                c.drop_shard(request(
-                    DropShardRequest {
-                        shard: Some(sref.clone()),
-                    },
-                    STEP_TIMEOUT,
-                )),
-            )
-            .await;
-        }
-        metrics::counter!("coordinator_replica_moves_total").increment(1);
-        say(step("done", format!("{from} -> {to}"))).await;
+        m.say(step("placed", new.join(","))).await;
         Ok(())
-    }
-
-    /// Moves a shard's leadership to the replica on `to` and waits until it leads.
-    async fn transfer_to(&self, sref: &ShardRef, nodes: &[String], to: &str) -> Result<()> {
-        let to_id = self.node_id(to).await?;
-        let until = Instant::now() + STEP_TIMEOUT * 3;
-        loop {
-            let (leader, _) = self.shard_leader(sref, nodes).await?;
-            if leader == to {
-                return Ok(());
-            }
-            if Instant::now() >= until {
-                return Err(CoordError::Deadline(format!(
-                    "leadership of shard {} moving to {to}",
-                    sref.shard
-                )));
-            }
-            let mut c = self.clients.shard(&leader)?;
-            let _ = call(
-                &leader,
-                STEP_TIMEOUT,
-                c.transfer_leader(request(
-                    TransferLeaderRequest {
-                        shard: Some(sref.clone()),
-                        to_node_id: to_id,
-                    },
-                    STEP_TIMEOUT,
-                )),
-            )
-            .await;
-            tokio::time::sleep(Duration::from_millis(300)).await;
-        }
     }
 
     /// `Admin.TransferShardLeader`.
@@ -398,8 +336,8 @@ impl State {
             collection: collection.to_owned(),
             shard,
         };
-        self.transfer_to(&sref, &nodes, to).await?;
-        self.routing.set_leader(collection, shard, to);
+        self.shards.transfer_leader(&sref, &nodes, to).await?;
+        self.shards.routing().set_leader(collection, shard, to);
         Ok(())
     }
 }

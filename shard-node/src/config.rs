@@ -34,9 +34,6 @@ pub struct ShardNodeConfig {
     /// How long a write waits to be committed and applied before UNAVAILABLE.
     #[serde(with = "humantime_serde")]
     pub write_timeout: std::time::Duration,
-    /// Enables `Shard.SetFaults` (partitions, corrupted snapshots) for fault tests. Never in
-    /// production.
-    pub fault_injection: bool,
     /// Mutual TLS (`[shard_node.tls]`): with a certificate set, only callers presenting a
     /// member certificate of the cluster CA get through the handshake, and this node dials
     /// its Raft peers over TLS (their addresses are then `https://`).
@@ -58,7 +55,6 @@ impl Default for ShardNodeConfig {
             raft_heartbeat_ticks: 2,
             raft_log_gc_threshold: 10_000,
             write_timeout: std::time::Duration::from_secs(10),
-            fault_injection: false,
             tls: Default::default(),
         }
     }
@@ -88,14 +84,5 @@ impl ShardNodeConfig {
             );
         }
         Ok(())
-    }
-
-    pub fn raft(&self) -> crate::raft::RaftOptions {
-        crate::raft::RaftOptions {
-            tick: self.raft_tick,
-            election_ticks: self.raft_election_ticks,
-            heartbeat_ticks: self.raft_heartbeat_ticks,
-            log_gc_threshold: self.raft_log_gc_threshold,
-        }
     }
 }

@@ -1,5 +1,7 @@
 //! Errors of the shard node and their gRPC status codes (the one `From<ShardError> for Status`).
 
+use prost::Message as _;
+use ragcluster_proto::v1::{NotLeader, ShardErrorDetail};
 use tonic::{Code, Status};
 
 pub type Result<T, E = ShardError> = std::result::Result<T, E>;
@@ -46,22 +48,24 @@ impl From<ShardError> for Status {
             ShardError::NotLeader(_) | ShardError::Unavailable(_) => Code::Unavailable,
             ShardError::FailedPrecondition(_) => Code::FailedPrecondition,
         };
-        let mut status = Status::new(code, e.to_string());
-        match &e {
-            // The coordinator follows the hint instead of guessing.
-            ShardError::NotLeader(Some((id, addr))) => {
-                if let Ok(v) = format!("{id} {addr}").parse() {
-                    status.metadata_mut().insert("x-ragcluster-leader", v);
-                }
-            }
-            ShardError::NotLeader(None) | ShardError::Unavailable(_) => {
-                status.metadata_mut().insert(
-                    "retry-after-ms",
-                    tonic::metadata::MetadataValue::from(200u32),
-                );
-            }
-            _ => {}
+        // Callers act on the detail (the leader to follow, when to retry), never the message.
+        let detail = match &e {
+            ShardError::NotLeader(hint) => Some(ShardErrorDetail {
+                not_leader: Some(NotLeader {
+                    leader_id: hint.as_ref().map_or(0, |h| h.0),
+                    leader_address: hint.as_ref().map(|h| h.1.clone()).unwrap_or_default(),
+                }),
+                retry_after_ms: if hint.is_some() { 0 } else { 200 },
+            }),
+            ShardError::Unavailable(_) => Some(ShardErrorDetail {
+                not_leader: None,
+                retry_after_ms: 200,
+            }),
+            _ => None,
+        };
+        match detail {
+            Some(d) => Status::with_details(code, e.to_string(), d.encode_to_vec().into()),
+            None => Status::new(code, e.to_string()),
         }
-        status
     }
 }

@@ -1,8 +1,11 @@
 //! A ragcluster shard node: hosts many shards of many collections. RocksDB (`storage`) is the
 //! source of truth for chunks, documents and each shard's applied sequence number; every shard
 //! also keeps a tantivy BM25 index (`index::bm25`) and an hnsw_rs graph (`index::hnsw`) that
-//! are derived state, caught up or rebuilt from RocksDB after a crash (`shard`).
-//! `service` maps the internal `ragcluster.v1.Shard` gRPC service onto `node::Node`.
+//! are derived state, updated off the Raft thread (`index::worker`) and caught up or rebuilt
+//! from RocksDB after a crash (`shard`). Every shard is a Raft group of the shared core
+//! (`ragcluster_raft`); `raft` holds what is the shard's own (state machine, replica handle,
+//! transport dialer, snapshot files). `service` maps the internal `ragcluster.v1.Shard` gRPC
+//! service onto `node::Node`, converting the wire types in `service::convert`.
 //! This crate must not depend on the coordinator or the model worker.
 
 pub mod config;
@@ -53,18 +56,13 @@ pub async fn run(
             for round in 0u64.. {
                 tick.tick().await;
                 let n = node.clone();
-                let done = tokio::task::spawn_blocking(move || {
+                let _ = tokio::task::spawn_blocking(move || {
                     n.reap_removed();
                     if round % 10 == 0 {
-                        n.export_metrics()
-                    } else {
-                        Ok(())
+                        n.export_metrics();
                     }
                 })
                 .await;
-                if let Ok(Err(e)) = done {
-                    tracing::warn!(error = %e, "metrics export failed");
-                }
             }
         });
     }
@@ -79,11 +77,18 @@ pub async fn run(
     let svc = ShardServer::new(service::ShardService::new(node.clone(), &cfg))
         .max_decoding_message_size(64 * 1024 * 1024)
         .max_encoding_message_size(64 * 1024 * 1024);
-    tonic::transport::Server::builder()
+    let router = tonic::transport::Server::builder()
         .layer(server::GrpcMetricsLayer)
         .add_service(health)
         .add_service(reflection)
-        .add_service(svc)
+        .add_service(svc);
+    #[cfg(feature = "failpoints")]
+    let router = router.add_service(
+        ragcluster_proto::v1::failpoints_server::FailpointsServer::new(
+            service::failpoints::FailpointService,
+        ),
+    );
+    router
         .serve_with_incoming_shutdown(ragcluster_common::tls::incoming(listener, tls), shutdown)
         .await?;
     tracing::info!("grpc drained; flushing indexes");

@@ -1,28 +1,39 @@
-//! The set of shards a node hosts, opened from RocksDB at start.
+//! The set of shard replicas a node hosts, opened from RocksDB at start.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use parking_lot::RwLock;
-use raft::eraftpb::ConfState;
-use ragcluster_proto::v1::{HnswParams, OpenShardRequest, ShardRef};
+use ragcluster_raft::eraftpb::ConfState;
+use ragcluster_raft::{Options, Role, Transport};
 
 use crate::config::ShardNodeConfig;
 use crate::error::{Result, ShardError};
-use crate::raft::group::Replica;
-use crate::raft::log::GroupLog;
-use crate::raft::transport::{Router, Transport};
+use crate::index::worker::Compaction;
+use crate::raft::Replica;
+use crate::raft::transport::{GrpcDialer, ShardTransport};
 use crate::shard::{Shard, ShardOptions};
-use crate::storage::{RaftPersisted, ShardKey, Store};
+use crate::storage::{ShardKey, ShardMeta, Store};
+
+/// A replica to create: a member of a new group (`peers`, this node among them) or, with
+/// `join`, an empty replica waiting to be added to an existing group whose current members are
+/// `peers`.
+#[derive(Debug, Clone)]
+pub struct OpenShard {
+    pub key: ShardKey,
+    pub meta: ShardMeta,
+    /// (node id, address) of the group's members.
+    pub peers: Vec<(u64, String)>,
+    pub join: bool,
+}
 
 pub struct Node {
     cfg: ShardNodeConfig,
     store: Arc<Store>,
     node_id: u64,
     replicas: RwLock<HashMap<ShardKey, Arc<Replica>>>,
-    router: Router,
-    transport: Arc<Transport>,
+    transport: Arc<ShardTransport>,
     /// Serialises open/drop so two creators of one shard cannot race.
     admin: parking_lot::Mutex<()>,
 }
@@ -40,32 +51,34 @@ impl Node {
         let node_id = store.node_id()?;
         let snap_dir = cfg.data_dir.join("snap");
         std::fs::create_dir_all(&snap_dir)?;
-        let router: Router = Default::default();
-        let transport = Transport::new(node_id, rt, router.clone(), store.clone(), snap_dir, tls)?;
+        let dialer = Arc::new(GrpcDialer {
+            node_id,
+            snap_dir,
+            tls,
+        });
+        let persist = store.clone();
+        let on_learn = Box::new(move |list: &[(u64, String)]| {
+            if let Err(e) = persist.put_peers(list) {
+                tracing::warn!(error = %e, "could not persist peer table");
+            }
+        });
+        let transport = Transport::new(node_id, rt, dialer, store.peers()?, on_learn, "raft");
         let node = Self {
             store,
             node_id,
             replicas: RwLock::new(HashMap::new()),
-            router,
             transport,
             admin: Default::default(),
             cfg,
         };
         for (key, meta) in node.store.list_shards()? {
-            match node.store.raft_state(&key)? {
-                Some(p) => node.start_replica(
-                    key,
-                    meta.dimension,
-                    meta.hnsw.unwrap_or_default(),
-                    p,
-                    false,
-                )?,
-                None => {
-                    // Parameters without Raft state: a create that crashed half-way; it never
-                    // acknowledged anything.
-                    tracing::warn!(shard = %key, "dropping half-created shard");
-                    node.store.drop_shard(&key)?;
-                }
+            if node.store.raft_log(&key).exists().map_err(raft_store)? {
+                node.start_replica(key, meta, false)?;
+            } else {
+                // Parameters without Raft state: a create that crashed half-way; it never
+                // acknowledged anything.
+                tracing::warn!(shard = %key, "dropping half-created shard");
+                node.store.drop_shard(&key)?;
             }
         }
         tracing::info!(node_id, replicas = node.shard_count(), "node open");
@@ -76,8 +89,12 @@ impl Node {
         self.node_id
     }
 
-    pub fn transport(&self) -> &Arc<Transport> {
+    pub fn transport(&self) -> &Arc<ShardTransport> {
         &self.transport
+    }
+
+    fn snap_dir(&self) -> PathBuf {
+        self.cfg.data_dir.join("snap")
     }
 
     fn bm25_dir(&self, key: &ShardKey) -> PathBuf {
@@ -88,44 +105,35 @@ impl Node {
             .join(key.shard.to_string())
     }
 
-    fn start_replica(
-        &self,
-        key: ShardKey,
-        dimension: u32,
-        params: HnswParams,
-        p: RaftPersisted,
-        campaign: bool,
-    ) -> Result<()> {
+    fn start_replica(&self, key: ShardKey, meta: ShardMeta, campaign: bool) -> Result<()> {
         let opts = ShardOptions {
             bm25_writer_memory: self.cfg.bm25_writer_memory,
-            compact_ratio: self.cfg.hnsw_compact_ratio,
-            compact_min: self.cfg.hnsw_compact_min,
+            compaction: Compaction {
+                ratio: self.cfg.hnsw_compact_ratio,
+                min: self.cfg.hnsw_compact_min,
+            },
         };
-        let dir = self.bm25_dir(&key);
         let shard = Arc::new(Shard::open(
             key.clone(),
-            dimension,
-            params,
+            meta,
             self.store.clone(),
-            &dir,
+            &self.bm25_dir(&key),
+            &self.snap_dir(),
             &opts,
         )?);
-        let log = GroupLog::new(
-            key.clone(),
-            self.store.clone(),
-            shard.clone(),
-            self.transport.snap_dir().to_path_buf(),
-            p,
-        );
-        let (replica, tx) = Replica::start(
-            shard,
-            log,
-            self.node_id,
-            &self.cfg.raft(),
-            self.transport.clone(),
+        let raft = Options {
+            id: self.node_id,
+            tick: self.cfg.raft_tick,
+            election_ticks: self.cfg.raft_election_ticks,
+            heartbeat_ticks: self.cfg.raft_heartbeat_ticks,
+            log_gc_threshold: self.cfg.raft_log_gc_threshold,
             campaign,
-        )?;
-        self.router.write().insert(key.clone(), tx);
+            fixed_election_timeout: None,
+            name: key.to_string(),
+            metrics_prefix: "raft",
+        };
+        let log = self.store.raft_log(&key);
+        let replica = Replica::start(shard, log, raft, self.transport.clone())?;
         self.replicas.write().insert(key, replica);
         Ok(())
     }
@@ -134,92 +142,41 @@ impl Node {
         self.replicas.read().len()
     }
 
-    pub fn replica(&self, r: Option<&ShardRef>) -> Result<Arc<Replica>> {
-        let r = r.ok_or_else(|| ShardError::InvalidArgument("shard is required".into()))?;
-        let key = ShardKey::new(r.collection.clone(), r.shard);
+    pub fn replica(&self, key: &ShardKey) -> Result<Arc<Replica>> {
         self.replicas
             .read()
-            .get(&key)
+            .get(key)
             .cloned()
             .ok_or_else(|| ShardError::UnknownShard(key.to_string()))
     }
 
-    pub fn shard(&self, r: Option<&ShardRef>) -> Result<Arc<Shard>> {
-        Ok(self.replica(r)?.shard.clone())
-    }
-
-    /// Creates a replica: a member of a new group (`peers`, this node among them) or an empty
-    /// replica that waits to be added to an existing group (`join`). Idempotent.
-    pub fn open_shard(&self, req: OpenShardRequest) -> Result<()> {
-        let r = req
-            .shard
-            .clone()
-            .ok_or_else(|| ShardError::InvalidArgument("shard is required".into()))?;
-        if r.collection.is_empty() || r.collection.contains('\0') || r.collection.starts_with('~') {
-            return Err(ShardError::InvalidArgument(
-                "shard.collection is empty, starts with '~' or has NUL".into(),
-            ));
-        }
-        if req.dimension == 0 || req.dimension > 8192 {
-            return Err(ShardError::InvalidArgument(
-                "dimension must be in [1, 8192]".into(),
-            ));
-        }
-        let params = req.hnsw.unwrap_or_default();
-        if !(2..=256).contains(&params.m) {
-            return Err(ShardError::InvalidArgument(
-                "hnsw.m must be in [2, 256]".into(),
-            ));
-        }
-        // With `join`, peers are the group's current members: only their addresses are used
-        // (the leader adds this replica; its answers must reach the leader).
+    /// Creates a replica (see `OpenShard`). Idempotent when the parameters match.
+    pub fn open_shard(&self, req: OpenShard) -> Result<()> {
         let mut voters: Vec<u64> = if req.join {
             Vec::new()
         } else {
-            req.peers.iter().map(|p| p.node_id).collect()
+            req.peers.iter().map(|p| p.0).collect()
         };
-        if req.join
-            && req
-                .peers
-                .iter()
-                .any(|p| p.node_id == 0 || p.address.is_empty())
-        {
-            return Err(ShardError::InvalidArgument(
-                "peers of a join need node_id and address".into(),
-            ));
+        if !req.join && voters.is_empty() {
+            voters.push(self.node_id);
         }
-        if !req.join {
-            if voters.is_empty() {
-                voters.push(self.node_id);
-            }
-            if !voters.contains(&self.node_id) {
-                return Err(ShardError::InvalidArgument(format!(
-                    "peers do not include this node (id {})",
-                    self.node_id
-                )));
-            }
-            if voters.contains(&0) || {
-                let mut v = voters.clone();
-                v.sort_unstable();
-                v.dedup();
-                v.len() != voters.len()
-            } {
-                return Err(ShardError::InvalidArgument(
-                    "peer node ids must be non-zero and distinct".into(),
-                ));
-            }
+        if !req.join && !voters.contains(&self.node_id) {
+            return Err(ShardError::InvalidArgument(format!(
+                "peers do not include this node (id {})",
+                self.node_id
+            )));
         }
-        for p in &req.peers {
-            self.transport.learn_peer(p.node_id, p.address.clone());
+        for (id, address) in &req.peers {
+            self.transport.learn_peer(*id, address);
         }
         let _g = self.admin.lock();
-        let key = ShardKey::new(r.collection, r.shard);
+        let key = req.key;
         if let Some(s) = self.replicas.read().get(&key) {
-            if s.shard.dimension != req.dimension {
+            if s.shard.dimension != req.meta.dimension {
                 return Err(ShardError::ShardConflict {
                     shard: key.to_string(),
                     existing: s.shard.dimension,
-                    requested: req.dimension,
+                    requested: req.meta.dimension,
                 });
             }
             return Ok(());
@@ -229,33 +186,31 @@ impl Node {
             ..Default::default()
         };
         // Raft state first: parameters without it mean a half-done create (dropped at open).
-        self.store.raft_init(&key, &cs)?;
-        self.store.put_shard_meta(&key, &req)?;
-        let p = self
-            .store
-            .raft_state(&key)?
-            .ok_or_else(|| ShardError::Corrupt(format!("raft state of {key} vanished")))?;
+        self.store.raft_log(&key).init(&cs).map_err(raft_store)?;
+        self.store.put_shard_meta(&key, &req.meta)?;
         // The first peer is the preferred leader: it campaigns at once instead of waiting out
         // an election timeout.
         let campaign = !req.join && voters.first() == Some(&self.node_id);
-        self.start_replica(key, req.dimension, params, p, campaign)
+        self.start_replica(key, req.meta, campaign)
     }
 
-    pub fn drop_shard(&self, r: Option<&ShardRef>) -> Result<()> {
-        let replica = self.replica(r)?;
+    pub fn drop_shard(&self, key: &ShardKey) -> Result<()> {
+        let replica = self.replica(key)?;
         let _g = self.admin.lock();
-        let key = replica.shard.key.clone();
         replica.stop();
-        self.router.write().remove(&key);
-        self.replicas.write().remove(&key);
-        self.store.drop_shard(&key)?;
-        let dir = self.bm25_dir(&key);
+        self.transport.unregister(key);
+        self.replicas.write().remove(key);
+        // The index worker finishes before the files go.
+        replica.shard.flush()?;
         drop(replica);
+        self.store.drop_shard(key)?;
+        let dir = self.bm25_dir(key);
         if dir.exists() {
             std::fs::remove_dir_all(dir)?;
         }
-        crate::raft::snapshot::remove_others(self.transport.snap_dir(), "gen", &key, None);
-        crate::raft::snapshot::remove_others(self.transport.snap_dir(), "recv", &key, None);
+        let snaps = self.snap_dir();
+        crate::raft::snapshot::remove_others(&snaps, "gen", key, None);
+        crate::raft::snapshot::remove_others(&snaps, "recv", key, None);
         Ok(())
     }
 
@@ -266,19 +221,12 @@ impl Node {
             let st = r.status();
             // Also after a restart: the applied membership no longer lists this node. (A
             // joining replica has no membership at all until its snapshot arrives.)
-            let gone = st.role == "removed"
-                || (!st.voters.is_empty()
-                    && !st.voters.contains(&st.node_id)
-                    && !st.learners.contains(&st.node_id));
+            let gone = st.role == Role::Removed || (!st.voters.is_empty() && !st.is_member(st.id));
             if !gone {
                 continue;
             }
             let key = r.shard.key.clone();
-            let sref = ShardRef {
-                collection: key.collection.clone(),
-                shard: key.shard,
-            };
-            match self.drop_shard(Some(&sref)) {
+            match self.drop_shard(&key) {
                 Ok(()) => tracing::info!(shard = %key, "removed replica dropped"),
                 Err(e) => {
                     tracing::warn!(shard = %key, error = %e, "could not drop removed replica")
@@ -291,43 +239,31 @@ impl Node {
         self.replicas.read().values().cloned().collect()
     }
 
-    pub fn shards(&self) -> Vec<Arc<Shard>> {
-        self.replicas()
-            .into_iter()
-            .map(|r| r.shard.clone())
-            .collect()
-    }
-
     pub fn store(&self) -> &Store {
         &self.store
     }
 
     /// Publishes per-shard index sizes and RocksDB figures as Prometheus gauges.
-    pub fn export_metrics(&self) -> Result<()> {
+    pub fn export_metrics(&self) {
         let mut leaders = 0;
         for r in self.replicas() {
-            let s = &r.shard;
-            let info = s.info()?;
-            let label = s.key.to_string();
+            let f = r.shard.figures();
+            let label = r.shard.key.to_string();
             let st = r.status();
-            leaders += usize::from(st.role == "leader");
-            metrics::gauge!("raft_term", "shard" => label.clone()).set(st.term as f64);
-            metrics::gauge!("raft_commit_index", "shard" => label.clone())
-                .set(st.commit_index as f64);
-            metrics::gauge!("raft_applied_index", "shard" => label.clone())
-                .set(st.applied_index as f64);
-            metrics::gauge!("raft_is_leader", "shard" => label.clone())
-                .set(f64::from(u8::from(st.role == "leader")));
-            metrics::gauge!("shard_documents", "shard" => label.clone()).set(info.documents as f64);
-            metrics::gauge!("shard_chunks", "shard" => label.clone()).set(info.chunks as f64);
-            metrics::gauge!("shard_applied_seq", "shard" => label.clone())
-                .set(info.applied_seq as f64);
-            metrics::gauge!("shard_bm25_index_bytes", "shard" => label.clone())
-                .set(info.bm25_index_bytes as f64);
-            metrics::gauge!("shard_hnsw_points", "shard" => label.clone())
-                .set(info.hnsw_points as f64);
-            metrics::gauge!("shard_hnsw_tombstones", "shard" => label)
-                .set(info.hnsw_tombstones as f64);
+            leaders += usize::from(st.is_leader());
+            let g = |name: &'static str, v: f64| {
+                metrics::gauge!(name, "shard" => label.clone()).set(v);
+            };
+            g("raft_term", st.term as f64);
+            g("raft_commit_index", st.commit_index as f64);
+            g("raft_applied_index", st.applied_index as f64);
+            g("raft_is_leader", f64::from(u8::from(st.is_leader())));
+            g("shard_documents", f.documents as f64);
+            g("shard_chunks", f.chunks as f64);
+            g("shard_applied_seq", f.visible_seq as f64);
+            g("shard_bm25_index_bytes", f.bm25_index_bytes as f64);
+            g("shard_hnsw_points", f.hnsw_points as f64);
+            g("shard_hnsw_tombstones", f.hnsw_tombstones as f64);
         }
         for (name, prop) in [
             ("rocksdb_live_sst_bytes", "rocksdb.live-sst-files-size"),
@@ -342,7 +278,6 @@ impl Node {
         }
         metrics::gauge!("shard_node_shards").set(self.shard_count() as f64);
         metrics::gauge!("raft_leaders").set(leaders as f64);
-        Ok(())
     }
 
     /// Stops every group and flushes the indexes (graceful shutdown).
@@ -350,9 +285,13 @@ impl Node {
         for r in self.replicas() {
             r.stop();
         }
-        for s in self.shards() {
-            s.flush()?;
+        for r in self.replicas() {
+            r.shard.flush()?;
         }
         self.store.flush()
     }
+}
+
+fn raft_store(e: ragcluster_raft::Fatal) -> ShardError {
+    ShardError::Corrupt(e.0)
 }

@@ -1,84 +1,72 @@
-//! One shard replica: the write path that keeps RocksDB and the two indexes in step, and the
-//! recovery that brings the indexes back after a crash.
+//! One shard replica: the state machine of its Raft group (`crate::raft::machine`) and the
+//! reads it serves. Batches arrive only as committed log entries, in log order; the seq of a
+//! batch is its Raft index.
 //!
-//! The shard is the state machine of its Raft group (`crate::raft`): batches arrive here only
-//! as committed log entries, in log order, and the seq of a batch is its Raft index.
-//!
-//! Write path (one batch at a time per shard):
+//! Write path (one entry at a time, on the group's Raft thread):
 //!   1. RocksDB: chunks, document records, applied index, request-id record and the op-log
-//!      entry in one atomic write (the Raft log before it is already durable). A crash before
-//!      step 3 is repaired on restart from the op log.
-//!   2. HNSW: insert new points, tombstone replaced ones.
-//!   3. tantivy: delete by doc id, add chunks, commit with the seq as payload, reload.
-//!   4. Acknowledge. Op-log entries up to the committed seq are then dropped.
+//!      entry in one atomic write (the Raft log before it is already durable).
+//!   2. The batch goes to the shard's index worker (`index::worker`), which updates HNSW and
+//!      tantivy off the Raft thread, committing tantivy once per group of batches.
+//!   3. The proposer is answered once the batch is visible to searches.
 //!
 //! Recovery: the HNSW graph lives in memory and is rebuilt from RocksDB; the BM25 index is
 //! caught up by replaying op-log entries newer than its committed seq, or rebuilt from RocksDB
 //! when the log does not reach back far enough.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
-use parking_lot::Mutex;
-use ragcluster_proto::v1::{
-    Chunk, GlobalBm25Stats, HnswParams, WriteBatchRequest, WriteBatchResponse,
-};
+use ragcluster_proto::v1::{Chunk, GlobalBm25Stats, WriteBatchRequest, WriteBatchResponse};
 
 use crate::error::{Result, ShardError};
-use crate::index::Filter;
 use crate::index::bm25::Bm25Index;
-use crate::index::hnsw::{self, HnswIndex, Point, SearchPlan};
-use crate::storage::{BatchEffect, ShardKey, Store};
+use crate::index::hnsw::{self, HnswIndex, HnswParams, SearchPlan};
+use crate::index::worker::{Compaction, IndexWorker, Job};
+use crate::index::{Filter, Indexes, point};
+use crate::storage::{ShardKey, ShardMeta, Store};
 
 pub struct Shard {
     pub key: ShardKey,
     pub dimension: u32,
     pub params: HnswParams,
     store: Arc<Store>,
-    bm25: Bm25Index,
-    hnsw: HnswIndex,
-    /// Serialises batches: seq assignment, RocksDB and index updates happen in one order.
-    write_lock: Mutex<()>,
+    indexes: Arc<Indexes>,
+    worker: IndexWorker,
+    /// The applied index as durable in RocksDB (written by the Raft thread only).
     applied: AtomicU64,
-    /// Live documents: counted once at open, then kept by the write path.
+    /// Live documents as of `applied`: counted once at open, then kept by the write path.
     documents: AtomicU64,
-    compact_ratio: f64,
-    compact_min: usize,
-}
-
-/// Result of applying a batch.
-pub struct Applied {
-    pub seq: u64,
-    pub effect: BatchEffect,
-}
-
-fn point(c: &Chunk) -> Point {
-    Point {
-        chunk_id: c.chunk_id.clone(),
-        vector: c.embedding.clone(),
-        meta: c
-            .metadata
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect(),
-    }
+    /// Where received snapshot files wait to be installed.
+    pub(crate) snap_dir: PathBuf,
 }
 
 pub struct ShardOptions {
     pub bm25_writer_memory: usize,
-    pub compact_ratio: f64,
-    pub compact_min: usize,
+    pub compaction: Compaction,
+}
+
+/// A shard's figures, all describing one visible state.
+#[derive(Debug, Clone, Default)]
+pub struct Figures {
+    pub documents: u64,
+    pub chunks: u64,
+    pub visible_seq: u64,
+    pub bm25_index_bytes: u64,
+    pub hnsw_points: u64,
+    pub hnsw_tombstones: u64,
+    pub dimension: u32,
 }
 
 impl Shard {
     /// Opens a shard and brings its indexes up to the applied seq recorded in RocksDB.
     pub fn open(
         key: ShardKey,
-        dimension: u32,
-        params: HnswParams,
+        meta: ShardMeta,
         store: Arc<Store>,
         bm25_dir: &Path,
+        snap_dir: &Path,
         opts: &ShardOptions,
     ) -> Result<Self> {
         let applied = store.applied_seq(&key)?;
@@ -88,10 +76,9 @@ impl Shard {
             points.push(point(&c));
             Ok(())
         })?;
-        let hnsw = HnswIndex::new(dimension as usize, params, points.len());
+        let hnsw = HnswIndex::new(meta.dimension as usize, meta.hnsw, points.len());
         let live = points.len();
         hnsw.rebuild(points);
-
         let committed = bm25.committed_seq()?;
         if committed < applied {
             let log = store.oplog_after(&key, committed)?;
@@ -113,23 +100,49 @@ impl Shard {
         store.truncate_oplog(&key, applied)?;
         let documents = store.count_docs(&key)?;
         tracing::info!(shard = %key, applied, chunks = live, documents, "shard open");
-        Ok(Self {
-            key,
-            dimension,
-            params,
-            store,
+        let indexes = Arc::new(Indexes {
             bm25,
             hnsw,
-            write_lock: Mutex::new(()),
+            update: Default::default(),
+        });
+        let worker = IndexWorker::start(
+            key.clone(),
+            store.clone(),
+            indexes.clone(),
+            applied,
+            opts.compaction,
+        )?;
+        Ok(Self {
+            key,
+            dimension: meta.dimension,
+            params: meta.hnsw,
+            store,
+            indexes,
+            worker,
             applied: AtomicU64::new(applied),
             documents: AtomicU64::new(documents),
-            compact_ratio: opts.compact_ratio,
-            compact_min: opts.compact_min,
+            snap_dir: snap_dir.to_path_buf(),
         })
     }
 
+    /// The applied index as durable.
     pub fn applied_seq(&self) -> u64 {
         self.applied.load(Ordering::Acquire)
+    }
+
+    /// The highest seq searches see.
+    pub fn visible_seq(&self) -> u64 {
+        self.worker.visible()
+    }
+
+    /// Waits until `seq` is visible to searches (or fails at `deadline`).
+    pub async fn wait_visible(&self, seq: u64, deadline: Instant) -> Result<()> {
+        self.worker.wait_visible(seq, deadline).await
+    }
+
+    /// Called whenever the indexes caught up a little further.
+    pub fn on_progress(&self, f: Box<dyn Fn() + Send + Sync>) {
+        self.worker.on_progress(f);
     }
 
     /// Checks a batch before anything is written. Normalises embeddings in place. Runs on the
@@ -204,88 +217,79 @@ impl Shard {
             self.apply_noop(seq, None)?;
             return Ok(Err(e));
         }
-        let applied = self.apply_at(seq, req, Some(proposed_at_ms))?;
-        Ok(Ok(WriteBatchResponse {
-            applied_seq: applied.seq,
-            existed: applied.effect.existed,
-            not_found: applied.effect.not_found,
-            duplicate: false,
-        }))
-    }
-
-    /// Moves the applied index over an entry without chunk changes (see `Store::commit_noop`).
-    pub fn apply_noop(&self, seq: u64, conf: Option<&raft::eraftpb::ConfState>) -> Result<()> {
-        let _guard = self.write_lock.lock();
-        self.store.commit_noop(&self.key, seq, conf)?;
-        self.applied.store(seq, Ordering::Release);
-        Ok(())
-    }
-
-    /// Applies a validated batch as `seq` durably and makes it searchable.
-    fn apply_at(
-        &self,
-        seq: u64,
-        req: WriteBatchRequest,
-        proposed_at_ms: Option<u64>,
-    ) -> Result<Applied> {
-        let _guard = self.write_lock.lock();
-        // 1. Durable. A failure here leaves nothing behind (atomic write) and nothing acknowledged.
-        let respond = |e: &BatchEffect| WriteBatchResponse {
+        // 1. Durable. A failure here leaves nothing behind (atomic write) and nothing
+        // acknowledged.
+        let respond = |e: &crate::storage::BatchEffect| WriteBatchResponse {
             applied_seq: seq,
             existed: e.existed,
             not_found: e.not_found.clone(),
             duplicate: false,
         };
-        let dedupe = proposed_at_ms.map(|ts| (ts, &respond as &crate::storage::Respond<'_>));
-        let effect = self.store.commit_batch(&self.key, seq, &req, dedupe)?;
-        // 2. Dense index: new points first, then drop replaced chunks not re-inserted.
-        let points: Vec<Point> = req
-            .writes
-            .iter()
-            .flat_map(|w| w.chunks.iter().map(point))
-            .collect();
-        let new_ids: std::collections::HashSet<&str> =
-            points.iter().map(|p| p.chunk_id.as_str()).collect();
-        let gone: Vec<String> = effect
-            .removed_chunks
-            .iter()
-            .filter(|id| !new_ids.contains(id.as_str()))
-            .cloned()
-            .collect();
-        self.hnsw.insert(points);
-        self.hnsw.remove(&gone);
-        // 3. Sparse index. If this fails the batch is still durable and is replayed on restart;
-        // we report the error so the write is not acknowledged as searchable.
-        self.bm25.stage(&req.writes)?;
-        self.bm25.commit(seq)?;
-        // Under the write lock: every upsert adds one document, every document that existed
-        // before the batch (replaced or deleted) takes one away.
+        let effect =
+            self.store
+                .commit_batch(&self.key, seq, &req, Some((proposed_at_ms, &respond)))?;
+        // Every upsert adds one document, every document that existed before the batch
+        // (replaced or deleted) takes one away.
         let upserts = req.writes.iter().filter(|w| !w.delete).count() as u64;
         let docs = (self.documents.load(Ordering::Relaxed) + upserts)
             .saturating_sub(u64::from(effect.existed));
         self.documents.store(docs, Ordering::Relaxed);
         self.applied.store(seq, Ordering::Release);
-        self.store.truncate_oplog(&self.key, seq)?;
-        self.maybe_compact()?;
+        // 2. The indexes, off this thread: replaced chunks not written again leave HNSW.
+        let new_ids: std::collections::HashSet<&str> = req
+            .writes
+            .iter()
+            .flat_map(|w| w.chunks.iter().map(|c| c.chunk_id.as_str()))
+            .collect();
+        let removed: Vec<String> = effect
+            .removed_chunks
+            .iter()
+            .filter(|id| !new_ids.contains(id.as_str()))
+            .cloned()
+            .collect();
+        let response = respond(&effect);
+        self.worker.push(Job::Batch {
+            seq,
+            writes: req.writes,
+            removed,
+        });
         metrics::counter!("shard_write_batches_total").increment(1);
-        Ok(Applied { seq, effect })
+        Ok(Ok(response))
     }
 
-    /// Rebuilds the HNSW graph when tombstones exceed the configured share.
-    fn maybe_compact(&self) -> Result<()> {
-        let (live, dead) = self.hnsw.counts();
-        if dead < self.compact_min || (dead as f64) < self.compact_ratio * (live + dead) as f64 {
-            return Ok(());
-        }
-        let started = std::time::Instant::now();
-        let mut points = Vec::with_capacity(live);
-        self.store.for_each_chunk(&self.key, true, |c| {
-            points.push(point(&c));
-            Ok(())
-        })?;
-        self.hnsw.rebuild(points);
-        tracing::info!(shard = %self.key, dead, live, ms = started.elapsed().as_millis() as u64, "hnsw compacted");
+    /// Moves the applied index over an entry without chunk changes (see `Store::commit_noop`).
+    pub fn apply_noop(
+        &self,
+        seq: u64,
+        conf: Option<&ragcluster_raft::eraftpb::ConfState>,
+    ) -> Result<()> {
+        self.store.commit_noop(&self.key, seq, conf)?;
+        self.applied.store(seq, Ordering::Release);
+        self.worker.push(Job::Skip(seq));
         Ok(())
+    }
+
+    /// Replaces the replica's state with the snapshot file at `path` (`Store::install_snapshot`,
+    /// which also resets the Raft log) and has both indexes rebuilt from it.
+    pub fn install_snapshot(
+        &self,
+        path: &Path,
+        meta: &ragcluster_raft::eraftpb::SnapshotMetadata,
+        hs: &ragcluster_raft::eraftpb::HardState,
+    ) -> Result<u64> {
+        let started = Instant::now();
+        let cs = meta.conf_state.clone().unwrap_or_default();
+        let mut f = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path)?);
+        let records = self
+            .store
+            .install_snapshot(&self.key, &mut f, meta.index, meta.term, &cs, hs)?;
+        self.documents
+            .store(self.store.count_docs(&self.key)?, Ordering::Relaxed);
+        self.applied.store(meta.index, Ordering::Release);
+        self.worker.push(Job::Rebuild(meta.index));
+        tracing::info!(shard = %self.key, index = meta.index, records,
+            ms = started.elapsed().as_millis() as u64, "snapshot installed");
+        Ok(records)
     }
 
     pub fn bm25_search(
@@ -296,7 +300,7 @@ impl Shard {
         stats: Option<&GlobalBm25Stats>,
         ids_only: bool,
     ) -> Result<Vec<(Chunk, f32)>> {
-        let hits = self.bm25.search(query, top_k, filter, stats)?;
+        let hits = self.indexes.bm25.search(query, top_k, filter, stats)?;
         self.hydrate(hits, ids_only)
     }
 
@@ -321,7 +325,7 @@ impl Shard {
                 "vector is zero or not finite".into(),
             ));
         }
-        match self.hnsw.search(&q, top_k, ef, filter) {
+        match self.indexes.hnsw.search(&q, top_k, ef, filter) {
             SearchPlan::Hits(h) => self.hydrate(h, ids_only),
             SearchPlan::Exact(ids) => {
                 let mut scored: Vec<(Chunk, f32)> = self
@@ -369,7 +373,7 @@ impl Shard {
     }
 
     pub fn term_stats(&self, query: &str) -> Result<GlobalBm25Stats> {
-        let (num_docs, total_tokens, doc_freq) = self.bm25.term_stats(query)?;
+        let (num_docs, total_tokens, doc_freq) = self.indexes.bm25.term_stats(query)?;
         Ok(GlobalBm25Stats {
             num_docs,
             total_tokens,
@@ -423,73 +427,32 @@ impl Shard {
         Ok(prev)
     }
 
-    /// The shard's figures, taken under the write lock so that they describe one applied
-    /// state: never a batch half-applied (its points in HNSW, its chunks not yet in BM25).
-    pub fn info(&self) -> Result<ragcluster_proto::v1::ShardInfoResponse> {
-        let _guard = self.write_lock.lock();
-        let (live, dead) = self.hnsw.counts();
-        Ok(ragcluster_proto::v1::ShardInfoResponse {
+    /// The shard's figures, taken under the indexes' update lock so that they describe one
+    /// visible state: never a batch half-applied (its points in HNSW, its chunks not yet in
+    /// BM25).
+    pub fn figures(&self) -> Figures {
+        let _guard = self.indexes.update.lock();
+        let (live, dead) = self.indexes.hnsw.counts();
+        Figures {
             documents: self.documents.load(Ordering::Relaxed),
-            chunks: self.bm25.num_docs(),
-            applied_seq: self.applied_seq(),
-            bm25_index_bytes: self.bm25.size_bytes(),
+            chunks: self.indexes.bm25.num_docs(),
+            visible_seq: self.visible_seq(),
+            bm25_index_bytes: self.indexes.bm25.size_bytes(),
             hnsw_points: live as u64,
             hnsw_tombstones: dead as u64,
             dimension: self.dimension,
-            shard: Some(ragcluster_proto::v1::ShardRef {
-                collection: self.key.collection.clone(),
-                shard: self.key.shard,
-            }),
-            raft: None,
-        })
-    }
-
-    /// Replaces the replica's state with a received snapshot (`Store::install_snapshot`) and
-    /// rebuilds both indexes from it.
-    pub fn install_snapshot(
-        &self,
-        input: &mut impl std::io::Read,
-        meta: &raft::eraftpb::SnapshotMetadata,
-        hs: &raft::eraftpb::HardState,
-    ) -> Result<u64> {
-        let _guard = self.write_lock.lock();
-        let started = std::time::Instant::now();
-        let cs = meta.conf_state.clone().unwrap_or_default();
-        let records = self
-            .store
-            .install_snapshot(&self.key, input, meta.index, meta.term, &cs, hs)?;
-        let stored_ms = started.elapsed().as_millis() as u64;
-        let mut points = Vec::new();
-        self.store.for_each_chunk(&self.key, true, |c| {
-            points.push(point(&c));
-            Ok(())
-        })?;
-        let t = std::time::Instant::now();
-        self.hnsw.rebuild(points);
-        let hnsw_ms = t.elapsed().as_millis() as u64;
-        let t = std::time::Instant::now();
-        self.bm25.clear()?;
-        self.store.for_each_chunk(&self.key, false, |c| {
-            self.bm25.stage_chunks(std::slice::from_ref(&c))
-        })?;
-        self.bm25.commit(meta.index)?;
-        let bm25_ms = t.elapsed().as_millis() as u64;
-        self.documents
-            .store(self.store.count_docs(&self.key)?, Ordering::Relaxed);
-        self.applied.store(meta.index, Ordering::Release);
-        tracing::info!(shard = %self.key, index = meta.index, records, stored_ms, hnsw_ms, bm25_ms,
-            ms = started.elapsed().as_millis() as u64, "snapshot installed");
-        Ok(records)
+        }
     }
 
     pub fn store(&self) -> &Arc<Store> {
         &self.store
     }
 
-    /// Commits any staged BM25 state (a no-op when every batch was committed).
+    /// Lets the index worker finish what is queued, then commits BM25 (shutdown).
     pub fn flush(&self) -> Result<()> {
-        let _guard = self.write_lock.lock();
-        self.bm25.commit(self.applied_seq())
+        self.worker.stop();
+        let _guard = self.indexes.update.lock();
+        self.indexes.bm25.commit(self.visible_seq())
     }
 }
 
@@ -503,17 +466,34 @@ mod tests {
     fn opts(compact_min: usize) -> ShardOptions {
         ShardOptions {
             bm25_writer_memory: 20_000_000,
-            compact_ratio: 0.25,
-            compact_min,
+            compaction: Compaction {
+                ratio: 0.25,
+                min: compact_min,
+            },
         }
     }
 
-    fn params() -> HnswParams {
-        HnswParams {
-            m: 8,
-            ef_construction: 50,
-            ef_search: 32,
+    fn meta() -> ShardMeta {
+        ShardMeta {
+            dimension: DIM as u32,
+            hnsw: HnswParams {
+                m: 8,
+                ef_construction: 50,
+                ef_search: 32,
+            },
         }
+    }
+
+    fn open(dir: &Path, key: ShardKey, store: Arc<Store>, compact_min: usize) -> Shard {
+        Shard::open(
+            key,
+            meta(),
+            store,
+            &dir.join("bm25"),
+            dir,
+            &opts(compact_min),
+        )
+        .unwrap()
     }
 
     fn doc(id: &str, words: &str, seed: f32) -> DocumentWrite {
@@ -539,9 +519,24 @@ mod tests {
         }
     }
 
-    /// Applies as the next log entry, as the Raft apply loop does.
+    /// Applies as the next log entry, as the Raft apply loop does, and waits until searches
+    /// see it, as the write path does before acknowledging.
     fn apply(shard: &Shard, b: WriteBatchRequest) -> Result<WriteBatchResponse> {
-        shard.apply_entry(shard.applied_seq() + 1, b, 1_000)?
+        let r = shard.apply_entry(shard.applied_seq() + 1, b, 1_000)?;
+        settle(shard);
+        r
+    }
+
+    fn settle(shard: &Shard) {
+        let until = Instant::now() + std::time::Duration::from_secs(10);
+        while shard.visible_seq() < shard.applied_seq() && Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(
+            shard.visible_seq(),
+            shard.applied_seq(),
+            "indexes caught up"
+        );
     }
 
     /// The crash window of the write path: the batch is in RocksDB (and the op log) but the
@@ -551,25 +546,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let key = ShardKey::new("c", 0);
         let store = Arc::new(Store::open(&dir.path().join("db"), true).unwrap());
-        let bm25_dir = dir.path().join("bm25");
         {
-            let shard = Shard::open(
-                key.clone(),
-                DIM as u32,
-                params(),
-                store.clone(),
-                &bm25_dir,
-                &opts(1000),
-            )
-            .unwrap();
+            let shard = open(dir.path(), key.clone(), store.clone(), 1000);
             apply(&shard, batch(vec![doc("a", "alpha apples", 1.0)])).unwrap();
         }
         // Simulated crash after step 1 of the write path: RocksDB only.
         let mut b = batch(vec![doc("b", "bravo bananas", 2.0)]);
         hnsw::normalize(&mut b.writes[0].chunks[0].embedding);
         store.commit_batch(&key, 2, &b, None).unwrap();
-        let shard = Shard::open(key, DIM as u32, params(), store, &bm25_dir, &opts(1000)).unwrap();
+        let shard = open(dir.path(), key, store, 1000);
         assert_eq!(shard.applied_seq(), 2);
+        assert_eq!(shard.visible_seq(), 2);
         let hits = shard
             .bm25_search("bananas", 5, &vec![], None, false)
             .unwrap();
@@ -588,15 +575,7 @@ mod tests {
     fn replacements_leave_tombstones_until_compaction() {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(Store::open(&dir.path().join("db"), false).unwrap());
-        let shard = Shard::open(
-            ShardKey::new("c", 1),
-            DIM as u32,
-            params(),
-            store,
-            &dir.path().join("bm25"),
-            &opts(3),
-        )
-        .unwrap();
+        let shard = open(dir.path(), ShardKey::new("c", 1), store, 3);
         apply(
             &shard,
             batch(
@@ -609,14 +588,14 @@ mod tests {
         // Replacing d0 twice leaves two tombstones: under the compaction minimum of 3.
         apply(&shard, batch(vec![doc("d0", "words", 10.0)])).unwrap();
         apply(&shard, batch(vec![doc("d0", "words", 11.0)])).unwrap();
-        let info = shard.info().unwrap();
-        assert_eq!((info.hnsw_points, info.hnsw_tombstones), (8, 2));
+        let f = shard.figures();
+        assert_eq!((f.hnsw_points, f.hnsw_tombstones), (8, 2));
         // A third replacement crosses the minimum (3 of 11 >= 25 %): the graph is rebuilt.
         apply(&shard, batch(vec![doc("d1", "words", 12.0)])).unwrap();
-        let info = shard.info().unwrap();
-        assert_eq!((info.hnsw_points, info.hnsw_tombstones), (8, 0));
-        assert_eq!(info.documents, 8);
-        assert_eq!(info.chunks, 8);
+        let f = shard.figures();
+        assert_eq!((f.hnsw_points, f.hnsw_tombstones), (8, 0));
+        assert_eq!(f.documents, 8);
+        assert_eq!(f.chunks, 8);
         // Deleting and bad batches.
         let mut del = batch(vec![DocumentWrite {
             doc_id: "d2".into(),
@@ -625,7 +604,7 @@ mod tests {
         }]);
         let applied = apply(&shard, del.clone()).unwrap();
         assert_eq!(applied.existed, 1);
-        assert_eq!(shard.info().unwrap().documents, 7);
+        assert_eq!(shard.figures().documents, 7);
         del.writes[0].doc_id = "nope".into();
         assert_eq!(
             apply(&shard, del).unwrap().not_found,
@@ -647,7 +626,7 @@ mod tests {
             seq + 1,
             "a rejected entry only moves the applied index"
         );
-        assert_eq!(shard.info().unwrap().documents, 7);
+        assert_eq!(shard.figures().documents, 7);
     }
 
     /// Retried request ids are applied once, and their first outcome is returned.
@@ -655,15 +634,7 @@ mod tests {
     fn request_ids_apply_at_most_once() {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(Store::open(&dir.path().join("db"), false).unwrap());
-        let shard = Shard::open(
-            ShardKey::new("c", 2),
-            DIM as u32,
-            params(),
-            store,
-            &dir.path().join("bm25"),
-            &opts(1000),
-        )
-        .unwrap();
+        let shard = open(dir.path(), ShardKey::new("c", 2), store, 1000);
         let mut first = batch(vec![doc("a", "one", 1.0)]);
         first.request_id = "req-1".into();
         let r1 = apply(&shard, first.clone()).unwrap();

@@ -4,7 +4,7 @@
 //!
 //! | cf       | key suffix       | value                                           |
 //! |----------|------------------|-------------------------------------------------|
-//! | `meta`   | `m`              | shard parameters (`OpenShardRequest`)            |
+//! | `meta`   | `m`              | shard parameters (`ShardMeta`)                   |
 //! | `meta`   | `s`              | applied sequence number (u64 BE)                 |
 //! | `chunks` | chunk id         | `Chunk` (prost), embedding left out              |
 //! | `vectors`| chunk id         | the embedding, f32 little-endian                 |
@@ -28,20 +28,22 @@ use std::fmt;
 use std::path::Path;
 
 use prost::Message;
-use raft::eraftpb::{ConfState, Entry, HardState};
-use ragcluster_proto::v1::{Chunk, OpenShardRequest, WriteBatchRequest, WriteBatchResponse};
+use ragcluster_proto::v1::{Chunk, WriteBatchRequest, WriteBatchResponse};
+use ragcluster_raft::eraftpb::{ConfState, HardState};
+use ragcluster_raft::{Keys, RocksLog};
 use rocksdb::{
     ColumnFamilyDescriptor, DB, Direction, IteratorMode, Options, WriteBatch, WriteOptions,
 };
 
 use crate::error::{Result, ShardError};
+use crate::index::hnsw::HnswParams;
 
 const CF_META: &str = "meta";
 const CF_CHUNKS: &str = "chunks";
 const CF_DOCS: &str = "docs";
 const CF_OPLOG: &str = "oplog";
 const CF_VECTORS: &str = "vectors";
-const CF_RAFT: &str = "raft";
+pub const CF_RAFT: &str = "raft";
 const ALL_CFS: [&str; 6] = [CF_META, CF_CHUNKS, CF_VECTORS, CF_DOCS, CF_OPLOG, CF_RAFT];
 /// Families whose shard range is the state machine, i.e. what a snapshot carries.
 const STATE_CFS: [&str; 4] = [CF_META, CF_CHUNKS, CF_VECTORS, CF_DOCS];
@@ -66,7 +68,8 @@ impl ShardKey {
         }
     }
 
-    fn prefix(&self) -> Vec<u8> {
+    /// `collection 0x00 shard(u32 BE)`: the start of every key of the shard.
+    pub fn prefix(&self) -> Vec<u8> {
         let mut p = Vec::with_capacity(self.collection.len() + 5);
         p.extend_from_slice(self.collection.as_bytes());
         p.push(0);
@@ -103,6 +106,47 @@ impl fmt::Display for ShardKey {
     }
 }
 
+/// A shard's parameters, kept under `m` in `meta`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ShardMeta {
+    pub dimension: u32,
+    pub hnsw: HnswParams,
+}
+
+// On-disk records. Their tags match what earlier versions wrote (an `OpenShardRequest` for
+// both), so data directories from before still open.
+#[derive(Clone, PartialEq, prost::Message)]
+struct MetaRecord {
+    #[prost(uint32, tag = "2")]
+    dimension: u32,
+    #[prost(message, optional, tag = "3")]
+    hnsw: Option<HnswRecord>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct HnswRecord {
+    #[prost(uint32, tag = "1")]
+    m: u32,
+    #[prost(uint32, tag = "2")]
+    ef_construction: u32,
+    #[prost(uint32, tag = "3")]
+    ef_search: u32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct PeersRecord {
+    #[prost(message, repeated, tag = "4")]
+    peers: Vec<PeerRecord>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct PeerRecord {
+    #[prost(uint64, tag = "1")]
+    node_id: u64,
+    #[prost(string, tag = "2")]
+    address: String,
+}
+
 /// What a committed batch changed, for the in-memory indexes.
 #[derive(Debug, Default)]
 pub struct BatchEffect {
@@ -113,7 +157,7 @@ pub struct BatchEffect {
 }
 
 pub struct Store {
-    db: DB,
+    db: std::sync::Arc<DB>,
     sync: bool,
 }
 
@@ -128,7 +172,10 @@ impl Store {
             .into_iter()
             .map(|n| ColumnFamilyDescriptor::new(n, opts.clone()));
         let db = DB::open_cf_descriptors(&opts, path, cfs)?;
-        Ok(Self { db, sync })
+        Ok(Self {
+            db: std::sync::Arc::new(db),
+            sync,
+        })
     }
 
     fn cf(&self, name: &str) -> &rocksdb::ColumnFamily {
@@ -175,7 +222,7 @@ impl Store {
         let Some(v) = self.db.get_cf(self.cf(CF_META), PEERS_KEY)? else {
             return Ok(Vec::new());
         };
-        let list = ragcluster_proto::v1::OpenShardRequest::decode(&*v)
+        let list = PeersRecord::decode(&*v)
             .map_err(|e| ShardError::Corrupt(format!("peer table: {e}")))?;
         Ok(list
             .peers
@@ -185,167 +232,23 @@ impl Store {
     }
 
     pub fn put_peers(&self, peers: &[(u64, String)]) -> Result<()> {
-        // The peer list rides in an OpenShardRequest: a prost message we already have.
-        let list = ragcluster_proto::v1::OpenShardRequest {
+        let list = PeersRecord {
             peers: peers
                 .iter()
-                .map(|(id, a)| ragcluster_proto::v1::Peer {
+                .map(|(id, a)| PeerRecord {
                     node_id: *id,
                     address: a.clone(),
                 })
                 .collect(),
-            ..Default::default()
         };
         let mut b = WriteBatch::default();
         b.put_cf(self.cf(CF_META), PEERS_KEY, list.encode_to_vec());
         self.write(b)
     }
 
-    // ---- Raft log and state ----
-
-    /// The group's persisted Raft state, or None when the group was never initialised here.
-    pub fn raft_state(&self, key: &ShardKey) -> Result<Option<RaftPersisted>> {
-        let cf = self.cf(CF_RAFT);
-        let Some(hs) = self.db.get_cf(cf, key.key(b"h"))? else {
-            return Ok(None);
-        };
-        let hs: HardState = unpb(&hs, "hard state")?;
-        let cs: ConfState = match self.db.get_cf(cf, key.key(b"c"))? {
-            Some(v) => unpb(&v, "conf state")?,
-            None => ConfState::default(),
-        };
-        let (truncated_index, truncated_term) = match self.db.get_cf(cf, key.key(b"t"))? {
-            Some(v) if v.len() == 16 => (
-                u64::from_be_bytes(v[..8].try_into().unwrap_or_default()),
-                u64::from_be_bytes(v[8..].try_into().unwrap_or_default()),
-            ),
-            _ => (0, 0),
-        };
-        // The last entry: seek to the end of the shard's entry range.
-        let upper = key.key(b"f");
-        let mut last_index = truncated_index;
-        let mut it = self.db.raw_iterator_cf(cf);
-        it.seek_for_prev(&upper);
-        if let Some(k) = it.key()
-            && let Some(idx) = entry_index(key, k)
-        {
-            last_index = last_index.max(idx);
-        }
-        it.status()?;
-        Ok(Some(RaftPersisted {
-            hs,
-            cs,
-            truncated_index,
-            truncated_term,
-            last_index,
-        }))
-    }
-
-    /// Initialises a group: empty log, the given voters.
-    pub fn raft_init(&self, key: &ShardKey, cs: &ConfState) -> Result<()> {
-        let cf = self.cf(CF_RAFT);
-        let mut b = WriteBatch::default();
-        b.delete_range_cf(cf, key.prefix(), key.end());
-        b.put_cf(cf, key.key(b"h"), pb(&HardState::default())?);
-        b.put_cf(cf, key.key(b"c"), pb(cs)?);
-        self.write_opt(b, true)
-    }
-
-    /// Entries in [lo, hi), stopping once `max_size` bytes are exceeded (at least one entry).
-    pub fn raft_entries(
-        &self,
-        key: &ShardKey,
-        lo: u64,
-        hi: u64,
-        max_size: Option<u64>,
-    ) -> Result<Vec<Entry>> {
-        let cf = self.cf(CF_RAFT);
-        let start = entry_key(key, lo);
-        let end = entry_key(key, hi);
-        let mut out = Vec::with_capacity((hi - lo).min(1024) as usize);
-        let mut size = 0u64;
-        for item in self
-            .db
-            .iterator_cf(cf, IteratorMode::From(&start, Direction::Forward))
-        {
-            let (k, v) = item?;
-            if *k >= *end {
-                break;
-            }
-            size += v.len() as u64;
-            if !out.is_empty() && max_size.is_some_and(|m| size > m) {
-                break;
-            }
-            out.push(unpb::<Entry>(&v, "raft entry")?);
-        }
-        if out.is_empty() && lo < hi
-            || out
-                .iter()
-                .enumerate()
-                .any(|(i, e)| e.index != lo + i as u64)
-        {
-            return Err(ShardError::Corrupt(format!(
-                "raft log of {key} has a gap at {lo}"
-            )));
-        }
-        Ok(out)
-    }
-
-    pub fn raft_term(&self, key: &ShardKey, idx: u64) -> Result<Option<u64>> {
-        Ok(
-            match self.db.get_cf(self.cf(CF_RAFT), entry_key(key, idx))? {
-                Some(v) => Some(unpb::<Entry>(&v, "raft entry")?.term),
-                None => None,
-            },
-        )
-    }
-
-    /// Appends entries (dropping any old entries from the first new index up to `old_last`)
-    /// and the hard state, in one write, synced when the node syncs writes.
-    pub fn raft_append(
-        &self,
-        key: &ShardKey,
-        entries: &[Entry],
-        old_last: u64,
-        hs: Option<&HardState>,
-    ) -> Result<()> {
-        let cf = self.cf(CF_RAFT);
-        let mut b = WriteBatch::default();
-        if let Some(first) = entries.first()
-            && first.index <= old_last
-        {
-            b.delete_range_cf(
-                cf,
-                entry_key(key, first.index),
-                entry_key(key, old_last + 1),
-            );
-        }
-        for e in entries {
-            b.put_cf(cf, entry_key(key, e.index), pb(e)?);
-        }
-        if let Some(hs) = hs {
-            b.put_cf(cf, key.key(b"h"), pb(hs)?);
-        }
-        self.write(b)
-    }
-
-    /// Only the hard state (a commit index that moved), not synced: raft recovers commit.
-    pub fn raft_put_hard_state(&self, key: &ShardKey, hs: &HardState) -> Result<()> {
-        let mut b = WriteBatch::default();
-        b.put_cf(self.cf(CF_RAFT), key.key(b"h"), pb(hs)?);
-        self.write_opt(b, false)
-    }
-
-    /// Drops log entries up to and including `index` (already applied), remembering its term.
-    /// Synced, so the applied state it relies on is durable first (same WAL).
-    pub fn raft_compact(&self, key: &ShardKey, index: u64, term: u64) -> Result<()> {
-        let cf = self.cf(CF_RAFT);
-        let mut b = WriteBatch::default();
-        b.delete_range_cf(cf, entry_key(key, 0), entry_key(key, index + 1));
-        let mut t = index.to_be_bytes().to_vec();
-        t.extend(term.to_be_bytes());
-        b.put_cf(cf, key.key(b"t"), t);
-        self.write_opt(b, true)
+    /// The Raft log of a shard's group, in the `raft` family under the shard's prefix.
+    pub fn raft_log(&self, key: &ShardKey) -> RocksLog {
+        RocksLog::new(self.db.clone(), CF_RAFT, key.prefix(), self.sync)
     }
 
     // ---- Snapshots ----
@@ -420,33 +323,47 @@ impl Store {
             n += 1;
         }
         b.put_cf(self.cf(CF_META), key.key(b"s"), index.to_be_bytes());
-        let cfr = self.cf(CF_RAFT);
-        let mut t = index.to_be_bytes().to_vec();
-        t.extend(term.to_be_bytes());
-        b.put_cf(cfr, key.key(b"t"), t);
-        b.put_cf(cfr, key.key(b"c"), pb(cs)?);
-        b.put_cf(cfr, key.key(b"h"), pb(hs)?);
+        Keys::new(key.prefix())
+            .reset_into(&mut b, self.cf(CF_RAFT), index, term, cs, hs)
+            .map_err(|e| ShardError::Corrupt(e.0))?;
         self.write_opt(b, true)?;
         Ok(n)
     }
 
     /// Every shard recorded on this node with its parameters.
-    pub fn list_shards(&self) -> Result<Vec<(ShardKey, OpenShardRequest)>> {
+    pub fn list_shards(&self) -> Result<Vec<(ShardKey, ShardMeta)>> {
         let mut out = Vec::new();
         for item in self.db.iterator_cf(self.cf(CF_META), IteratorMode::Start) {
             let (k, v) = item?;
             if let Some((key, b"m")) = ShardKey::parse(&k) {
-                let meta = OpenShardRequest::decode(&*v)
+                let r = MetaRecord::decode(&*v)
                     .map_err(|e| ShardError::Corrupt(format!("shard meta {key}: {e}")))?;
+                let h = r.hnsw.unwrap_or_default();
+                let meta = ShardMeta {
+                    dimension: r.dimension,
+                    hnsw: HnswParams {
+                        m: h.m,
+                        ef_construction: h.ef_construction,
+                        ef_search: h.ef_search,
+                    },
+                };
                 out.push((key, meta));
             }
         }
         Ok(out)
     }
 
-    pub fn put_shard_meta(&self, key: &ShardKey, meta: &OpenShardRequest) -> Result<()> {
+    pub fn put_shard_meta(&self, key: &ShardKey, meta: &ShardMeta) -> Result<()> {
+        let r = MetaRecord {
+            dimension: meta.dimension,
+            hnsw: Some(HnswRecord {
+                m: meta.hnsw.m,
+                ef_construction: meta.hnsw.ef_construction,
+                ef_search: meta.hnsw.ef_search,
+            }),
+        };
         let mut b = WriteBatch::default();
-        b.put_cf(self.cf(CF_META), key.key(b"m"), meta.encode_to_vec());
+        b.put_cf(self.cf(CF_META), key.key(b"m"), r.encode_to_vec());
         self.write(b)
     }
 
@@ -577,7 +494,11 @@ impl Store {
             WriteBatchRequest::default().encode_to_vec(),
         );
         if let Some(cs) = conf {
-            b.put_cf(self.cf(CF_RAFT), key.key(b"c"), pb(cs)?);
+            b.put_cf(
+                self.cf(CF_RAFT),
+                Keys::new(key.prefix()).conf_state(),
+                pb(cs)?,
+            );
         }
         // A conf change must survive a crash like any applied entry; a no-op may be lost and
         // re-applied from the log.
@@ -738,27 +659,6 @@ impl Store {
 /// Builds the response recorded for a request id from what its batch changed.
 pub type Respond<'a> = dyn Fn(&BatchEffect) -> WriteBatchResponse + 'a;
 
-/// What `raft_state` returns.
-#[derive(Debug, Clone)]
-pub struct RaftPersisted {
-    pub hs: HardState,
-    pub cs: ConfState,
-    pub truncated_index: u64,
-    pub truncated_term: u64,
-    pub last_index: u64,
-}
-
-fn entry_key(key: &ShardKey, index: u64) -> Vec<u8> {
-    let mut k = key.key(b"e");
-    k.extend_from_slice(&index.to_be_bytes());
-    k
-}
-
-fn entry_index(key: &ShardKey, k: &[u8]) -> Option<u64> {
-    let rest = k.strip_prefix(key.key(b"e").as_slice())?;
-    Some(u64::from_be_bytes(rest.try_into().ok()?))
-}
-
 fn request_key(key: &ShardKey, id: &str) -> Vec<u8> {
     let mut k = key.key(b"r");
     k.extend_from_slice(id.as_bytes());
@@ -790,13 +690,6 @@ fn read_block(input: &mut impl std::io::Read) -> std::io::Result<Vec<u8>> {
 fn pb(m: &impl protobuf::Message) -> Result<Vec<u8>> {
     m.write_to_bytes()
         .map_err(|e| ShardError::Corrupt(format!("encode raft record: {e}")))
-}
-
-fn unpb<M: protobuf::Message + Default>(b: &[u8], what: &str) -> Result<M> {
-    let mut m = M::default();
-    m.merge_from_bytes(b)
-        .map_err(|e| ShardError::Corrupt(format!("{what}: {e}")))?;
-    Ok(m)
 }
 
 fn encode_vector(v: &[f32]) -> Vec<u8> {

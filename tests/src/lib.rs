@@ -639,3 +639,31 @@ where
     .await?
     .into_inner())
 }
+
+/// Configures a failpoint of the shard node at `addr` (the binaries `make test` builds carry
+/// the `failpoints` feature and serve the test-only `Failpoints` service).
+pub async fn set_failpoint(addr: &str, name: &str, actions: &str) -> Result<()> {
+    use ragcluster_proto::v1::SetFailpointRequest;
+    use ragcluster_proto::v1::failpoints_client::FailpointsClient;
+    let ch = Channel::from_shared(addr.to_owned())?
+        .connect_timeout(Duration::from_secs(1))
+        .connect()
+        .await?;
+    FailpointsClient::new(ch)
+        .set(SetFailpointRequest {
+            name: name.into(),
+            actions: actions.into(),
+        })
+        .await
+        .map_err(|s| {
+            if s.code() == tonic::Code::Unimplemented {
+                anyhow::anyhow!(
+                    "{addr} serves no failpoints: build with `--features shard-node/failpoints` \
+                     (`make test` does)"
+                )
+            } else {
+                anyhow::anyhow!("failpoint {name} on {addr}: {s}")
+            }
+        })?;
+    Ok(())
+}

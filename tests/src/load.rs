@@ -193,7 +193,7 @@ pub async fn converged(
         let same = c.shards.iter().all(|s| {
             s.replicas.len() == replicas
                 && s.replicas.iter().all(|r| {
-                    r.role != "unreachable"
+                    r.role() != RaftRole::Unreachable
                         && r.applied_index == s.replicas[0].applied_index
                         && r.chunks == s.replicas[0].chunks
                 })

@@ -35,7 +35,7 @@ async fn agreed_leader(addrs: &[String], timeout: Duration) -> Result<String> {
         let mut leaders = Vec::new();
         for a in addrs {
             if let Ok(s) = status(a).await {
-                leaders.push(if s.role == "leader" {
+                leaders.push(if s.role() == RaftRole::Leader {
                     a.clone()
                 } else {
                     s.leader_address

@@ -1,7 +1,7 @@
 //! Raft fault behaviour with real processes on loopback: three shard nodes, one shard replicated
 //! three ways, writes through the coordinator (documents with precomputed embeddings, so no
-//! model time), faults by SIGKILL and by the shard nodes' fault switch (`SetFaults`, enabled
-//! only in these tests). After every fault the replicas must converge to the same chunks and
+//! model time), faults by SIGKILL and by the shard nodes' failpoints (`raft_isolate`,
+//! `raft_snapshot_corrupt`; the binaries are built with the `failpoints` feature by `make test`). After every fault the replicas must converge to the same chunks and
 //! the same index contents, holding every acknowledged write exactly once.
 //! `RAGCLUSTER_FAULT_SEEDS` sets how many randomised schedules run (default 20).
 
@@ -13,7 +13,7 @@ use anyhow::{Context, Result, bail, ensure};
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
-use ragcluster_tests::{Cluster, http_get, metric_sum};
+use ragcluster_tests::{Cluster, http_get, metric_sum, set_failpoint};
 use rand::{Rng, SeedableRng};
 use tokio::sync::Mutex;
 use tonic::transport::Channel;
@@ -26,7 +26,6 @@ raft_election_ticks = 10
 raft_heartbeat_ticks = 2
 raft_log_gc_threshold = 200
 write_timeout = "5s"
-fault_injection = true
 "#;
 /// Election timeout of SHARD_CONFIG: 10 ticks of 50 ms (randomised up to twice that).
 const ELECTION_TIMEOUT: Duration = Duration::from_millis(500);
@@ -101,7 +100,7 @@ async fn statuses(c: &Cluster, coll: &str) -> Vec<Option<RaftStatus>> {
     out
 }
 
-/// Cuts node `n` off from the other two (both directions) with the fault switch.
+/// Cuts node `n` off from the other two (both directions) with the `raft_isolate` failpoint.
 async fn partition(c: &Cluster, coll: &str, n: usize) -> Result<Vec<u64>> {
     let st = statuses(c, coll).await;
     let ids: Vec<u64> = st
@@ -109,29 +108,28 @@ async fn partition(c: &Cluster, coll: &str, n: usize) -> Result<Vec<u64>> {
         .map(|s| s.as_ref().map_or(0, |s| s.node_id))
         .collect();
     for (i, p) in c.shards.iter().enumerate() {
-        let isolate_from = if i == n {
-            (0..ids.len()).filter(|j| *j != n).map(|j| ids[j]).collect()
+        let cut: Vec<String> = if i == n {
+            (0..ids.len())
+                .filter(|j| *j != n)
+                .map(|j| ids[j].to_string())
+                .collect()
         } else {
-            vec![ids[n]]
+            vec![ids[n].to_string()]
         };
-        shard_client(&p.grpc)
-            .await?
-            .set_faults(SetFaultsRequest {
-                isolate_from,
-                corrupt_snapshots: 0,
-            })
-            .await?;
+        set_failpoint(
+            &p.grpc,
+            "raft_isolate",
+            &format!("return({})", cut.join(",")),
+        )
+        .await?;
     }
     Ok(ids)
 }
 
-/// Clears every fault switch.
+/// Clears every partition.
 async fn heal(c: &Cluster) -> Result<()> {
     for p in &c.shards {
-        shard_client(&p.grpc)
-            .await?
-            .set_faults(SetFaultsRequest::default())
-            .await?;
+        set_failpoint(&p.grpc, "raft_isolate", "off").await?;
     }
     Ok(())
 }
@@ -143,7 +141,7 @@ async fn leader(c: &Cluster, coll: &str, timeout: Duration) -> Result<usize> {
         let st = statuses(c, coll).await;
         if let Some(i) = st
             .iter()
-            .position(|s| s.as_ref().is_some_and(|s| s.role == "leader"))
+            .position(|s| s.as_ref().is_some_and(|s| s.role() == RaftRole::Leader))
         {
             return Ok(i);
         }
@@ -206,7 +204,7 @@ async fn converged(
             && applied.iter().all(|a| *a == applied[0])
             && st
                 .iter()
-                .any(|s| s.as_ref().is_some_and(|s| s.role == "leader"))
+                .any(|s| s.as_ref().is_some_and(|s| s.role() == RaftRole::Leader))
         {
             break;
         }
@@ -278,7 +276,9 @@ async fn leader_kill_during_writes_loses_nothing() -> Result<()> {
             for a in &survivors {
                 if let Ok(mut sc) = shard_client(a).await
                     && let Ok(r) = sc.shard_info(ShardInfoRequest { shard: sref("lk") }).await
-                    && r.into_inner().raft.is_some_and(|s| s.role == "leader")
+                    && r.into_inner()
+                        .raft
+                        .is_some_and(|s| s.role() == RaftRole::Leader)
                 {
                     return killed.elapsed();
                 }
@@ -382,7 +382,7 @@ async fn partitioned_leader_cannot_acknowledge() -> Result<()> {
     );
     let st = statuses(&c, "part").await;
     ensure!(
-        st[l].as_ref().is_some_and(|s| s.role != "leader"),
+        st[l].as_ref().is_some_and(|s| s.role() != RaftRole::Leader),
         "isolated leader did not step down: {:?}",
         st[l]
     );
@@ -429,13 +429,7 @@ async fn lagging_replica_catches_up_by_snapshot_and_full_restart_keeps_all() -> 
         first > 1,
         "leader log was not compacted (first index {first})"
     );
-    shard_client(&c.shards[l].grpc)
-        .await?
-        .set_faults(SetFaultsRequest {
-            isolate_from: vec![],
-            corrupt_snapshots: 1,
-        })
-        .await?;
+    set_failpoint(&c.shards[l].grpc, "raft_snapshot_corrupt", "1*return").await?;
     let t = Instant::now();
     c.shards[f].restart(Duration::from_secs(60))?;
     converged(&c, "snap", &acked, &attempted).await?;
@@ -628,7 +622,7 @@ async fn membership_add_promote_transfer_remove() -> Result<()> {
         let st = statuses(&c, "mem").await;
         let commit = st[l].as_ref().map_or(0, |s| s.commit_index);
         if let Some(s) = &st[newcomer]
-            && s.role == "learner"
+            && s.role() == RaftRole::Learner
             && s.applied_index >= commit
             && commit > 0
         {

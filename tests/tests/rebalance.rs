@@ -45,7 +45,7 @@ async fn spread(
         .cluster_status(ClusterStatusRequest {})
         .await?
         .into_inner();
-    let nodes = st.nodes.iter().filter(|n| n.role == "shard-node");
+    let nodes = st.nodes.iter().filter(|n| n.kind() == NodeKind::ShardNode);
     Ok((
         nodes
             .clone()

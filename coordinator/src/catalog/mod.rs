@@ -5,68 +5,33 @@
 //! and acknowledged once committed, applied and synced. Which replica of a shard leads is not
 //! part of it: that changes on every election, and coordinators learn it from shard nodes.
 
-mod group;
-mod log;
+mod machine;
 mod store;
 mod transport;
+mod view;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Mutex, RwLock};
 use prost::Message as _;
-use protobuf::Message as _;
-use raft::eraftpb::{ConfState, Message, Snapshot};
-use raft::storage::MemStorage;
-use ragcluster_proto::v1::catalog_peer_server::CatalogPeer;
 use ragcluster_proto::v1::{
-    ApiKeyRecord, CatalogCommand, CatalogRaftAck, CatalogRaftBatch, CatalogState, CatalogStatus,
-    CollectionInfo, catalog_command::Op,
+    ApiKeyRecord, CatalogCommand, CatalogPeerStatus, CatalogStatus, CollectionInfo, RaftRole,
+    catalog_command::Op,
 };
-use tokio::sync::oneshot;
+use ragcluster_raft::{Member, Options, RaftError, Role};
 
-use crate::config::CoordinatorConfig;
 use crate::error::{CoordError, Result};
-use group::{Group, Msg, raft_err};
+use machine::{CatalogMachine, CatalogResponse};
+use transport::{CatalogDialer, CatalogTransport, GROUP};
+pub use view::View;
 
-/// The catalog as of an applied index.
-#[derive(Clone, Default)]
-pub struct View {
-    pub collections: BTreeMap<String, CollectionInfo>,
-    /// API keys by id (hashed; see `auth`).
-    pub api_keys: BTreeMap<String, ApiKeyRecord>,
-    pub applied_index: u64,
-    pub applied_term: u64,
-}
-
-impl View {
-    fn from_state(st: CatalogState) -> Self {
-        Self {
-            collections: st
-                .collections
-                .into_iter()
-                .map(|c| (c.name.clone(), c))
-                .collect(),
-            api_keys: st
-                .api_keys
-                .into_iter()
-                .filter_map(|k| Some((k.info.as_ref()?.id.clone(), k)))
-                .collect(),
-            applied_index: st.applied_index,
-            applied_term: st.applied_term,
-        }
-    }
-
-    fn state(&self) -> CatalogState {
-        CatalogState {
-            applied_index: self.applied_index,
-            applied_term: self.applied_term,
-            collections: self.collections.values().cloned().collect(),
-            api_keys: self.api_keys.values().cloned().collect(),
-        }
-    }
+/// Collection names: `[a-z0-9_-]{1,64}`.
+pub fn valid_name(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 64
+        && n.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
 }
 
 /// Where catalog changes must go.
@@ -76,119 +41,109 @@ pub enum Leader {
     Unknown,
 }
 
+/// How this coordinator takes part in the catalog group.
+#[derive(Debug, Clone)]
+pub struct CatalogOptions {
+    pub node_id: u64,
+    /// Every coordinator of the group by Raft id, this one included.
+    pub members: BTreeMap<u64, String>,
+    /// The store lives in `data_dir/catalog`.
+    pub data_dir: std::path::PathBuf,
+    pub tick: Duration,
+    pub election_ticks: usize,
+    pub heartbeat_ticks: usize,
+    pub log_gc_threshold: u64,
+}
+
 pub struct Catalog {
     node_id: u64,
-    view: Arc<RwLock<View>>,
-    status: Arc<RwLock<CatalogStatus>>,
-    tx: Sender<Msg>,
-    transport: Arc<transport::Transport>,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Two election timeouts: a change sent during an election waits for its outcome.
+    election: Duration,
+    machine: Arc<CatalogMachine>,
+    member: Member<CatalogResponse>,
+    transport: Arc<CatalogTransport>,
+    /// Every coordinator of the group, this one included.
+    members: BTreeMap<u64, String>,
+}
+
+/// Why a change did not happen, in the client's terms.
+pub fn leadership_moved() -> CoordError {
+    CoordError::Unavailable {
+        what: "catalog".into(),
+        reason: "coordinator leadership moved before the change was committed; retry".into(),
+        retry_after_ms: 300,
+    }
 }
 
 impl Catalog {
-    /// Opens the durable store under `data_dir/catalog`, rebuilds the Raft log and starts the
-    /// group member. A lone coordinator elects itself at once.
+    /// Opens the durable store under `data_dir/catalog` and starts this coordinator's member
+    /// of the group. A lone coordinator elects itself at once.
     pub fn open(
-        cfg: &CoordinatorConfig,
+        cfg: &CatalogOptions,
         rt: &tokio::runtime::Handle,
         tls: Option<&Arc<ragcluster_common::tls::Tls>>,
     ) -> Result<Self> {
-        let members = cfg.catalog_members().map_err(CoordError::Catalog)?;
+        let members = cfg.members.clone();
         let node_id = cfg.node_id;
-        let store = Arc::new(store::CatalogStore::open(&cfg.data_dir.join("catalog"))?);
-        let loaded = store.load()?;
-        let conf = ConfState {
-            voters: members.keys().copied().collect(),
-            ..Default::default()
-        };
-        let mem = MemStorage::new_with_conf_state(conf.clone());
-        let applied = loaded.state.applied_index;
-        {
-            let mut core = mem.wl();
-            if applied > 0 {
-                let mut snap = Snapshot::default();
-                let m = snap.mut_metadata();
-                m.index = applied;
-                m.term = loaded.state.applied_term;
-                m.set_conf_state(conf.clone());
-                core.apply_snapshot(snap).map_err(raft_err)?;
-            }
-            if let Some(first) = loaded.entries.first()
-                && first.index != applied + 1
-            {
-                return Err(CoordError::Catalog(format!(
-                    "log starts at {} but the catalog is applied up to {applied}",
-                    first.index
-                )));
-            }
-            core.append(&loaded.entries).map_err(raft_err)?;
-            let mut hs = loaded.hard_state.clone();
-            let last = loaded.entries.last().map_or(applied, |e| e.index);
-            hs.commit = hs.commit.clamp(applied, last);
-            hs.term = hs.term.max(loaded.state.applied_term);
-            core.set_hardstate(hs);
-        }
-        let view = Arc::new(RwLock::new(View::from_state(loaded.state)));
-        let raft_cfg = raft::Config {
-            id: node_id,
-            election_tick: cfg.raft_election_ticks,
-            heartbeat_tick: cfg.raft_heartbeat_ticks,
-            applied,
-            check_quorum: true,
-            pre_vote: true,
-            ..Default::default()
-        };
-        raft_cfg.validate().map_err(raft_err)?;
-        let logger = slog::Logger::root(slog::Discard, slog::o!());
-        let storage = log::CatalogLog {
-            mem,
-            view: view.clone(),
-            conf,
-        };
-        let mut raw = raft::RawNode::new(&raft_cfg, storage, &logger).map_err(raft_err)?;
-        if members.len() == 1 {
-            raw.campaign().map_err(raft_err)?;
-        }
-        let (tx, rx) = std::sync::mpsc::channel();
-        let transport = Arc::new(
-            transport::Transport::start(node_id, members, tx.clone(), rt, tls)
-                .map_err(CoordError::Catalog)?,
+        let store = store::CatalogStore::open(&cfg.data_dir.join("catalog"))?;
+        store.prepare(&members.keys().copied().collect::<Vec<_>>())?;
+        let log = store.log();
+        let machine = Arc::new(CatalogMachine::open(store)?);
+        let dialer = Arc::new(CatalogDialer {
+            node_id,
+            tls: tls.cloned(),
+        });
+        let peers = members
+            .iter()
+            .filter(|(id, _)| **id != node_id)
+            .map(|(id, a)| (*id, a.clone()))
+            .collect();
+        let transport = CatalogTransport::new(
+            node_id,
+            rt.clone(),
+            dialer,
+            peers,
+            Box::new(|_| {}),
+            "catalog",
         );
-        let status = Arc::new(RwLock::new(CatalogStatus {
-            node_id,
-            role: "follower".into(),
-            ..Default::default()
-        }));
-        let mut g = Group {
-            raw,
-            rx,
-            store,
-            view: view.clone(),
-            status: status.clone(),
-            transport: transport.clone(),
-            node_id,
-            tick: cfg.raft_tick,
-            keep: cfg.raft_log_gc_threshold,
-            waiters: BTreeMap::new(),
-            last_leader: 0,
+        let mailbox = ragcluster_raft::mailbox();
+        transport.register(GROUP, mailbox.0.clone());
+        let opts = Options {
+            id: node_id,
+            tick: cfg.tick,
+            election_ticks: cfg.election_ticks,
+            heartbeat_ticks: cfg.heartbeat_ticks,
+            log_gc_threshold: cfg.log_gc_threshold.max(2),
+            campaign: members.len() == 1,
+            fixed_election_timeout: None,
+            name: GROUP.into(),
+            metrics_prefix: "catalog",
         };
-        let thread = std::thread::Builder::new()
-            .name("catalog-raft".into())
-            .spawn(move || g.run())
-            .map_err(|e| CoordError::Catalog(format!("spawn: {e}")))?;
+        let member = Member::start(opts, log, machine.clone(), transport.outbox(GROUP), mailbox)
+            .map_err(|e| CoordError::Catalog(e.0))?;
+        let mut status = member.watch();
+        rt.spawn(async move {
+            while status.changed().await.is_ok() {
+                let s = status.borrow().clone();
+                metrics::gauge!("catalog_term").set(s.term as f64);
+                metrics::gauge!("catalog_commit_index").set(s.commit_index as f64);
+                metrics::gauge!("catalog_applied_index").set(s.applied_index as f64);
+                metrics::gauge!("catalog_is_leader").set(f64::from(u8::from(s.is_leader())));
+            }
+        });
         Ok(Self {
             node_id,
-            view,
-            status,
-            tx,
+            election: cfg.tick * (2 * cfg.election_ticks as u32),
+            machine,
+            member,
             transport,
-            thread: Mutex::new(Some(thread)),
+            members,
         })
     }
 
     pub fn get(&self, name: &str) -> Result<CollectionInfo> {
-        self.view
-            .read()
+        self.machine
+            .view()
             .collections
             .get(name)
             .cloned()
@@ -196,61 +151,115 @@ impl Catalog {
     }
 
     pub fn list(&self) -> Vec<CollectionInfo> {
-        self.view.read().collections.values().cloned().collect()
+        self.machine.view().collections.values().cloned().collect()
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.view.read().collections.contains_key(name)
+        self.machine.view().collections.contains_key(name)
     }
 
+    /// This coordinator's view of the group (Admin.ClusterStatus).
     pub fn status(&self) -> CatalogStatus {
-        self.status.read().clone()
+        let s = self.member.status();
+        let matched: BTreeMap<u64, u64> = s.matched.iter().copied().collect();
+        CatalogStatus {
+            node_id: self.node_id,
+            role: match s.role {
+                Role::Leader => RaftRole::Leader,
+                Role::Candidate => RaftRole::Candidate,
+                Role::PreCandidate => RaftRole::PreCandidate,
+                Role::Follower => RaftRole::Follower,
+                Role::Learner => RaftRole::Learner,
+                Role::Stopped => RaftRole::Stopped,
+                Role::Removed => RaftRole::Removed,
+            } as i32,
+            leader_id: s.leader_id,
+            leader_address: self.members.get(&s.leader_id).cloned().unwrap_or_default(),
+            term: s.term,
+            commit_index: s.commit_index,
+            applied_index: s.applied_index,
+            peers: self
+                .members
+                .iter()
+                .map(|(id, address)| CatalogPeerStatus {
+                    node_id: *id,
+                    address: address.clone(),
+                    matched: matched.get(id).copied().unwrap_or(0),
+                })
+                .collect(),
+        }
     }
 
-    pub fn leader(&self) -> Leader {
-        let s = self.status.read();
-        if s.role == "leader" {
+    fn leader_of(&self, s: &ragcluster_raft::Status) -> Leader {
+        if s.is_leader() {
             Leader::Me
-        } else if s.leader_id != 0 && !s.leader_address.is_empty() {
-            Leader::Other(s.leader_address.clone())
+        } else if let Some(addr) = s.other_leader().and_then(|l| self.members.get(&l)) {
+            Leader::Other(addr.clone())
         } else {
             Leader::Unknown
         }
     }
 
+    pub fn leader(&self) -> Leader {
+        self.leader_of(&self.member.status())
+    }
+
     /// Where changes go, waiting up to `timeout` while an election runs.
     pub async fn wait_leader(&self, timeout: Duration) -> Leader {
-        let until = Instant::now() + timeout;
-        loop {
-            match self.leader() {
-                Leader::Unknown if Instant::now() < until => {
-                    tokio::time::sleep(Duration::from_millis(10)).await
-                }
-                l => return l,
-            }
+        match self
+            .member
+            .wait_for(timeout, |s| s.is_leader() || s.other_leader().is_some())
+            .await
+        {
+            Ok(s) | Err(s) => self.leader_of(&s),
+        }
+    }
+
+    /// Where a catalog change must be made: `None` here (this coordinator leads the catalog),
+    /// or the leader's address. A change forwarded once is not forwarded again.
+    pub async fn change_target(&self, forwarded: bool) -> Result<Option<String>> {
+        let unavailable = |reason: &str| CoordError::Unavailable {
+            what: "catalog".into(),
+            reason: reason.into(),
+            retry_after_ms: 500,
+        };
+        match self.wait_leader(self.election).await {
+            Leader::Me => Ok(None),
+            Leader::Other(_) if forwarded => Err(unavailable(
+                "catalog leadership is moving between coordinators",
+            )),
+            Leader::Other(addr) => Ok(Some(addr)),
+            Leader::Unknown => Err(unavailable(
+                "no coordinator leads the catalog (election in progress or no quorum)",
+            )),
+        }
+    }
+
+    /// Whether `node_id` is a coordinator of the group (in `coordinator.peers`).
+    pub fn is_member(&self, node_id: u64) -> bool {
+        self.members.contains_key(&node_id)
+    }
+
+    /// Hands Raft messages from coordinator `from` to the group.
+    pub fn deliver(&self, from: u64, messages: Vec<Vec<u8>>) {
+        for bytes in messages {
+            self.transport.deliver(from, &GROUP, &bytes);
         }
     }
 
     async fn propose(&self, cmd: CatalogCommand, timeout: Duration) -> Result<()> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Msg::Propose {
-                data: cmd.encode_to_vec(),
-                reply,
-            })
-            .map_err(|_| group::leadership_moved())?;
         let started = Instant::now();
-        let r = match tokio::time::timeout(timeout, rx).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(group::leadership_moved()),
-            Err(_) => Err(CoordError::Unavailable {
+        let r = match self.member.propose(cmd.encode_to_vec(), timeout).await {
+            Ok(outcome) => outcome,
+            Err(RaftError::Timeout { after, .. }) => Err(CoordError::Unavailable {
                 what: "catalog".into(),
                 reason: format!(
                     "change not committed within {} ms (no coordinator quorum?)",
-                    timeout.as_millis()
+                    after.as_millis()
                 ),
                 retry_after_ms: 1000,
             }),
+            Err(_) => Err(leadership_moved()),
         };
         metrics::histogram!("catalog_proposal_seconds").record(started.elapsed().as_secs_f64());
         r
@@ -294,11 +303,11 @@ impl Catalog {
 
     /// One API key record by id, as of this coordinator's applied catalog.
     pub fn api_key(&self, id: &str) -> Option<ApiKeyRecord> {
-        self.view.read().api_keys.get(id).cloned()
+        self.machine.view().api_keys.get(id).cloned()
     }
 
     pub fn api_keys(&self) -> Vec<ApiKeyRecord> {
-        self.view.read().api_keys.values().cloned().collect()
+        self.machine.view().api_keys.values().cloned().collect()
     }
 
     /// Records a new API key (leader only).
@@ -323,72 +332,29 @@ impl Catalog {
     /// Waits until this coordinator's applied catalog satisfies `ok` (after a change made on
     /// the leader), so a client sees its own change here.
     pub async fn wait_for(&self, ok: impl Fn(&View) -> bool, timeout: Duration) -> bool {
-        let until = Instant::now() + timeout;
+        let mut changes = self.machine.changes();
+        let until = tokio::time::Instant::now() + timeout;
         loop {
-            if ok(&self.view.read()) {
+            if ok(&self.machine.view()) {
                 return true;
             }
-            if Instant::now() >= until {
-                return false;
+            if tokio::time::timeout_at(until, changes.changed())
+                .await
+                .is_err()
+            {
+                return ok(&self.machine.view());
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
     /// Stops the group member (graceful shutdown).
     pub fn stop(&self) {
-        let _ = self.tx.send(Msg::Stop);
-        if let Some(t) = self.thread.lock().take() {
-            let _ = t.join();
-        }
+        self.member.stop();
     }
 }
 
 impl Drop for Catalog {
     fn drop(&mut self) {
         self.stop();
-    }
-}
-
-/// The internal `CatalogPeer` service: Raft messages from other coordinators.
-pub struct CatalogPeerService(pub Arc<crate::State>);
-
-#[tonic::async_trait]
-impl CatalogPeer for CatalogPeerService {
-    async fn raft(
-        &self,
-        req: tonic::Request<CatalogRaftBatch>,
-    ) -> std::result::Result<tonic::Response<CatalogRaftAck>, tonic::Status> {
-        // With TLS on, only coordinators holding a member certificate may talk Raft.
-        if self.0.tls.as_ref().is_some_and(|t| t.serves())
-            && !ragcluster_common::tls::peer(req.extensions()).member
-        {
-            return Err(tonic::Status::unauthenticated(
-                "CatalogPeer is internal: callers must present a cluster member certificate",
-            ));
-        }
-        let b = req.into_inner();
-        let cat = &self.0.catalog;
-        if !cat.transport.is_member(b.from_node_id) {
-            return Err(tonic::Status::permission_denied(format!(
-                "coordinator {} is not in coordinator.peers of coordinator {}",
-                b.from_node_id,
-                cat.transport.node_id()
-            )));
-        }
-        for bytes in b.messages {
-            let mut m = Message::default();
-            if m.merge_from_bytes(&bytes).is_err()
-                || m.to != cat.node_id
-                || m.from != b.from_node_id
-            {
-                metrics::counter!("catalog_messages_ignored_total").increment(1);
-                continue;
-            }
-            cat.tx
-                .send(Msg::Raft(Box::new(m)))
-                .map_err(|_| tonic::Status::unavailable("catalog stopped"))?;
-        }
-        Ok(tonic::Response::new(CatalogRaftAck {}))
     }
 }

@@ -24,9 +24,10 @@ use super::citations::{self, fill, render};
 use super::llm::{self, Generated};
 use super::route;
 use super::spec::*;
-use crate::State;
 use crate::error::{CoordError, Result};
-use crate::fanout::{call, request};
+use crate::fusion::Fusion;
+use crate::search;
+use crate::shards::ReadPlan;
 
 /// One retrieved passage as flows carry it.
 #[derive(Debug, Clone, Default)]
@@ -41,8 +42,8 @@ pub struct Passage {
     pub position: u32,
 }
 
-impl From<SearchHit> for Passage {
-    fn from(h: SearchHit) -> Self {
+impl From<search::Hit> for Passage {
+    fn from(h: search::Hit) -> Self {
         Self {
             chunk_id: h.chunk_id,
             doc_id: h.doc_id,
@@ -115,7 +116,7 @@ type Sink = mpsc::Sender<std::result::Result<AskResponse, tonic::Status>>;
 
 /// Everything one Ask request shares across its steps and branches.
 pub struct Run {
-    pub state: Arc<State>,
+    pub engine: Arc<super::Engine>,
     pub info: CollectionInfo,
     pub question: String,
     pub history: Vec<ChatMessage>,
@@ -693,33 +694,40 @@ pub async fn retrieve(
             .unwrap_or_default(),
         _ => Vec::new(),
     };
+    // The step's fusion, or the request's override, as the search API would parse them.
     let rrf_k = match r.fusion {
-        crate::fusion::Fusion::Rrf { k } => Some(k as u32),
-        _ => None,
+        Fusion::Rrf { k } => k,
+        _ => search::query::DEFAULT_RRF_K as f32,
     };
-    let req = SearchRequest {
+    let dense_weight = rt.overrides.dense_weight.or(r.dense_weight);
+    let fusion = parse_fusion(&fusion_name, dense_weight, rrf_k)
+        .map_err(|e| CoordError::invalid("overrides.fusion", e))?;
+    let top_k = top_k.min(crate::limits::MAX_SEARCH_TOP_K as usize);
+    let q = search::Query {
         collection: rt.info.name.clone(),
-        query: query.to_owned(),
-        top_k: top_k.min(MAX_TOP_K * 10) as u32,
+        text: query.to_owned(),
+        vector: (!query_vector.is_empty()).then_some(query_vector),
         mode: match mode {
-            Mode::Bm25 => SearchMode::Bm25,
-            Mode::Dense => SearchMode::Dense,
-            Mode::Hybrid => SearchMode::Hybrid,
-        } as i32,
-        fusion: fusion_name,
-        dense_weight: rt.overrides.dense_weight.or(r.dense_weight),
-        rrf_k,
+            Mode::Bm25 => search::Mode::Bm25,
+            Mode::Dense => search::Mode::Dense,
+            Mode::Hybrid => search::Mode::Hybrid,
+        },
+        fusion,
+        top_k,
+        candidates: if mode == Mode::Hybrid {
+            top_k.max(search::query::DEFAULT_CANDIDATES as usize)
+        } else {
+            top_k
+        },
         filter: r.filter.clone(),
-        query_vector,
-        timeout_ms: rt
-            .left()
-            .as_millis()
-            .clamp(1, u128::from(crate::search::MAX_TIMEOUT_MS)) as u32,
-        ..Default::default()
+        ef_search: 0,
+        consistency: search::Consistency::Eventual,
+        timeout: rt.left().max(Duration::from_millis(1)),
     };
     Ok(rt
-        .state
-        .search(req)
+        .engine
+        .searcher
+        .search(q)
         .await?
         .hits
         .into_iter()
@@ -734,6 +742,16 @@ fn cosine(a: &[f32], b: &[f32]) -> f32 {
     dot / (na * nb).max(1e-12)
 }
 
+/// An eventual read of the Ask's collection within what is left of its deadline.
+fn read_plan(rt: &Run) -> ReadPlan<'_> {
+    ReadPlan {
+        collection: &rt.info.name,
+        replicas: &rt.info.shards,
+        consistency: Consistency::Eventual,
+        deadline: rt.deadline,
+    }
+}
+
 /// Stored embeddings of passages, read from their shards (no re-embedding).
 async fn stored_vectors(rt: &Run, ps: &[Passage]) -> Result<HashMap<String, Vec<f32>>> {
     let mut by_shard: HashMap<u32, Vec<String>> = HashMap::new();
@@ -743,40 +761,23 @@ async fn stored_vectors(rt: &Run, ps: &[Passage]) -> Result<HashMap<String, Vec<
             .or_default()
             .push(p.chunk_id.clone());
     }
+    let plan = read_plan(rt);
+    let plan = &plan;
+    let shards = &rt.engine.shards;
     let loads = by_shard.into_iter().map(|(shard, ids)| async move {
-        let nodes = rt
-            .info
-            .shards
+        let nodes = plan
+            .replicas
             .get(shard as usize)
-            .map(|s| s.nodes.clone())
-            .unwrap_or_default();
-        let node =
-            rt.state
-                .routing
-                .read_target(&rt.info.name, shard, &nodes, Consistency::Eventual);
-        let mut c = rt.state.clients.shard(&node)?;
-        let timeout = rt.left();
-        call(
-            &format!("shard {shard} on {node}"),
-            timeout,
-            c.get_chunks(request(
-                GetChunksRequest {
-                    shard: Some(ShardRef {
-                        collection: rt.info.name.clone(),
-                        shard,
-                    }),
-                    chunk_ids: ids,
-                    with_embedding: true,
-                    consistency: Consistency::Eventual as i32,
-                },
-                timeout,
-            )),
-        )
-        .await
+            .map(|s| &s.nodes[..])
+            .unwrap_or(&[]);
+        let first = shards
+            .routing()
+            .read_target(plan.collection, shard, nodes, plan.consistency);
+        shards.chunks(plan, shard, &first, ids, true).await
     });
     let mut out = HashMap::new();
     for r in join_all(loads).await {
-        for c in r?.chunks {
+        for c in r? {
             out.insert(c.chunk_id, c.embedding);
         }
     }
@@ -834,43 +835,18 @@ async fn mmr(
 /// AutoRAG's prev-next augmenter: each passage is joined by its neighbours in the document
 /// (previous ones before it, next ones after it), with its score; duplicates are skipped.
 async fn prev_next(rt: &Run, ps: Vec<Passage>, before: u32, after: u32) -> Result<Vec<Passage>> {
-    let loads = ps.iter().map(|p| async move {
-        let nodes = rt
-            .info
+    let plan = read_plan(rt);
+    let plan = &plan;
+    let loads = ps.iter().map(|p| {
+        rt.engine
             .shards
-            .get(p.shard as usize)
-            .map(|s| s.nodes.clone())
-            .unwrap_or_default();
-        let node =
-            rt.state
-                .routing
-                .read_target(&rt.info.name, p.shard, &nodes, Consistency::Eventual);
-        let mut c = rt.state.clients.shard(&node)?;
-        let timeout = rt.left();
-        call(
-            &format!("shard {} on {node}", p.shard),
-            timeout,
-            c.get_neighbours(request(
-                GetNeighboursRequest {
-                    shard: Some(ShardRef {
-                        collection: rt.info.name.clone(),
-                        shard: p.shard,
-                    }),
-                    chunk_id: p.chunk_id.clone(),
-                    before,
-                    after,
-                },
-                timeout,
-            )),
-        )
-        .await
+            .neighbours(plan, p.shard, &p.chunk_id, before, after)
     });
     let results = join_all(loads).await;
     let mut seen = std::collections::HashSet::new();
     let mut out = Vec::new();
     for (p, r) in ps.iter().zip(results) {
         let mut group: Vec<Passage> = r?
-            .chunks
             .into_iter()
             .map(|c| Passage {
                 chunk_id: c.chunk_id,
@@ -922,7 +898,7 @@ async fn compress(rt: &Run, query: &str, ps: Vec<Passage>, budget: usize) -> Res
     let mut keep = vec![false; sents.len()];
     let mut used = 0;
     for (k, _) in order {
-        let n = rt.state.tokens.spans(&sents[k].1).len();
+        let n = rt.engine.tokens.spans(&sents[k].1).len();
         if used + n > budget && used > 0 {
             continue;
         }

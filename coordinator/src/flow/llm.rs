@@ -10,7 +10,6 @@ use ragcluster_proto::v1::*;
 
 use super::exec::Run;
 use crate::error::{CoordError, Result};
-use crate::fanout::{call, request};
 
 /// A finished generation with per-token text and log-probabilities.
 #[derive(Debug, Clone, Default)]
@@ -51,9 +50,7 @@ pub async fn generate(
         });
     }
     req.max_tokens = req.max_tokens.min(left as u32).max(1);
-    let timeout = rt.left();
-    let mut c = rt.state.clients.model_worker()?;
-    let mut s = call("model worker", timeout, c.generate(request(req, timeout))).await?;
+    let mut s = rt.engine.models.generate(req, rt.left()).await?;
     if let Some(step) = stream {
         rt.begin_answer(step).await;
     }
@@ -131,26 +128,17 @@ pub async fn yes_probability(rt: &Run, prompt: String, model: &str) -> Result<f3
 }
 
 pub async fn embed(rt: &Run, texts: Vec<String>) -> Result<Vec<Vec<f32>>> {
-    rt.state.embed(&rt.info.embedding_model, texts).await
+    rt.engine
+        .models
+        .embed(&rt.info.embedding_model, texts)
+        .await
 }
 
 pub async fn rerank(rt: &Run, model: &str, query: &str, passages: Vec<String>) -> Result<Vec<f32>> {
-    let timeout = rt.left();
-    let mut c = rt.state.clients.model_worker()?;
-    let r = call(
-        "model worker",
-        timeout,
-        c.rerank(request(
-            RerankRequest {
-                model: model.to_owned(),
-                query: query.to_owned(),
-                passages,
-            },
-            timeout,
-        )),
-    )
-    .await?;
-    Ok(r.scores)
+    rt.engine
+        .models
+        .rerank(model, query, passages, rt.left())
+        .await
 }
 
 /// Lines of an LLM answer as a list: numbering, bullets and quotes removed, empty lines,

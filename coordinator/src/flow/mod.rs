@@ -21,17 +21,20 @@ use std::time::{Duration, Instant};
 use ragcluster_proto::v1::*;
 use tokio::sync::mpsc;
 
-use crate::State;
+use crate::catalog::Catalog;
+use crate::chunking::Tokens;
 use crate::error::{CoordError, Result};
+use crate::limits::{
+    MAX_ASK_TIMEOUT_MS, MAX_FLOW_TOP_K, MAX_HISTORY, MAX_QUESTION_BYTES, MAX_STEP_TOKENS,
+};
+use crate::models::Models;
+use crate::search::Searcher;
+use crate::shards::Shards;
 use exec::{Ctx, Limits, Overrides, Run};
 use spec::{Flow, FlowSet};
 
 /// The shipped example flows (one per pattern), used when no flow file is configured.
 pub const EXAMPLE_FLOWS: &str = include_str!("../../flows/examples.toml");
-
-pub const MAX_QUESTION_BYTES: usize = 8 * 1024;
-pub const MAX_HISTORY: usize = 32;
-pub const MAX_ASK_TIMEOUT_MS: u32 = 600_000;
 
 /// The loaded flows and what the engine caches across requests.
 pub struct Flows {
@@ -64,10 +67,10 @@ type Events = mpsc::Receiver<std::result::Result<AskResponse, tonic::Status>>;
 pub fn overrides(o: &AskOverrides, max_tokens_cap: usize) -> Result<Overrides> {
     let mut out = Overrides::default();
     if let Some(k) = o.top_k {
-        if !(1..=spec::MAX_TOP_K as u32).contains(&k) {
+        if !(1..=MAX_FLOW_TOP_K as u32).contains(&k) {
             return Err(CoordError::invalid(
                 "overrides.top_k",
-                format!("must be in [1, {}]", spec::MAX_TOP_K),
+                format!("must be in [1, {MAX_FLOW_TOP_K}]"),
             ));
         }
         out.top_k = Some(k as usize);
@@ -87,13 +90,10 @@ pub fn overrides(o: &AskOverrides, max_tokens_cap: usize) -> Result<Overrides> {
         out.dense_weight = Some(w);
     }
     if let Some(m) = o.max_tokens {
-        if m == 0 || m as usize > max_tokens_cap.min(spec::MAX_STEP_TOKENS) {
+        if m == 0 || m as usize > max_tokens_cap.min(MAX_STEP_TOKENS) {
             return Err(CoordError::invalid(
                 "overrides.max_tokens",
-                format!(
-                    "must be in [1, {}]",
-                    max_tokens_cap.min(spec::MAX_STEP_TOKENS)
-                ),
+                format!("must be in [1, {}]", max_tokens_cap.min(MAX_STEP_TOKENS)),
             ));
         }
         out.max_tokens = Some(m as usize);
@@ -112,7 +112,28 @@ pub fn overrides(o: &AskOverrides, max_tokens_cap: usize) -> Result<Overrides> {
     Ok(out)
 }
 
-impl State {
+/// Caps and defaults of Ask (`coordinator.ask_*`).
+#[derive(Debug, Clone)]
+pub struct AskOptions {
+    pub timeout: Duration,
+    pub max_generated_tokens: usize,
+    pub max_branches: usize,
+    pub max_iterations: usize,
+}
+
+/// Runs flows: what every operator may call (search, shards, models, tokenizer) and the
+/// loaded flows.
+pub struct Engine {
+    pub flows: Flows,
+    pub catalog: Arc<Catalog>,
+    pub searcher: Arc<Searcher>,
+    pub shards: Arc<Shards>,
+    pub models: Arc<Models>,
+    pub tokens: Arc<dyn Tokens>,
+    pub opts: AskOptions,
+}
+
+impl Engine {
     /// Validates an Ask request and starts its flow; events arrive on the returned channel:
     /// answer tokens, then one `AskResult` (also when the flow fails, with the partial trace,
     /// followed by the error status).
@@ -153,10 +174,10 @@ impl State {
                 .map_err(|e| CoordError::invalid("flow", e))?
                 .clone(),
         };
-        let cfg = &self.cfg;
+        let cfg = &self.opts;
         let o = overrides(
             &r.overrides.clone().unwrap_or_default(),
-            cfg.ask_max_generated_tokens,
+            cfg.max_generated_tokens,
         )?;
         if r.history.len() > MAX_HISTORY {
             return Err(CoordError::invalid(
@@ -182,35 +203,35 @@ impl State {
         }
         let limits = Limits {
             max_generated_tokens: match r.max_generated_tokens {
-                0 => cfg.ask_max_generated_tokens,
-                n if n as usize <= cfg.ask_max_generated_tokens => n as usize,
+                0 => cfg.max_generated_tokens,
+                n if n as usize <= cfg.max_generated_tokens => n as usize,
                 n => {
                     return Err(CoordError::invalid(
                         "max_generated_tokens",
                         format!(
                             "{n} is above the coordinator's cap of {}",
-                            cfg.ask_max_generated_tokens
+                            cfg.max_generated_tokens
                         ),
                     ));
                 }
             },
             max_branches: match r.max_branches {
-                0 => cfg.ask_max_branches,
-                n => (n as usize).min(cfg.ask_max_branches),
+                0 => cfg.max_branches,
+                n => (n as usize).min(cfg.max_branches),
             },
             max_iterations: match r.max_iterations {
-                0 => cfg.ask_max_iterations,
-                n => (n as usize).min(cfg.ask_max_iterations),
+                0 => cfg.max_iterations,
+                n => (n as usize).min(cfg.max_iterations),
             },
         };
         let timeout = match r.timeout_ms {
-            0 => cfg.ask_timeout,
+            0 => cfg.timeout,
             ms => Duration::from_millis(u64::from(ms)),
         };
         let (tx, rx) = mpsc::channel(256);
         let started = Instant::now();
         let run = Arc::new(Run {
-            state: self.clone(),
+            engine: self.clone(),
             info,
             question: question.clone(),
             history: r.history,

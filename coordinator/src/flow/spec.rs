@@ -12,12 +12,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::fusion::Fusion;
 
-/// Hard caps that no flow or request can raise.
-pub const MAX_BRANCHES: usize = 16;
-pub const MAX_ITERATIONS: usize = 8;
-pub const MAX_DEPTH: usize = 4;
-pub const MAX_TOP_K: usize = 100;
-pub const MAX_STEP_TOKENS: usize = 2048;
+pub use crate::limits::{
+    MAX_FLOW_BRANCHES as MAX_BRANCHES, MAX_FLOW_DEPTH as MAX_DEPTH,
+    MAX_FLOW_ITERATIONS as MAX_ITERATIONS, MAX_FLOW_TOP_K as MAX_TOP_K, MAX_STEP_TOKENS,
+};
 
 /// What a step reads and writes; validation tracks which are defined after each step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -559,7 +557,7 @@ impl<'a> Keys<'a> {
 }
 
 pub fn parse_fusion(name: &str, dense_weight: Option<f32>, k: f32) -> Result<Fusion, String> {
-    let w = dense_weight.unwrap_or(crate::search::DEFAULT_DENSE_WEIGHT);
+    let w = dense_weight.unwrap_or(crate::search::query::DEFAULT_DENSE_WEIGHT);
     match name {
         "" | "dbsf" => Ok(Fusion::Dbsf {
             lex_weight: 1.0 - w,

@@ -11,7 +11,6 @@ use std::collections::HashMap;
 use hnsw_rs::anndists::dist::Distance;
 use hnsw_rs::hnsw::Hnsw;
 use parking_lot::RwLock;
-use ragcluster_proto::v1::HnswParams;
 
 use super::Filter;
 
@@ -51,6 +50,16 @@ pub fn normalize(v: &mut [f32]) -> bool {
     }
     v.iter_mut().for_each(|x| *x /= n);
     true
+}
+
+/// Graph parameters of a shard (validated by the service: `m` in [2, 256]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HnswParams {
+    /// Links per node.
+    pub m: u32,
+    pub ef_construction: u32,
+    /// Default search breadth when a query does not give one.
+    pub ef_search: u32,
 }
 
 /// Below this many matching points a filtered search is answered by exact brute force.

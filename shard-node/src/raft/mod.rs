@@ -1,38 +1,19 @@
-//! Replication: every shard replica is a member of one Raft group (tikv `raft`, `RawNode`).
+//! Replication: every shard replica is a member of one Raft group, run by the shared core
+//! (`ragcluster_raft`). What is the shard's own lives here:
 //!
-//! - `log`: the group's Raft log, hard state and conf state in the node's RocksDB, behind
-//!   raft-rs' `Storage` trait; it also cuts snapshots of the state machine.
-//! - `group`: one thread per replica drives its `RawNode`: ticks, steps incoming messages,
-//!   takes proposals, and handles every `Ready` in the order raft-rs requires (send leader
-//!   messages, install a snapshot, apply committed entries, persist entries and hard state,
-//!   send the rest, advance).
-//! - `transport`: one long-lived gRPC stream per peer node carrying batched messages of every
-//!   group, reconnect with backoff, unreachable reports; snapshots go on their own stream.
+//! - `machine`: the shard as the group's state machine (apply to RocksDB, hand the indexes to
+//!   the index worker, snapshots as files).
+//! - `replica`: the handle RPCs use: writes that answer once visible, read index, membership.
+//! - `transport`: how shard nodes reach each other: one gRPC stream per peer node carrying the
+//!   messages of every group, snapshots streamed on their own call.
 //! - `snapshot`: snapshot files (the shard's RocksDB records), checked by size and CRC32.
 
-pub mod group;
-pub mod log;
+pub mod machine;
+pub mod replica;
 pub mod snapshot;
 pub mod transport;
 
-use std::time::Duration;
-
-/// Raft timing and log limits of a node's groups.
-#[derive(Debug, Clone)]
-pub struct RaftOptions {
-    pub tick: Duration,
-    pub election_ticks: usize,
-    pub heartbeat_ticks: usize,
-    /// Compact a group's log once it holds this many entries, keeping the newest half.
-    pub log_gc_threshold: u64,
-}
+pub use replica::Replica;
 
 /// Leader hint carried by NotLeader errors: (node id, address).
 pub type LeaderHint = Option<(u64, String)>;
-
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}

@@ -45,7 +45,7 @@ async fn state(admin: &mut AdminClient<KeyedChannel>) -> Result<(Vec<String>, Ve
     let nodes = st
         .nodes
         .iter()
-        .filter(|n| n.role == "shard-node")
+        .filter(|n| n.kind() == NodeKind::ShardNode)
         .map(|n| n.address.clone())
         .collect();
     let mut shards = Vec::new();

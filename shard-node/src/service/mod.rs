@@ -1,5 +1,10 @@
 //! `ragcluster.v1.Shard` over gRPC. Every handler hands the blocking work (RocksDB, tantivy,
-//! hnsw_rs) to the blocking pool so the async runtime keeps serving.
+//! hnsw_rs) to the blocking pool so the async runtime keeps serving. Requests become domain
+//! values in `convert`, the one place the wire meets the node.
+
+pub mod convert;
+#[cfg(feature = "failpoints")]
+pub mod failpoints;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,11 +17,12 @@ use tonic::{Request, Response, Status};
 
 use crate::error::ShardError;
 use crate::node::Node;
+use crate::raft::Replica;
+use crate::shard::Shard;
 
 pub struct ShardService {
     node: Arc<Node>,
     write_timeout: Duration,
-    fault_injection: bool,
 }
 
 impl ShardService {
@@ -24,18 +30,38 @@ impl ShardService {
         Self {
             node,
             write_timeout: cfg.write_timeout,
-            fault_injection: cfg.fault_injection,
         }
+    }
+
+    fn replica(&self, r: Option<&ShardRef>) -> Result<Arc<Replica>, Status> {
+        Ok(self.node.replica(&convert::key(r)?)?)
+    }
+
+    fn shard(&self, r: Option<&ShardRef>) -> Result<Arc<Shard>, Status> {
+        Ok(self.replica(r)?.shard.clone())
     }
 
     /// For strong reads: a read-index round on the replica before it answers.
     async fn consistent(&self, shard: Option<&ShardRef>, consistency: i32) -> Result<(), Status> {
         if consistency == Consistency::Strong as i32 {
-            let r = self.node.replica(shard)?;
-            r.read_index(READ_INDEX_TIMEOUT).await?;
+            self.replica(shard)?.read_index(READ_INDEX_TIMEOUT).await?;
         }
         Ok(())
     }
+}
+
+fn info(r: &Replica) -> ShardInfoResponse {
+    let st = r.status();
+    let leader = r.leader_address(st.leader_id);
+    let raft = convert::raft_status(
+        &st,
+        if st.is_leader() {
+            String::new()
+        } else {
+            leader
+        },
+    );
+    convert::shard_info(&r.shard.key, r.shard.figures(), Some(raft))
 }
 
 const READ_INDEX_TIMEOUT: Duration = Duration::from_secs(3);
@@ -99,17 +125,8 @@ impl ShardRpc for ShardService {
         _req: Request<NodeInfoRequest>,
     ) -> Result<Response<NodeInfoResponse>, Status> {
         let node = self.node.clone();
-        let shards = blocking(move || {
-            node.replicas()
-                .into_iter()
-                .map(|r| {
-                    let mut i = r.shard.info()?;
-                    i.raft = Some(r.status());
-                    Ok(i)
-                })
-                .collect::<Result<Vec<_>, ShardError>>()
-        })
-        .await?;
+        let shards =
+            blocking(move || Ok(node.replicas().iter().map(|r| info(r)).collect())).await?;
         Ok(Response::new(NodeInfoResponse {
             node_id: self.node.node_id(),
             shards,
@@ -120,8 +137,9 @@ impl ShardRpc for ShardService {
         &self,
         req: Request<OpenShardRequest>,
     ) -> Result<Response<OpenShardResponse>, Status> {
+        let open = convert::open_shard(req.into_inner())?;
         let node = self.node.clone();
-        blocking(move || node.open_shard(req.into_inner())).await?;
+        blocking(move || node.open_shard(open)).await?;
         Ok(Response::new(OpenShardResponse {}))
     }
 
@@ -129,8 +147,9 @@ impl ShardRpc for ShardService {
         &self,
         req: Request<DropShardRequest>,
     ) -> Result<Response<DropShardResponse>, Status> {
+        let key = convert::key(req.get_ref().shard.as_ref())?;
         let node = self.node.clone();
-        blocking(move || node.drop_shard(req.get_ref().shard.as_ref())).await?;
+        blocking(move || node.drop_shard(&key)).await?;
         Ok(Response::new(DropShardResponse {}))
     }
 
@@ -138,7 +157,7 @@ impl ShardRpc for ShardService {
         &self,
         req: Request<WriteBatchRequest>,
     ) -> Result<Response<WriteBatchResponse>, Status> {
-        let replica = self.node.replica(req.get_ref().shard.as_ref())?;
+        let replica = self.replica(req.get_ref().shard.as_ref())?;
         let timeout = deadline(&req).map_or(self.write_timeout, |d| d.min(self.write_timeout));
         let started = std::time::Instant::now();
         let r = replica.write(req.into_inner(), timeout).await?;
@@ -152,7 +171,7 @@ impl ShardRpc for ShardService {
         req: Request<Bm25SearchRequest>,
     ) -> Result<Response<ShardSearchResponse>, Status> {
         let r = req.into_inner();
-        let shard = self.node.shard(r.shard.as_ref())?;
+        let shard = self.shard(r.shard.as_ref())?;
         if r.top_k == 0 || r.top_k > MAX_TOP_K {
             return Err(Status::invalid_argument(format!(
                 "top_k must be in [1, {MAX_TOP_K}]"
@@ -176,7 +195,7 @@ impl ShardRpc for ShardService {
         req: Request<VectorSearchRequest>,
     ) -> Result<Response<ShardSearchResponse>, Status> {
         let r = req.into_inner();
-        let shard = self.node.shard(r.shard.as_ref())?;
+        let shard = self.shard(r.shard.as_ref())?;
         if r.top_k == 0 || r.top_k > MAX_TOP_K {
             return Err(Status::invalid_argument(format!(
                 "top_k must be in [1, {MAX_TOP_K}]"
@@ -205,7 +224,7 @@ impl ShardRpc for ShardService {
         req: Request<TermStatisticsRequest>,
     ) -> Result<Response<TermStatisticsResponse>, Status> {
         let r = req.into_inner();
-        let shard = self.node.shard(r.shard.as_ref())?;
+        let shard = self.shard(r.shard.as_ref())?;
         let s = read(|| shard.term_stats(&r.query))?;
         Ok(Response::new(TermStatisticsResponse {
             num_docs: s.num_docs,
@@ -219,7 +238,7 @@ impl ShardRpc for ShardService {
         req: Request<GetChunksRequest>,
     ) -> Result<Response<GetChunksResponse>, Status> {
         let r = req.into_inner();
-        let shard = self.node.shard(r.shard.as_ref())?;
+        let shard = self.shard(r.shard.as_ref())?;
         self.consistent(r.shard.as_ref(), r.consistency).await?;
         let chunks = read(|| shard.get_chunks(&r.chunk_ids, r.with_embedding))?;
         Ok(Response::new(GetChunksResponse { chunks }))
@@ -230,7 +249,7 @@ impl ShardRpc for ShardService {
         req: Request<GetNeighboursRequest>,
     ) -> Result<Response<GetChunksResponse>, Status> {
         let r = req.into_inner();
-        let shard = self.node.shard(r.shard.as_ref())?;
+        let shard = self.shard(r.shard.as_ref())?;
         let chunks =
             blocking(move || shard.neighbours(&r.chunk_id, r.before.min(64), r.after.min(64)))
                 .await?;
@@ -241,20 +260,17 @@ impl ShardRpc for ShardService {
         &self,
         req: Request<ShardInfoRequest>,
     ) -> Result<Response<ShardInfoResponse>, Status> {
-        let replica = self.node.replica(req.get_ref().shard.as_ref())?;
-        let r = replica.clone();
-        let mut info = blocking(move || r.shard.info()).await?;
-        info.raft = Some(replica.status());
-        Ok(Response::new(info))
+        let replica = self.replica(req.get_ref().shard.as_ref())?;
+        Ok(Response::new(blocking(move || Ok(info(&replica))).await?))
     }
 
     async fn change_replicas(
         &self,
         req: Request<ChangeReplicasRequest>,
     ) -> Result<Response<ChangeReplicasResponse>, Status> {
-        use raft::eraftpb::{ConfChange, ConfChangeType};
+        use ragcluster_raft::eraftpb::ConfChangeType;
         let r = req.into_inner();
-        let replica = self.node.replica(r.shard.as_ref())?;
+        let replica = self.replica(r.shard.as_ref())?;
         let peer = r
             .peer
             .ok_or_else(|| Status::invalid_argument("peer is required"))?;
@@ -272,11 +288,9 @@ impl ShardRpc for ShardService {
                 "peer.address (http://host:port) is required to add a replica",
             ));
         }
-        let mut cc = ConfChange::default();
-        cc.set_change_type(kind);
-        cc.node_id = peer.node_id;
-        cc.context = peer.address.into_bytes();
-        let cs = replica.change(cc, self.write_timeout).await?;
+        let cs = replica
+            .change(kind, peer.node_id, &peer.address, self.write_timeout)
+            .await?;
         Ok(Response::new(ChangeReplicasResponse {
             voters: cs.voters,
             learners: cs.learners,
@@ -288,42 +302,11 @@ impl ShardRpc for ShardService {
         req: Request<TransferLeaderRequest>,
     ) -> Result<Response<TransferLeaderResponse>, Status> {
         let r = req.into_inner();
-        let replica = self.node.replica(r.shard.as_ref())?;
-        let st = replica.status();
-        if st.role != "leader" {
-            return Err(ShardError::NotLeader(
-                (st.leader_id != 0).then(|| (st.leader_id, st.leader_address.clone())),
-            )
-            .into());
-        }
-        if !st.voters.contains(&r.to_node_id) {
-            return Err(Status::failed_precondition(format!(
-                "node {} is not a voter of this shard",
-                r.to_node_id
-            )));
-        }
-        replica.transfer_leader(r.to_node_id)?;
-        // Leadership moves within a few heartbeats when the target is caught up. Raft aborts
-        // a transfer the target does not finish within an election timeout (a busy or lagging
-        // target), so while this replica still leads, ask again now and then.
-        let me = st.leader_id;
-        let until = std::time::Instant::now() + self.write_timeout;
-        let mut asked = std::time::Instant::now();
-        while std::time::Instant::now() < until {
-            let now = replica.status().leader_id;
-            if now == r.to_node_id {
-                return Ok(Response::new(TransferLeaderResponse {}));
-            }
-            if now == me && asked.elapsed() >= Duration::from_secs(1) {
-                replica.transfer_leader(r.to_node_id)?;
-                asked = std::time::Instant::now();
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        Err(Status::unavailable(format!(
-            "leadership did not move to node {} in time (is it caught up?)",
-            r.to_node_id
-        )))
+        let replica = self.replica(r.shard.as_ref())?;
+        replica
+            .transfer_leader(r.to_node_id, self.write_timeout)
+            .await?;
+        Ok(Response::new(TransferLeaderResponse {}))
     }
 
     async fn raft(
@@ -335,7 +318,10 @@ impl ShardRpc for ShardService {
         while let Some(batch) = stream.next().await {
             let batch = batch?;
             for m in &batch.messages {
-                transport.deliver(batch.from_node_id, m);
+                if let Some(r) = &m.shard {
+                    let key = crate::storage::ShardKey::new(r.collection.clone(), r.shard);
+                    transport.deliver(batch.from_node_id, &key, &m.message);
+                }
             }
         }
         Ok(Response::new(RaftDone {}))
@@ -353,19 +339,19 @@ impl ShardRpc for ShardService {
             .await
             .ok_or_else(|| Status::invalid_argument("empty snapshot stream"))??;
         let transport = self.node.transport().clone();
-        if transport.is_isolated(first.from_node_id) {
-            return Err(Status::unavailable("isolated (fault injection)"));
+        if ragcluster_raft::transport::isolated(first.from_node_id) {
+            return Err(Status::unavailable("isolated (failpoint raft_isolate)"));
         }
         let rm = first
             .message
             .ok_or_else(|| Status::invalid_argument("first chunk carries no raft message"))?;
-        let mut msg = raft::eraftpb::Message::default();
+        let mut msg = ragcluster_raft::eraftpb::Message::default();
         msg.merge_from_bytes(&rm.message)
             .map_err(|e| Status::invalid_argument(format!("raft message: {e}")))?;
-        let shard = self.node.replica(rm.shard.as_ref())?.shard.clone();
+        let shard = self.shard(rm.shard.as_ref())?;
         let meta = msg.get_snapshot().get_metadata().clone();
         let desc = crate::raft::snapshot::Descriptor::decode(&msg.get_snapshot().data)?;
-        let dir = transport.snap_dir().to_path_buf();
+        let dir = shard.snap_dir.clone();
         let tmp = crate::raft::snapshot::temp_path(&dir, &shard.key, meta.index, meta.term);
         let mut f = tokio::fs::File::create(&tmp).await?;
         let mut size = first.data.len() as u64;
@@ -396,25 +382,7 @@ impl ShardRpc for ShardService {
         let path = crate::raft::snapshot::received_path(&dir, &shard.key, meta.index, meta.term);
         tokio::fs::rename(&tmp, &path).await?;
         metrics::counter!("raft_snapshots_received_total").increment(1);
-        transport.deliver(first.from_node_id, &rm);
+        transport.deliver(first.from_node_id, &shard.key, &rm.message);
         Ok(Response::new(RaftDone {}))
-    }
-
-    async fn set_faults(
-        &self,
-        req: Request<SetFaultsRequest>,
-    ) -> Result<Response<SetFaultsResponse>, Status> {
-        if !self.fault_injection {
-            return Err(Status::failed_precondition(
-                "fault injection is disabled (shard_node.fault_injection)",
-            ));
-        }
-        let r = req.into_inner();
-        let f = &self.node.transport().faults;
-        *f.isolated.write() = r.isolate_from.into_iter().collect();
-        f.corrupt_snapshots
-            .store(r.corrupt_snapshots, std::sync::atomic::Ordering::SeqCst);
-        tracing::warn!(isolated = ?f.isolated.read(), corrupt = r.corrupt_snapshots, "faults set");
-        Ok(Response::new(SetFaultsResponse {}))
     }
 }

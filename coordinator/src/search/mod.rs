@@ -1,0 +1,301 @@
+//! Distributed search. BM25 runs in two rounds so that N shards score like one index: first
+//! every shard reports its statistics for the query terms, the coordinator sums them, then
+//! every shard scores with the sums. Dense search fans out in parallel with it. Each
+//! retriever's shard lists are merged by score into one global candidate list, then fused.
+//! Hybrid searches are query-then-fetch: shards return ids and scores, and only the fused
+//! top_k chunks are loaded afterwards.
+
+pub mod query;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::future::{join_all, try_join};
+use ragcluster_proto::v1::{
+    Bm25SearchRequest, Chunk, CollectionInfo, GlobalBm25Stats, ShardHit, VectorSearchRequest,
+};
+
+pub use query::{Consistency, Hit, Mode, Query, Rank, Results};
+
+use crate::catalog::Catalog;
+use crate::error::{CoordError, Result};
+use crate::fusion::{self, Fusion, Ranked};
+use crate::models::Models;
+use crate::shards::{ReadPlan, Shards};
+
+pub struct Searcher {
+    catalog: Arc<Catalog>,
+    shards: Arc<Shards>,
+    models: Arc<Models>,
+}
+
+/// One replica per shard chosen for every phase of a search.
+struct Targets<'a> {
+    plan: ReadPlan<'a>,
+    nodes: Vec<String>,
+}
+
+impl Targets<'_> {
+    fn each(&self) -> impl Iterator<Item = (u32, &String)> {
+        self.nodes.iter().enumerate().map(|(i, n)| (i as u32, n))
+    }
+}
+
+fn merge(
+    lists: Vec<Vec<ShardHit>>,
+    n: usize,
+    chunks: &mut HashMap<String, (Chunk, u32)>,
+) -> Vec<Ranked> {
+    let mut all: Vec<Ranked> = Vec::new();
+    for (shard, list) in lists.into_iter().enumerate() {
+        for h in list {
+            if let Some(c) = h.chunk {
+                all.push(Ranked {
+                    id: c.chunk_id.clone(),
+                    score: h.score,
+                });
+                chunks
+                    .entry(c.chunk_id.clone())
+                    .or_insert((c, shard as u32));
+            }
+        }
+    }
+    all.sort_by(|a, b| b.score.total_cmp(&a.score).then_with(|| a.id.cmp(&b.id)));
+    all.truncate(n);
+    all
+}
+
+/// Single-retriever searches rank by that retriever's own score.
+fn rank(q: &Query, lex: &[Ranked], sem: &[Ranked]) -> Vec<fusion::Fused> {
+    let only = |f: Vec<fusion::Fused>, pick: fn(&fusion::Fused) -> Option<(u32, f32)>| {
+        f.into_iter()
+            .map(|mut x| {
+                x.score = pick(&x).map_or(0.0, |p| p.1);
+                x
+            })
+            .collect()
+    };
+    match q.mode {
+        Mode::Bm25 => only(
+            fusion::fuse(lex, &[], Fusion::Rrf { k: 0.0 }, q.top_k),
+            |f| f.lex,
+        ),
+        Mode::Dense => only(
+            fusion::fuse(&[], sem, Fusion::Rrf { k: 0.0 }, q.top_k),
+            |f| f.sem,
+        ),
+        Mode::Hybrid => fusion::fuse(lex, sem, q.fusion, q.top_k),
+    }
+}
+
+fn hit((c, shard): (Chunk, u32), f: fusion::Fused) -> Hit {
+    let rank = |x: Option<(u32, f32)>| x.map(|(rank, score)| Rank { rank, score });
+    Hit {
+        chunk_id: c.chunk_id,
+        doc_id: c.doc_id,
+        title: c.title,
+        section: c.section,
+        text: c.text,
+        metadata: c.metadata,
+        position: c.position,
+        shard,
+        score: f.score,
+        bm25: rank(f.lex),
+        dense: rank(f.sem),
+    }
+}
+
+impl Searcher {
+    pub fn new(catalog: Arc<Catalog>, shards: Arc<Shards>, models: Arc<Models>) -> Self {
+        Self {
+            catalog,
+            shards,
+            models,
+        }
+    }
+
+    /// Runs `q` under its deadline; a shard call cut short by that deadline makes the whole
+    /// search DEADLINE_EXCEEDED (not UNAVAILABLE: retrying elsewhere with the same budget
+    /// would not help).
+    pub async fn search(&self, q: Query) -> Result<Results> {
+        let started = Instant::now();
+        let info = self.catalog.get(&q.collection)?;
+        let budget = q.timeout;
+        let res = tokio::time::timeout(budget, self.run(&info, &q, started)).await;
+        match res {
+            Err(_) => Err(CoordError::Deadline("search fan-out".into())),
+            Ok(Err(e)) if e.is_retryable() && started.elapsed() >= budget => Err(
+                CoordError::Deadline(format!("search ({} ms)", budget.as_millis())),
+            ),
+            Ok(r) => r,
+        }
+    }
+
+    async fn run(&self, info: &CollectionInfo, q: &Query, started: Instant) -> Result<Results> {
+        let plan = ReadPlan {
+            collection: &info.name,
+            replicas: &info.shards,
+            consistency: match q.consistency {
+                Consistency::Strong => ragcluster_proto::v1::Consistency::Strong,
+                Consistency::Eventual => ragcluster_proto::v1::Consistency::Eventual,
+            },
+            deadline: started + q.timeout,
+        };
+        let (nodes, _inflight) = self.shards.targets(&plan);
+        let t = Targets { plan, nodes };
+        let (lex_lists, sem_lists) =
+            try_join(self.lexical(&t, q), self.semantic(info, &t, q)).await?;
+        let mut chunks = HashMap::new();
+        let lex = merge(lex_lists, q.candidates, &mut chunks);
+        let sem = merge(sem_lists, q.candidates, &mut chunks);
+        let fused = rank(q, &lex, &sem);
+        if q.mode == Mode::Hybrid {
+            self.fetch(&t, &fused, &mut chunks).await?;
+        }
+        let hits = fused
+            .into_iter()
+            .filter_map(|f| Some(hit(chunks.remove(&f.id)?, f)))
+            .collect();
+        let took = started.elapsed();
+        metrics::histogram!("coordinator_search_seconds", "mode" => q.mode.name())
+            .record(took.as_secs_f64());
+        let n = t.nodes.len() as u32;
+        Ok(Results {
+            hits,
+            took,
+            shards_total: n,
+            shards_ok: n,
+        })
+    }
+
+    /// BM25 lists of every shard, scored with collection-wide statistics.
+    async fn lexical(&self, t: &Targets<'_>, q: &Query) -> Result<Vec<Vec<ShardHit>>> {
+        if q.mode == Mode::Dense {
+            return Ok(Vec::new());
+        }
+        // Round 1: collection-wide statistics for the query terms (a single shard's own
+        // statistics already are the collection's).
+        let stats = if t.nodes.len() == 1 {
+            None
+        } else {
+            Some(self.global_stats(t, &q.text).await?)
+        };
+        // Round 2: score everywhere with the same statistics.
+        let req = Bm25SearchRequest {
+            query: q.text.clone(),
+            top_k: q.candidates as u32,
+            filter: q.filter.clone(),
+            stats,
+            ids_only: q.mode == Mode::Hybrid,
+            ..Default::default()
+        };
+        let lists = join_all(
+            t.each()
+                .map(|(i, node)| self.shards.bm25(&t.plan, i, node, req.clone())),
+        )
+        .await;
+        lists.into_iter().collect()
+    }
+
+    /// Sums every shard's BM25 statistics for the analysed terms of `query`.
+    async fn global_stats(&self, t: &Targets<'_>, query: &str) -> Result<GlobalBm25Stats> {
+        let stats = join_all(
+            t.each()
+                .map(|(i, node)| self.shards.term_stats(&t.plan, i, node, query)),
+        )
+        .await;
+        let mut global = GlobalBm25Stats::default();
+        for s in stats {
+            let s = s?;
+            global.num_docs += s.num_docs;
+            global.total_tokens += s.total_tokens;
+            for (t, df) in s.doc_freq {
+                *global.doc_freq.entry(t).or_insert(0) += df;
+            }
+        }
+        Ok(global)
+    }
+
+    /// HNSW lists of every shard, for the query's own vector or its embedding.
+    async fn semantic(
+        &self,
+        info: &CollectionInfo,
+        t: &Targets<'_>,
+        q: &Query,
+    ) -> Result<Vec<Vec<ShardHit>>> {
+        if q.mode == Mode::Bm25 {
+            return Ok(Vec::new());
+        }
+        let vector = match &q.vector {
+            Some(v) => v.clone(),
+            None => {
+                let t0 = Instant::now();
+                let v = self
+                    .models
+                    .embed(&info.embedding_model, vec![q.text.clone()])
+                    .await?;
+                metrics::histogram!("coordinator_query_embed_seconds")
+                    .record(t0.elapsed().as_secs_f64());
+                v.into_iter().next().unwrap_or_default()
+            }
+        };
+        let ef = match q.ef_search {
+            0 => info.hnsw.unwrap_or_default().ef_search,
+            ef => ef,
+        };
+        let req = VectorSearchRequest {
+            vector,
+            top_k: q.candidates as u32,
+            ef_search: ef.max(q.candidates as u32),
+            filter: q.filter.clone(),
+            ids_only: q.mode == Mode::Hybrid,
+            ..Default::default()
+        };
+        let lists = join_all(
+            t.each()
+                .map(|(i, node)| self.shards.vector(&t.plan, i, node, req.clone())),
+        )
+        .await;
+        lists.into_iter().collect()
+    }
+
+    /// Loads the chunks of the final hits from their shards (the fetch of query-then-fetch).
+    /// Ids whose chunk vanished between the two phases (a concurrent delete) drop out.
+    async fn fetch(
+        &self,
+        t: &Targets<'_>,
+        fused: &[fusion::Fused],
+        chunks: &mut HashMap<String, (Chunk, u32)>,
+    ) -> Result<()> {
+        let mut wanted: HashMap<u32, Vec<String>> = HashMap::new();
+        for f in fused {
+            if let Some((_, shard)) = chunks.get(&f.id) {
+                wanted.entry(*shard).or_default().push(f.id.clone());
+            }
+        }
+        // The chunks come from the replicas that ranked them, which are as fresh as the
+        // ranking: no second read index.
+        let plan = ReadPlan {
+            consistency: ragcluster_proto::v1::Consistency::Eventual,
+            ..t.plan
+        };
+        let plan = &plan;
+        let loads = wanted.into_iter().map(|(shard, ids)| async move {
+            let node = &t.nodes[shard as usize];
+            let got = self.shards.chunks(plan, shard, node, ids, false).await?;
+            Ok::<_, CoordError>((shard, got))
+        });
+        let results = join_all(loads).await;
+        for f in fused {
+            chunks.remove(&f.id);
+        }
+        for r in results {
+            let (shard, loaded) = r?;
+            for c in loaded {
+                chunks.insert(c.chunk_id.clone(), (c, shard));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,174 @@
+//! The composition root: builds the catalog, the clients and the components from the config,
+//! and serves them until shutdown.
+
+use std::sync::Arc;
+
+use ragcluster_common::{server, telemetry};
+use ragcluster_proto::v1::admin_server::AdminServer;
+use ragcluster_proto::v1::catalog_peer_server::CatalogPeerServer;
+use ragcluster_proto::v1::coordinator_server::CoordinatorServer;
+
+use crate::auth::Auth;
+use crate::catalog::{Catalog, CatalogOptions};
+use crate::channels::Channels;
+use crate::chunking::{HfTokens, Tokens};
+use crate::collections::Collections;
+use crate::config::CoordinatorConfig;
+use crate::flow::{AskOptions, Engine, Flows};
+use crate::handles::Handles;
+use crate::ingest::Ingestor;
+use crate::models::{EmbedOptions, Models};
+use crate::rebalance::Rebalancer;
+use crate::search::Searcher;
+use crate::service::forward::Forwarder;
+use crate::service::{AdminService, CatalogPeerService, CoordinatorService};
+use crate::shards::{Connector, GrpcConnector, Shards};
+
+/// Serves the Coordinator and Admin services until `shutdown` resolves, reaching shard nodes
+/// over gRPC.
+pub async fn run(
+    cfg: CoordinatorConfig,
+    metrics_listen: &str,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    run_with(cfg, metrics_listen, shutdown, None).await
+}
+
+/// As `run`, reaching shard nodes through `connector` when given (a test's in-process nodes).
+pub async fn run_with(
+    cfg: CoordinatorConfig,
+    metrics_listen: &str,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    connector: Option<Arc<dyn Connector>>,
+) -> anyhow::Result<()> {
+    let tls = ragcluster_common::tls::Tls::load(&cfg.tls)?;
+    let channels = Arc::new(Channels::new(tls.clone()));
+    let catalog_opts = CatalogOptions {
+        node_id: cfg.node_id,
+        members: cfg.catalog_members().map_err(anyhow::Error::msg)?,
+        data_dir: cfg.data_dir.clone(),
+        tick: cfg.raft_tick,
+        election_ticks: cfg.raft_election_ticks,
+        heartbeat_ticks: cfg.raft_heartbeat_ticks,
+        log_gc_threshold: cfg.raft_log_gc_threshold,
+    };
+    let catalog = Arc::new(Catalog::open(
+        &catalog_opts,
+        &tokio::runtime::Handle::current(),
+        tls.as_ref(),
+    )?);
+    let connector = connector.unwrap_or_else(|| Arc::new(GrpcConnector::new(channels.clone())));
+    let embed = EmbedOptions {
+        batch: cfg.embed_batch,
+        concurrency: cfg.embed_concurrency,
+        timeout: cfg.embed_timeout,
+    };
+    let limits = &cfg.limits;
+    let handles = Arc::new(Handles {
+        catalog: catalog.clone(),
+        shards: Arc::new(Shards::new(connector)),
+        models: Arc::new(Models::new(
+            cfg.model_worker.clone(),
+            channels.clone(),
+            embed,
+        )),
+        auth: Arc::new(Auth::new(
+            &cfg.auth,
+            limits.max_concurrent_requests,
+            limits.max_concurrent_requests_per_key,
+        )?),
+    });
+    let tokens: Arc<dyn Tokens> = Arc::new(HfTokens::load(&cfg.embedding_tokenizer)?);
+    let flows = Flows::load(cfg.flows_file.as_deref()).map_err(anyhow::Error::msg)?;
+    tracing::info!(collections = catalog.list().len(), "catalog loaded");
+    tracing::info!(flows = flows.set.flows.len(), default = %flows.set.default, "flows loaded");
+    let h = &handles;
+    let searcher = Arc::new(Searcher::new(
+        catalog.clone(),
+        h.shards.clone(),
+        h.models.clone(),
+    ));
+    let collections = Arc::new(Collections::new(
+        catalog.clone(),
+        h.shards.clone(),
+        h.models.clone(),
+        cfg.shard_nodes.clone(),
+    ));
+    let forward = Arc::new(Forwarder::new(channels.clone()));
+    let coordinator = CoordinatorService {
+        handles: handles.clone(),
+        collections: collections.clone(),
+        ingestor: Arc::new(Ingestor::new(
+            catalog.clone(),
+            h.shards.clone(),
+            h.models.clone(),
+            tokens.clone(),
+            cfg.write_timeout,
+            limits.max_batch_documents,
+        )),
+        searcher: searcher.clone(),
+        engine: Arc::new(Engine {
+            flows,
+            catalog: catalog.clone(),
+            searcher,
+            shards: h.shards.clone(),
+            models: h.models.clone(),
+            tokens,
+            opts: AskOptions {
+                timeout: cfg.ask_timeout,
+                max_generated_tokens: cfg.ask_max_generated_tokens,
+                max_branches: cfg.ask_max_branches,
+                max_iterations: cfg.ask_max_iterations,
+            },
+        }),
+        forward: forward.clone(),
+        search_timeout: cfg.search_timeout,
+        max_top_k: limits.max_top_k,
+    };
+    let admin = AdminService {
+        handles: handles.clone(),
+        collections,
+        rebalancer: Arc::new(Rebalancer::new(
+            catalog.clone(),
+            h.shards.clone(),
+            cfg.shard_nodes.clone(),
+        )),
+        forward,
+        channels,
+        shard_nodes: cfg.shard_nodes.clone(),
+    };
+    let peer = CatalogPeerService {
+        catalog: catalog.clone(),
+        tls: tls.clone(),
+    };
+    let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
+    let (listener, addr) = server::bind(&cfg.listen).await?;
+    if let Some(p) = &cfg.port_file {
+        let serves_tls = tls.as_ref().is_some_and(|t| t.serves());
+        server::write_port_file(p, addr, metrics_addr, serves_tls)?;
+    }
+    tracing::info!(%addr, %metrics_addr, shard_nodes = cfg.shard_nodes.len(),
+                   tls = cfg.tls.enabled(), auth = cfg.auth.enabled, "coordinator listening");
+    let (_reporter, health, reflection) = server::health_and_reflection(&[
+        "ragcluster.v1.Coordinator",
+        "ragcluster.v1.Admin",
+        "ragcluster.v1.CatalogPeer",
+    ])
+    .await;
+    let incoming = ragcluster_common::tls::incoming(listener, tls);
+    tonic::transport::Server::builder()
+        .layer(server::GrpcMetricsLayer)
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(
+            CoordinatorServer::new(coordinator)
+                .max_decoding_message_size(cfg.limits.max_request_bytes)
+                .max_encoding_message_size(64 * 1024 * 1024),
+        )
+        .add_service(AdminServer::new(admin).max_decoding_message_size(1024 * 1024))
+        .add_service(CatalogPeerServer::new(peer).max_decoding_message_size(64 * 1024 * 1024))
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await?;
+    catalog.stop();
+    Ok(())
+}

@@ -1,0 +1,230 @@
+//! The operator `Admin` service: cluster status, replica moves, leadership transfers, API keys.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::join_all;
+use ragcluster_proto::v1::admin_server::Admin;
+use ragcluster_proto::v1::*;
+use tonic::{Request, Response, Status};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_client::HealthClient;
+
+use super::forward::{Forwarder, is_forwarded};
+use super::gate;
+use crate::auth;
+use crate::channels::Channels;
+use crate::collections::Collections;
+use crate::handles::Handles;
+use crate::rebalance::Rebalancer;
+
+/// How long a forwarded key change may take to be applied here.
+const KEY_CATCH_UP: Duration = Duration::from_secs(10);
+
+pub struct AdminService {
+    pub handles: Arc<Handles>,
+    pub collections: Arc<Collections>,
+    pub rebalancer: Arc<Rebalancer>,
+    pub forward: Arc<Forwarder>,
+    pub channels: Arc<Channels>,
+    pub shard_nodes: Vec<String>,
+}
+
+/// A member's `grpc.health.v1` answer: "SERVING", "NOT_SERVING", or why it gave none.
+async fn health_of(channels: &Channels, addr: &str) -> String {
+    let ch = match channels.get(addr) {
+        Ok(c) => c,
+        Err(e) => return e.to_string(),
+    };
+    let mut c = HealthClient::new(ch);
+    let check = c.check(HealthCheckRequest {
+        service: String::new(),
+    });
+    match tokio::time::timeout(Duration::from_secs(2), check).await {
+        Err(_) => "timeout".into(),
+        Ok(Err(s)) => format!("error: {}", s.message()),
+        Ok(Ok(r)) => match r.into_inner().status {
+            1 => "SERVING".into(),
+            2 => "NOT_SERVING".into(),
+            s => format!("status {s}"),
+        },
+    }
+}
+
+impl AdminService {
+    async fn nodes(&self, collections: &[CollectionInfo]) -> Vec<NodeStatus> {
+        let channels = &self.channels;
+        let mut nodes: Vec<NodeStatus> = join_all(self.shard_nodes.iter().map(|addr| async move {
+            let shards = collections
+                .iter()
+                .map(|c| c.shards.iter().filter(|p| p.nodes.contains(addr)).count() as u32)
+                .sum();
+            NodeStatus {
+                address: addr.clone(),
+                kind: NodeKind::ShardNode as i32,
+                health: health_of(channels, addr).await,
+                shards,
+                leaders: 0,
+            }
+        }))
+        .await;
+        let mw = self.handles.models.address().to_owned();
+        nodes.push(NodeStatus {
+            health: health_of(channels, &mw).await,
+            address: mw,
+            kind: NodeKind::ModelWorker as i32,
+            shards: 0,
+            leaders: 0,
+        });
+        nodes
+    }
+}
+
+type MoveStream = tokio_stream::wrappers::ReceiverStream<Result<MoveReplicaProgress, Status>>;
+
+#[tonic::async_trait]
+impl Admin for AdminService {
+    async fn cluster_status(
+        &self,
+        req: Request<ClusterStatusRequest>,
+    ) -> Result<Response<ClusterStatusResponse>, Status> {
+        let _g = gate(&self.handles, &req, "ClusterStatus", Role::Admin, None)?;
+        let collections = self.handles.catalog.list();
+        let mut nodes = self.nodes(&collections).await;
+        let mut out = Vec::new();
+        for c in collections {
+            let shards = self.collections.stats(&c).await;
+            for st in &shards {
+                if let Some(n) = nodes.iter_mut().find(|n| n.address == st.leader) {
+                    n.leaders += 1;
+                }
+            }
+            out.push(CollectionStatus {
+                collection: Some(c),
+                shards,
+            });
+        }
+        Ok(Response::new(ClusterStatusResponse {
+            nodes,
+            collections: out,
+            catalog: Some(self.handles.catalog.status()),
+        }))
+    }
+
+    type MoveReplicaStream = MoveStream;
+
+    async fn move_replica(
+        &self,
+        req: Request<MoveReplicaRequest>,
+    ) -> Result<Response<MoveStream>, Status> {
+        // Moves are long: they hold no admission slot.
+        let (caller, _p) = gate(&self.handles, &req, "MoveReplica", Role::Admin, None)?;
+        let forwarded = is_forwarded(req.metadata());
+        let r = req.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        // Moves change the catalog: they run on its leader.
+        if let Some(leader) = self.handles.catalog.change_target(forwarded).await? {
+            let mut up = self.forward.move_replica(&leader, r, &caller).await?;
+            tokio::spawn(async move {
+                while let Some(m) = up.message().await.transpose() {
+                    if tx.send(m).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        } else {
+            let rebalancer = self.rebalancer.clone();
+            tokio::spawn(async move {
+                let moved = rebalancer
+                    .move_replica(&r.collection, r.shard, &r.from, &r.to, &tx)
+                    .await;
+                if let Err(e) = moved {
+                    tracing::warn!(collection = r.collection, shard = r.shard, from = r.from,
+                                   to = r.to, error = %e, "replica move failed");
+                    let _ = tx.send(Err(e.into())).await;
+                }
+            });
+        }
+        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(
+            rx,
+        )))
+    }
+
+    async fn transfer_shard_leader(
+        &self,
+        req: Request<TransferShardLeaderRequest>,
+    ) -> Result<Response<TransferShardLeaderResponse>, Status> {
+        let _g = gate(
+            &self.handles,
+            &req,
+            "TransferShardLeader",
+            Role::Admin,
+            None,
+        )?;
+        let r = req.into_inner();
+        self.rebalancer
+            .transfer_shard_leader(&r.collection, r.shard, &r.to)
+            .await?;
+        Ok(Response::new(TransferShardLeaderResponse {}))
+    }
+
+    /// Makes a key on the catalog leader and waits until this coordinator has applied it, so
+    /// the key works here as soon as it is returned.
+    async fn create_api_key(
+        &self,
+        req: Request<CreateApiKeyRequest>,
+    ) -> Result<Response<CreateApiKeyResponse>, Status> {
+        let h = &self.handles;
+        let (caller, _p) = gate(h, &req, "CreateApiKey", Role::Admin, None)?;
+        let forwarded = is_forwarded(req.metadata());
+        let r = req.into_inner();
+        let resp = match h.catalog.change_target(forwarded).await? {
+            None => auth::create_key(&h.catalog, r, &caller).await?,
+            Some(leader) => self.forward.create_api_key(&leader, r, &caller).await?,
+        };
+        let id = resp.key.as_ref().map(|k| k.id.clone()).unwrap_or_default();
+        h.catalog
+            .wait_for(|v| v.api_keys.contains_key(&id), KEY_CATCH_UP)
+            .await;
+        Ok(Response::new(resp))
+    }
+
+    async fn list_api_keys(
+        &self,
+        req: Request<ListApiKeysRequest>,
+    ) -> Result<Response<ListApiKeysResponse>, Status> {
+        let _g = gate(&self.handles, &req, "ListApiKeys", Role::Admin, None)?;
+        let keys = self.handles.catalog.api_keys();
+        Ok(Response::new(ListApiKeysResponse {
+            keys: keys.into_iter().filter_map(|k| k.info).collect(),
+        }))
+    }
+
+    /// Revokes a key on the catalog leader and waits until this coordinator refuses it.
+    async fn revoke_api_key(
+        &self,
+        req: Request<RevokeApiKeyRequest>,
+    ) -> Result<Response<RevokeApiKeyResponse>, Status> {
+        let h = &self.handles;
+        let (caller, _p) = gate(h, &req, "RevokeApiKey", Role::Admin, None)?;
+        let forwarded = is_forwarded(req.metadata());
+        let id = req.into_inner().id;
+        if h.catalog.api_key(&id).is_none() {
+            return Err(crate::error::CoordError::UnknownApiKey(id).into());
+        }
+        match h.catalog.change_target(forwarded).await? {
+            None => auth::revoke_key(&h.catalog, &id, &caller).await?,
+            Some(leader) => self.forward.revoke_api_key(&leader, &id, &caller).await?,
+        }
+        let revoked = |v: &crate::catalog::View| {
+            v.api_keys
+                .get(&id)
+                .and_then(|k| k.info.as_ref())
+                .is_some_and(|i| i.revoked_at_ms != 0)
+        };
+        h.catalog.wait_for(revoked, KEY_CATCH_UP).await;
+        Ok(Response::new(RevokeApiKeyResponse {
+            key: h.catalog.api_key(&id).and_then(|k| k.info),
+        }))
+    }
+}

@@ -1,0 +1,187 @@
+//! The public `Coordinator` service.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ragcluster_proto::v1::coordinator_server::Coordinator;
+use ragcluster_proto::v1::*;
+use tonic::{Request, Response, Status};
+
+use super::forward::{Forwarder, is_forwarded};
+use super::{Admitted, convert, gate, tighter_timeout};
+use crate::auth::{Caller, check};
+use crate::collections::Collections;
+use crate::flow::Engine;
+use crate::handles::Handles;
+use crate::ingest::Ingestor;
+use crate::limits::{MAX_ASK_TIMEOUT_MS, MAX_SEARCH_TIMEOUT_MS};
+use crate::search::Searcher;
+
+/// How long a coordinator that forwarded a catalog change waits to see it applied locally.
+const CATCH_UP: Duration = Duration::from_secs(5);
+
+pub struct CoordinatorService {
+    pub handles: Arc<Handles>,
+    pub collections: Arc<Collections>,
+    pub ingestor: Arc<Ingestor>,
+    pub searcher: Arc<Searcher>,
+    pub engine: Arc<Engine>,
+    pub forward: Arc<Forwarder>,
+    /// Deadline of a search that gives none.
+    pub search_timeout: Duration,
+    /// `limits.max_top_k`.
+    pub max_top_k: u32,
+}
+
+#[tonic::async_trait]
+impl Coordinator for CoordinatorService {
+    async fn create_collection(
+        &self,
+        req: Request<CreateCollectionRequest>,
+    ) -> Result<Response<CreateCollectionResponse>, Status> {
+        let h = &self.handles;
+        let name = req.get_ref().name.clone();
+        let (caller, _p) = gate(h, &req, "CreateCollection", Role::Admin, Some(&name))?;
+        let target = h
+            .catalog
+            .change_target(is_forwarded(req.metadata()))
+            .await?;
+        let r = req.into_inner();
+        let collection = match target {
+            None => self.collections.create(r).await?,
+            Some(leader) => {
+                let info = self.forward.create_collection(&leader, r, &caller).await?;
+                h.catalog
+                    .wait_for(|v| v.collections.contains_key(&name), CATCH_UP)
+                    .await;
+                info
+            }
+        };
+        Ok(Response::new(CreateCollectionResponse {
+            collection: Some(collection),
+        }))
+    }
+
+    async fn drop_collection(
+        &self,
+        req: Request<DropCollectionRequest>,
+    ) -> Result<Response<DropCollectionResponse>, Status> {
+        let h = &self.handles;
+        let name = req.get_ref().name.clone();
+        let (caller, _p) = gate(h, &req, "DropCollection", Role::Admin, Some(&name))?;
+        match h
+            .catalog
+            .change_target(is_forwarded(req.metadata()))
+            .await?
+        {
+            None => self.collections.remove(&name).await?,
+            Some(leader) => {
+                self.forward
+                    .drop_collection(&leader, &name, &caller)
+                    .await?;
+                h.catalog
+                    .wait_for(|v| !v.collections.contains_key(&name), CATCH_UP)
+                    .await;
+            }
+        }
+        Ok(Response::new(DropCollectionResponse {}))
+    }
+
+    async fn list_collections(
+        &self,
+        req: Request<ListCollectionsRequest>,
+    ) -> Result<Response<ListCollectionsResponse>, Status> {
+        let h = &self.handles;
+        // Any reader may list, but sees only the collections its key may touch.
+        let caller = h.auth.authenticate(req.metadata(), &h.catalog)?;
+        let unscoped = Caller {
+            collections: Vec::new(),
+            ..caller.clone()
+        };
+        check(&unscoped, "ListCollections", Role::Reader, None)?;
+        let _p = h.auth.admit(&caller)?;
+        let mut collections = h.catalog.list();
+        collections.retain(|c| caller.may_see(&c.name));
+        Ok(Response::new(ListCollectionsResponse { collections }))
+    }
+
+    async fn describe_collection(
+        &self,
+        req: Request<DescribeCollectionRequest>,
+    ) -> Result<Response<DescribeCollectionResponse>, Status> {
+        let name = req.get_ref().name.clone();
+        let _g = gate(
+            &self.handles,
+            &req,
+            "DescribeCollection",
+            Role::Reader,
+            Some(&name),
+        )?;
+        let info = self.handles.catalog.get(&name)?;
+        let shards = self.collections.stats(&info).await;
+        Ok(Response::new(DescribeCollectionResponse {
+            collection: Some(info),
+            shards,
+        }))
+    }
+
+    async fn upsert_documents(
+        &self,
+        req: Request<UpsertDocumentsRequest>,
+    ) -> Result<Response<UpsertDocumentsResponse>, Status> {
+        let coll = req.get_ref().collection.clone();
+        let _g = gate(
+            &self.handles,
+            &req,
+            "UpsertDocuments",
+            Role::Writer,
+            Some(&coll),
+        )?;
+        Ok(Response::new(self.ingestor.upsert(req.into_inner()).await?))
+    }
+
+    async fn delete_documents(
+        &self,
+        req: Request<DeleteDocumentsRequest>,
+    ) -> Result<Response<DeleteDocumentsResponse>, Status> {
+        let coll = req.get_ref().collection.clone();
+        let _g = gate(
+            &self.handles,
+            &req,
+            "DeleteDocuments",
+            Role::Writer,
+            Some(&coll),
+        )?;
+        Ok(Response::new(self.ingestor.delete(req.into_inner()).await?))
+    }
+
+    async fn search(
+        &self,
+        req: Request<SearchRequest>,
+    ) -> Result<Response<SearchResponse>, Status> {
+        let coll = req.get_ref().collection.clone();
+        let _g = gate(&self.handles, &req, "Search", Role::Reader, Some(&coll))?;
+        let md = req.metadata().clone();
+        let mut r = req.into_inner();
+        r.timeout_ms = tighter_timeout(r.timeout_ms, &md, MAX_SEARCH_TIMEOUT_MS);
+        let info = self.handles.catalog.get(&r.collection)?;
+        let q = convert::search_query(&r, info.dimension, self.search_timeout, self.max_top_k)?;
+        let results = self.searcher.search(q).await?;
+        Ok(Response::new(convert::search_response(results)))
+    }
+
+    type AskStream = Admitted<tokio_stream::wrappers::ReceiverStream<Result<AskResponse, Status>>>;
+
+    async fn ask(&self, req: Request<AskRequest>) -> Result<Response<Self::AskStream>, Status> {
+        let coll = req.get_ref().collection.clone();
+        let (_caller, permit) = gate(&self.handles, &req, "Ask", Role::Reader, Some(&coll))?;
+        let md = req.metadata().clone();
+        let mut r = req.into_inner();
+        r.timeout_ms = tighter_timeout(r.timeout_ms, &md, MAX_ASK_TIMEOUT_MS);
+        let rx = self.engine.ask(r).await?;
+        Ok(Response::new(Admitted {
+            inner: tokio_stream::wrappers::ReceiverStream::new(rx),
+            _permit: permit,
+        }))
+    }
+}

@@ -1,0 +1,486 @@
+//! The shard client: every call the coordinator makes to shard nodes goes through `Shards`,
+//! which owns routing (which replica serves a call: `routing`), the one retry and failover
+//! policy, deadline propagation and the typed errors of `error`. Nodes are reached through a
+//! `node::Connector`: gRPC in every deployment, in process in tests.
+//!
+//! - Writes go to the shard's leader, follow NotLeader hints, try the other replicas with
+//!   backoff while the leader is unknown or down, and retry with the same request id, so a
+//!   batch whose first attempt timed out but did commit is not applied twice.
+//! - Eventual reads fail over to another replica when one fails or does not answer within its
+//!   share of the time left; strong reads stay on the leader (Raft read index).
+//! - Membership and leadership changes go to the leader, found again when it moves.
+
+pub mod error;
+pub mod node;
+pub mod routing;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use ragcluster_proto::v1::*;
+
+pub use error::ShardCallError;
+pub use node::{Connector, GrpcConnector, ShardNode};
+pub use routing::Routing;
+
+use crate::error::{CoordError, Result};
+
+/// One read of a collection: the replicas of each shard, its consistency and deadline.
+#[derive(Clone, Copy)]
+pub struct ReadPlan<'a> {
+    pub collection: &'a str,
+    pub replicas: &'a [ShardPlacement],
+    pub consistency: Consistency,
+    pub deadline: Instant,
+}
+
+impl ReadPlan<'_> {
+    fn replicas(&self, shard: u32) -> &[String] {
+        self.replicas
+            .get(shard as usize)
+            .map_or(&[][..], |p| &p.nodes[..])
+    }
+
+    fn sref(&self, shard: u32) -> Option<ShardRef> {
+        Some(ShardRef {
+            collection: self.collection.to_owned(),
+            shard,
+        })
+    }
+}
+
+/// Per-attempt limit of a shard write (the whole write gets its own timeout).
+const WRITE_ATTEMPT: Duration = Duration::from_secs(3);
+/// Admin calls (membership views, node ids).
+const ADMIN_CALL: Duration = Duration::from_secs(10);
+
+pub struct Shards {
+    connector: Arc<dyn Connector>,
+    routing: Routing,
+    /// Raft id of each shard node, by address (asked once with NodeInfo).
+    node_ids: Mutex<HashMap<String, u64>>,
+}
+
+/// A shard call's error, named for the client without internal addresses.
+fn shard_error(collection: &str, shard: u32, e: ShardCallError) -> CoordError {
+    CoordError::Shard {
+        what: format!("shard {shard} of {collection}"),
+        error: e,
+    }
+}
+
+fn node_error(node: &str, e: ShardCallError) -> CoordError {
+    CoordError::Shard {
+        what: format!("shard node {node}"),
+        error: e,
+    }
+}
+
+impl Shards {
+    pub fn new(connector: Arc<dyn Connector>) -> Self {
+        Self {
+            connector,
+            routing: Routing::default(),
+            node_ids: Default::default(),
+        }
+    }
+
+    pub fn routing(&self) -> &Routing {
+        &self.routing
+    }
+
+    fn node(&self, address: &str) -> std::result::Result<Arc<dyn ShardNode>, ShardCallError> {
+        self.connector.node(address)
+    }
+
+    /// One replica per shard for every phase of a read, counted in flight while the returned
+    /// guards live.
+    pub fn targets(&self, plan: &ReadPlan<'_>) -> (Vec<String>, Vec<routing::InFlight>) {
+        let targets: Vec<String> = plan
+            .replicas
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                self.routing
+                    .read_target(plan.collection, i as u32, &p.nodes, plan.consistency)
+            })
+            .collect();
+        let guards = targets.iter().map(|n| self.routing.track(n)).collect();
+        (targets, guards)
+    }
+
+    /// One read of a shard, starting on the replica `first`. An eventual read that fails on a
+    /// replica, or gets no answer within its share of the time left, marks that replica down
+    /// for a while and goes on to the next one: a lost or cut-off node costs latency, not an
+    /// error. Strong reads stay on the leader.
+    async fn read<T, F, Fut>(&self, plan: &ReadPlan<'_>, shard: u32, first: &str, f: F) -> Result<T>
+    where
+        F: Fn(Arc<dyn ShardNode>, Duration) -> Fut,
+        Fut: Future<Output = std::result::Result<T, ShardCallError>>,
+    {
+        let replicas = plan.replicas(shard);
+        let mut tried: Vec<String> = Vec::new();
+        let mut node = first.to_owned();
+        loop {
+            tried.push(node.clone());
+            let next = if plan.consistency == Consistency::Strong {
+                None
+            } else {
+                self.routing.failover(replicas, &tried)
+            };
+            let left = plan.deadline.saturating_duration_since(Instant::now());
+            let budget = if next.is_some() { left / 2 } else { left };
+            let res = match self.node(&node) {
+                Ok(c) => f(c, budget).await,
+                Err(e) => Err(e),
+            };
+            match (res, next) {
+                (Ok(v), _) => return Ok(v),
+                (Err(e), Some(n)) if e.is_retryable() => {
+                    tracing::warn!(shard, from = %node, to = %n, error = %e, "read failover");
+                    metrics::counter!("coordinator_read_failovers_total").increment(1);
+                    self.routing.mark_down(&node);
+                    node = n;
+                }
+                (Err(e), _) => {
+                    tracing::debug!(shard, node = %node, error = %e, "shard read failed");
+                    return Err(shard_error(plan.collection, shard, e));
+                }
+            }
+        }
+    }
+
+    pub async fn bm25(
+        &self,
+        plan: &ReadPlan<'_>,
+        shard: u32,
+        first: &str,
+        mut req: Bm25SearchRequest,
+    ) -> Result<Vec<ShardHit>> {
+        req.shard = plan.sref(shard);
+        req.consistency = plan.consistency as i32;
+        self.read(plan, shard, first, |n, t| {
+            let req = req.clone();
+            async move { n.bm25_search(req, t).await }
+        })
+        .await
+    }
+
+    pub async fn vector(
+        &self,
+        plan: &ReadPlan<'_>,
+        shard: u32,
+        first: &str,
+        mut req: VectorSearchRequest,
+    ) -> Result<Vec<ShardHit>> {
+        req.shard = plan.sref(shard);
+        req.consistency = plan.consistency as i32;
+        self.read(plan, shard, first, |n, t| {
+            let req = req.clone();
+            async move { n.vector_search(req, t).await }
+        })
+        .await
+    }
+
+    pub async fn term_stats(
+        &self,
+        plan: &ReadPlan<'_>,
+        shard: u32,
+        first: &str,
+        query: &str,
+    ) -> Result<TermStatisticsResponse> {
+        let req = TermStatisticsRequest {
+            shard: plan.sref(shard),
+            query: query.to_owned(),
+        };
+        self.read(plan, shard, first, |n, t| {
+            let req = req.clone();
+            async move { n.term_statistics(req, t).await }
+        })
+        .await
+    }
+
+    /// Chunks by id (with their embeddings when asked); ids no longer stored are left out.
+    pub async fn chunks(
+        &self,
+        plan: &ReadPlan<'_>,
+        shard: u32,
+        first: &str,
+        ids: Vec<String>,
+        with_embedding: bool,
+    ) -> Result<Vec<Chunk>> {
+        let req = GetChunksRequest {
+            shard: plan.sref(shard),
+            chunk_ids: ids,
+            with_embedding,
+            consistency: plan.consistency as i32,
+        };
+        self.read(plan, shard, first, |n, t| {
+            let req = req.clone();
+            async move { n.get_chunks(req, t).await }
+        })
+        .await
+    }
+
+    /// A chunk with up to `before` preceding and `after` following chunks of its document.
+    pub async fn neighbours(
+        &self,
+        plan: &ReadPlan<'_>,
+        shard: u32,
+        chunk_id: &str,
+        before: u32,
+        after: u32,
+    ) -> Result<Vec<Chunk>> {
+        let first = self.routing.read_target(
+            plan.collection,
+            shard,
+            plan.replicas(shard),
+            plan.consistency,
+        );
+        let req = GetNeighboursRequest {
+            shard: plan.sref(shard),
+            chunk_id: chunk_id.to_owned(),
+            before,
+            after,
+        };
+        self.read(plan, shard, &first, |n, t| {
+            let req = req.clone();
+            async move { n.get_neighbours(req, t).await }
+        })
+        .await
+    }
+
+    /// Writes one shard's batch through its Raft leader within `timeout` (see the module doc).
+    pub async fn write(
+        &self,
+        collection: &str,
+        shard: u32,
+        replicas: &[String],
+        writes: Vec<DocumentWrite>,
+        timeout: Duration,
+    ) -> Result<WriteBatchResponse> {
+        let req = WriteBatchRequest {
+            shard: Some(ShardRef {
+                collection: collection.to_owned(),
+                shard,
+            }),
+            writes,
+            request_id: format!("{:032x}", rand::random::<u128>()),
+        };
+        let deadline = Instant::now() + timeout;
+        let mut target = self.routing.leader(collection, shard, replicas);
+        let mut backoff = Duration::from_millis(20);
+        let mut last = ShardCallError::Deadline;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                metrics::counter!("coordinator_write_failures_total").increment(1);
+                tracing::warn!(collection, shard, error = %last, "write not committed in time");
+                return Err(CoordError::Unavailable {
+                    what: format!("shard {shard} of {collection}"),
+                    reason: format!(
+                        "not committed within {} ms (last error: {last}); retrying the same \
+                         call is safe",
+                        timeout.as_millis()
+                    ),
+                    retry_after_ms: 500,
+                });
+            }
+            // One attempt may hang on a cut-off leader; keep time for the others.
+            let attempt = left.min(WRITE_ATTEMPT);
+            let res = match self.node(&target) {
+                Ok(n) => n.write_batch(req.clone(), attempt).await,
+                Err(e) => Err(e),
+            };
+            let e = match res {
+                Ok(r) => {
+                    self.routing.set_leader(collection, shard, &target);
+                    return Ok(r);
+                }
+                // Bad input or a missing shard: retrying cannot help.
+                Err(e @ (ShardCallError::Rejected(_) | ShardCallError::NotHere(_))) => {
+                    tracing::warn!(collection, shard, node = %target, error = %e, "write refused");
+                    return Err(shard_error(collection, shard, e));
+                }
+                Err(e) => e,
+            };
+            metrics::counter!("coordinator_write_retries_total").increment(1);
+            match &e {
+                ShardCallError::NotLeader {
+                    leader: Some((_, addr)),
+                } if !addr.is_empty() && *addr != target => {
+                    self.routing.set_leader(collection, shard, addr);
+                    target = addr.clone();
+                }
+                _ => {
+                    // A live replica without a leader means an election is running: poll
+                    // again soon (those answers are cheap) so the write lands right after it.
+                    let electing = matches!(e, ShardCallError::NotLeader { .. });
+                    if !electing {
+                        // Unreachable or timed out: avoid it for a moment.
+                        self.routing.mark_down(&target);
+                    }
+                    target = self.routing.next_replica(replicas, &target);
+                    tokio::time::sleep(backoff.min(left)).await;
+                    let cap = if electing { 50 } else { 500 };
+                    backoff = (backoff * 2).min(Duration::from_millis(cap));
+                }
+            }
+            last = e;
+        }
+    }
+
+    /// The Raft id of the shard node at `address` (cached).
+    pub async fn node_id(&self, address: &str) -> Result<u64> {
+        if let Some(id) = self.node_ids.lock().get(address) {
+            return Ok(*id);
+        }
+        let n = self.node(address).map_err(|e| node_error(address, e))?;
+        let r = n
+            .node_info(Duration::from_secs(5))
+            .await
+            .map_err(|e| node_error(address, e))?;
+        self.node_ids.lock().insert(address.to_owned(), r.node_id);
+        Ok(r.node_id)
+    }
+
+    pub async fn open(
+        &self,
+        address: &str,
+        req: OpenShardRequest,
+        timeout: Duration,
+    ) -> Result<()> {
+        let n = self.node(address).map_err(|e| node_error(address, e))?;
+        n.open_shard(req, timeout)
+            .await
+            .map_err(|e| node_error(address, e))
+    }
+
+    pub async fn drop_shard(
+        &self,
+        address: &str,
+        shard: ShardRef,
+        timeout: Duration,
+    ) -> Result<()> {
+        let n = self.node(address).map_err(|e| node_error(address, e))?;
+        n.drop_shard(shard, timeout)
+            .await
+            .map_err(|e| node_error(address, e))
+    }
+
+    /// One replica's figures and Raft view.
+    pub async fn info(
+        &self,
+        address: &str,
+        shard: ShardRef,
+        timeout: Duration,
+    ) -> std::result::Result<ShardInfoResponse, ShardCallError> {
+        self.node(address)?.shard_info(shard, timeout).await
+    }
+
+    /// Each replica's Raft view of `shard` (None where the node did not answer).
+    pub async fn views(&self, shard: &ShardRef, nodes: &[String]) -> Vec<Option<RaftStatus>> {
+        let calls = nodes
+            .iter()
+            .map(|n| async move { self.info(n, shard.clone(), ADMIN_CALL).await.ok()?.raft });
+        futures::future::join_all(calls).await
+    }
+
+    /// The current leader of a shard among `nodes` and its Raft view, waiting out an election.
+    pub async fn leader(&self, shard: &ShardRef, nodes: &[String]) -> Result<(String, RaftStatus)> {
+        let until = Instant::now() + ADMIN_CALL;
+        loop {
+            let views = self.views(shard, nodes).await;
+            if let Some((n, v)) = nodes
+                .iter()
+                .zip(views)
+                .filter_map(|(n, v)| Some((n, v?)))
+                .filter(|(_, v)| v.role() == RaftRole::Leader)
+                .max_by_key(|(_, v)| v.term)
+            {
+                self.routing.set_leader(&shard.collection, shard.shard, n);
+                return Ok((n.clone(), v));
+            }
+            if Instant::now() >= until {
+                return Err(CoordError::Unavailable {
+                    what: format!("shard {} of {}", shard.shard, shard.collection),
+                    reason: format!("no leader among {nodes:?}"),
+                    retry_after_ms: 1000,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// A membership change sent to the shard's leader (found again if leadership moved).
+    pub async fn change_replicas(
+        &self,
+        shard: &ShardRef,
+        nodes: &[String],
+        change: ReplicaChange,
+        peer: Peer,
+    ) -> Result<ChangeReplicasResponse> {
+        let mut last = None;
+        for _ in 0..5 {
+            let (leader, _) = self.leader(shard, nodes).await?;
+            let req = ChangeReplicasRequest {
+                shard: Some(shard.clone()),
+                change: change as i32,
+                peer: Some(peer.clone()),
+            };
+            let res = match self.node(&leader) {
+                Ok(n) => n.change_replicas(req, ADMIN_CALL).await,
+                Err(e) => Err(e),
+            };
+            match res {
+                Ok(r) => return Ok(r),
+                Err(e) if e.is_retryable() => {
+                    last = Some(e);
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+                Err(e) => return Err(shard_error(&shard.collection, shard.shard, e)),
+            }
+        }
+        Err(shard_error(
+            &shard.collection,
+            shard.shard,
+            last.unwrap_or(ShardCallError::Deadline),
+        ))
+    }
+
+    /// Moves a shard's leadership to the replica on `to` and waits until it leads.
+    pub async fn transfer_leader(
+        &self,
+        shard: &ShardRef,
+        nodes: &[String],
+        to: &str,
+    ) -> Result<()> {
+        let to_id = self.node_id(to).await?;
+        let until = Instant::now() + ADMIN_CALL * 3;
+        loop {
+            let (leader, _) = self.leader(shard, nodes).await?;
+            if leader == to {
+                return Ok(());
+            }
+            if Instant::now() >= until {
+                return Err(CoordError::Deadline(format!(
+                    "leadership of shard {} moving to {to}",
+                    shard.shard
+                )));
+            }
+            let req = TransferLeaderRequest {
+                shard: Some(shard.clone()),
+                to_node_id: to_id,
+            };
+            if let Ok(n) = self.node(&leader)
+                && let Err(e) = n.transfer_leader(req, ADMIN_CALL).await
+            {
+                tracing::debug!(shard = shard.shard, to, error = %e, "leadership transfer");
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! One shard node as the coordinator calls it (`ShardNode`), and how an address becomes one
+//! (`Connector`): over gRPC in every deployment (`GrpcConnector`), in process in tests that run
+//! a whole cluster in one process. Every call carries its deadline to the node.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use ragcluster_proto::v1::shard_client::ShardClient;
+use ragcluster_proto::v1::*;
+use tonic::transport::Channel;
+
+use super::error::ShardCallError;
+use crate::channels::{Channels, MAX_MESSAGE};
+
+type Result<T> = std::result::Result<T, ShardCallError>;
+
+/// The calls the coordinator makes to a shard node.
+#[tonic::async_trait]
+pub trait ShardNode: Send + Sync {
+    async fn node_info(&self, timeout: Duration) -> Result<NodeInfoResponse>;
+    async fn open_shard(&self, req: OpenShardRequest, timeout: Duration) -> Result<()>;
+    async fn drop_shard(&self, shard: ShardRef, timeout: Duration) -> Result<()>;
+    async fn write_batch(
+        &self,
+        req: WriteBatchRequest,
+        timeout: Duration,
+    ) -> Result<WriteBatchResponse>;
+    async fn bm25_search(&self, req: Bm25SearchRequest, timeout: Duration)
+    -> Result<Vec<ShardHit>>;
+    async fn vector_search(
+        &self,
+        req: VectorSearchRequest,
+        timeout: Duration,
+    ) -> Result<Vec<ShardHit>>;
+    async fn term_statistics(
+        &self,
+        req: TermStatisticsRequest,
+        timeout: Duration,
+    ) -> Result<TermStatisticsResponse>;
+    async fn get_chunks(&self, req: GetChunksRequest, timeout: Duration) -> Result<Vec<Chunk>>;
+    async fn get_neighbours(
+        &self,
+        req: GetNeighboursRequest,
+        timeout: Duration,
+    ) -> Result<Vec<Chunk>>;
+    async fn shard_info(&self, shard: ShardRef, timeout: Duration) -> Result<ShardInfoResponse>;
+    async fn change_replicas(
+        &self,
+        req: ChangeReplicasRequest,
+        timeout: Duration,
+    ) -> Result<ChangeReplicasResponse>;
+    async fn transfer_leader(&self, req: TransferLeaderRequest, timeout: Duration) -> Result<()>;
+}
+
+/// Resolves a shard node's address.
+pub trait Connector: Send + Sync {
+    fn node(&self, address: &str) -> Result<Arc<dyn ShardNode>>;
+}
+
+/// Shard nodes over gRPC, on the coordinator's member channels.
+pub struct GrpcConnector {
+    channels: Arc<Channels>,
+    nodes: Mutex<HashMap<String, Arc<GrpcShardNode>>>,
+}
+
+impl GrpcConnector {
+    pub fn new(channels: Arc<Channels>) -> Self {
+        Self {
+            channels,
+            nodes: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl Connector for GrpcConnector {
+    fn node(&self, address: &str) -> Result<Arc<dyn ShardNode>> {
+        if let Some(n) = self.nodes.lock().get(address) {
+            return Ok(n.clone());
+        }
+        let ch = self.channels.get(address).map_err(|e| {
+            ShardCallError::Rejected(tonic::Status::invalid_argument(e.to_string()))
+        })?;
+        let client = ShardClient::new(ch)
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE);
+        let n = Arc::new(GrpcShardNode { client });
+        self.nodes.lock().insert(address.to_owned(), n.clone());
+        Ok(n)
+    }
+}
+
+pub struct GrpcShardNode {
+    client: ShardClient<Channel>,
+}
+
+/// A request with a gRPC deadline, so the node stops working when we stop waiting.
+fn request<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.set_timeout(timeout);
+    r
+}
+
+/// Awaits a call under `timeout` (a node that accepted the connection but hangs).
+async fn call<T>(
+    timeout: Duration,
+    fut: impl Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T> {
+    match tokio::time::timeout(timeout, fut).await {
+        Err(_) => Err(ShardCallError::Deadline),
+        Ok(Err(s)) => Err(ShardCallError::from_status(s)),
+        Ok(Ok(r)) => Ok(r.into_inner()),
+    }
+}
+
+#[tonic::async_trait]
+impl ShardNode for GrpcShardNode {
+    async fn node_info(&self, timeout: Duration) -> Result<NodeInfoResponse> {
+        let mut c = self.client.clone();
+        call(timeout, c.node_info(request(NodeInfoRequest {}, timeout))).await
+    }
+
+    async fn open_shard(&self, req: OpenShardRequest, timeout: Duration) -> Result<()> {
+        let mut c = self.client.clone();
+        call(timeout, c.open_shard(request(req, timeout)))
+            .await
+            .map(|_| ())
+    }
+
+    async fn drop_shard(&self, shard: ShardRef, timeout: Duration) -> Result<()> {
+        let mut c = self.client.clone();
+        let req = DropShardRequest { shard: Some(shard) };
+        call(timeout, c.drop_shard(request(req, timeout)))
+            .await
+            .map(|_| ())
+    }
+
+    async fn write_batch(
+        &self,
+        req: WriteBatchRequest,
+        timeout: Duration,
+    ) -> Result<WriteBatchResponse> {
+        let mut c = self.client.clone();
+        call(timeout, c.write_batch(request(req, timeout))).await
+    }
+
+    async fn bm25_search(
+        &self,
+        req: Bm25SearchRequest,
+        timeout: Duration,
+    ) -> Result<Vec<ShardHit>> {
+        let mut c = self.client.clone();
+        Ok(call(timeout, c.bm25_search(request(req, timeout)))
+            .await?
+            .hits)
+    }
+
+    async fn vector_search(
+        &self,
+        req: VectorSearchRequest,
+        timeout: Duration,
+    ) -> Result<Vec<ShardHit>> {
+        let mut c = self.client.clone();
+        Ok(call(timeout, c.vector_search(request(req, timeout)))
+            .await?
+            .hits)
+    }
+
+    async fn term_statistics(
+        &self,
+        req: TermStatisticsRequest,
+        timeout: Duration,
+    ) -> Result<TermStatisticsResponse> {
+        let mut c = self.client.clone();
+        call(timeout, c.term_statistics(request(req, timeout))).await
+    }
+
+    async fn get_chunks(&self, req: GetChunksRequest, timeout: Duration) -> Result<Vec<Chunk>> {
+        let mut c = self.client.clone();
+        Ok(call(timeout, c.get_chunks(request(req, timeout)))
+            .await?
+            .chunks)
+    }
+
+    async fn get_neighbours(
+        &self,
+        req: GetNeighboursRequest,
+        timeout: Duration,
+    ) -> Result<Vec<Chunk>> {
+        let mut c = self.client.clone();
+        Ok(call(timeout, c.get_neighbours(request(req, timeout)))
+            .await?
+            .chunks)
+    }
+
+    async fn shard_info(&self, shard: ShardRef, timeout: Duration) -> Result<ShardInfoResponse> {
+        let mut c = self.client.clone();
+        let req = ShardInfoRequest { shard: Some(shard) };
+        call(timeout, c.shard_info(request(req, timeout))).await
+    }
+
+    async fn change_replicas(
+        &self,
+        req: ChangeReplicasRequest,
+        timeout: Duration,
+    ) -> Result<ChangeReplicasResponse> {
+        let mut c = self.client.clone();
+        call(timeout, c.change_replicas(request(req, timeout))).await
+    }
+
+    async fn transfer_leader(&self, req: TransferLeaderRequest, timeout: Duration) -> Result<()> {
+        let mut c = self.client.clone();
+        call(timeout, c.transfer_leader(request(req, timeout)))
+            .await
+            .map(|_| ())
+    }
+}

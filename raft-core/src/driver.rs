@@ -1,0 +1,211 @@
+//! A member on its own thread: wall-clock ticks, a mailbox, and `Member`, the handle callers
+//! use to propose, change membership, read and wait for status changes (a watch channel, so
+//! nobody polls).
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use raft::eraftpb::{ConfChangeSingle, ConfChangeType, ConfChangeV2, ConfState};
+use tokio::sync::{oneshot, watch};
+
+use crate::error::{Fatal, RaftError};
+use crate::machine::StateMachine;
+use crate::node::{Msg, Options, RaftNode};
+use crate::status::Status;
+use crate::storage::LogStore;
+use crate::transport::Outbox;
+
+/// Handle of a member running on its own thread.
+pub struct Member<R> {
+    tx: Sender<Msg<R>>,
+    status: watch::Receiver<Status>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// A mailbox: register the sender with the transport before the member starts.
+pub fn mailbox<R>() -> (Sender<Msg<R>>, Receiver<Msg<R>>) {
+    std::sync::mpsc::channel()
+}
+
+/// One membership change as a `ConfChangeV2`, with the member's address as context.
+pub fn conf_change(kind: ConfChangeType, id: u64, address: &str) -> ConfChangeV2 {
+    let mut single = ConfChangeSingle::default();
+    single.set_change_type(kind);
+    single.node_id = id;
+    ConfChangeV2 {
+        changes: vec![single],
+        context: address.as_bytes().to_vec(),
+        ..Default::default()
+    }
+}
+
+impl<R: Send + 'static> Member<R> {
+    /// Opens the member over `store` and `sm` and starts its thread.
+    pub fn start<L: LogStore, M: StateMachine<Response = R>>(
+        opts: Options,
+        store: L,
+        sm: std::sync::Arc<M>,
+        outbox: std::sync::Arc<dyn Outbox>,
+        (tx, rx): (Sender<Msg<R>>, Receiver<Msg<R>>),
+    ) -> Result<Self, Fatal> {
+        let tick = opts.tick;
+        let name = opts.name.clone();
+        let (node, status) = RaftNode::new(opts, store, sm, outbox)?;
+        let thread = std::thread::Builder::new()
+            .name(format!("raft-{name}"))
+            .spawn(move || run(node, rx, tick, name))
+            .map_err(|e| Fatal(format!("spawn raft thread: {e}")))?;
+        Ok(Self {
+            tx,
+            status,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    pub fn status(&self) -> Status {
+        self.status.borrow().clone()
+    }
+
+    pub fn watch(&self) -> watch::Receiver<Status> {
+        self.status.clone()
+    }
+
+    pub fn mailbox(&self) -> Sender<Msg<R>> {
+        self.tx.clone()
+    }
+
+    fn send(&self, m: Msg<R>) -> Result<(), RaftError> {
+        self.tx.send(m).map_err(|_| RaftError::Stopped)
+    }
+
+    async fn wait<T>(
+        rx: oneshot::Receiver<Result<T, RaftError>>,
+        timeout: Duration,
+        what: &'static str,
+    ) -> Result<T, RaftError> {
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(RaftError::Stopped),
+            Err(_) => Err(RaftError::Timeout {
+                what,
+                after: timeout,
+            }),
+        }
+    }
+
+    /// Proposes `data` and waits until it is committed and applied here.
+    pub async fn propose(&self, data: Vec<u8>, timeout: Duration) -> Result<R, RaftError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Msg::Propose { data, reply })?;
+        Self::wait(rx, timeout, "proposal").await
+    }
+
+    pub async fn change(
+        &self,
+        cc: ConfChangeV2,
+        timeout: Duration,
+    ) -> Result<ConfState, RaftError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Msg::ConfChange { cc, reply })?;
+        Self::wait(rx, timeout, "membership change").await
+    }
+
+    /// Waits until this member has applied everything committed before the call; returns that
+    /// read index.
+    pub async fn read_index(&self, timeout: Duration) -> Result<u64, RaftError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Msg::ReadIndex { reply })?;
+        Self::wait(rx, timeout, "read index").await
+    }
+
+    pub fn transfer_leader(&self, to: u64) -> Result<(), RaftError> {
+        self.send(Msg::TransferLeader(to))
+    }
+
+    pub fn campaign(&self) -> Result<(), RaftError> {
+        self.send(Msg::Campaign)
+    }
+
+    /// Asks the member to publish a fresh status.
+    pub fn wake(&self) {
+        let _ = self.tx.send(Msg::Wake);
+    }
+
+    /// The first status satisfying `ok` within `timeout`, or the last one seen.
+    pub async fn wait_for(
+        &self,
+        timeout: Duration,
+        ok: impl Fn(&Status) -> bool,
+    ) -> Result<Status, Status> {
+        let mut rx = self.status.clone();
+        let r = tokio::time::timeout(timeout, rx.wait_for(|s| ok(s))).await;
+        match r {
+            Ok(Ok(s)) => Ok(s.clone()),
+            _ => Err(self.status()),
+        }
+    }
+
+    /// Stops the thread and waits for it.
+    pub fn stop(&self) {
+        let _ = self.tx.send(Msg::Stop);
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl<R> Drop for Member<R> {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Msg::Stop);
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run<L: LogStore, M: StateMachine>(
+    mut node: RaftNode<L, M>,
+    rx: Receiver<Msg<M::Response>>,
+    tick: Duration,
+    name: String,
+) {
+    // A member that campaigned at start has a ready to handle before the first message.
+    let mut failed = node.on_ready().err();
+    node.publish();
+    let mut next_tick = Instant::now() + tick;
+    while failed.is_none() && !node.removed() {
+        let wait = next_tick.saturating_duration_since(Instant::now());
+        let mut stop = false;
+        match rx.recv_timeout(wait) {
+            Ok(Msg::Stop) | Err(RecvTimeoutError::Disconnected) => stop = true,
+            Ok(m) => node.handle(m),
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        for _ in 0..4096 {
+            if stop {
+                break;
+            }
+            match rx.try_recv() {
+                Ok(Msg::Stop) => stop = true,
+                Ok(m) => node.handle(m),
+                Err(_) => break,
+            }
+        }
+        if stop {
+            break;
+        }
+        if Instant::now() >= next_tick {
+            node.tick();
+            next_tick = Instant::now() + tick;
+        }
+        failed = node.on_ready().err();
+        node.publish();
+    }
+    if let Some(e) = failed {
+        // The member can no longer persist safely: stop it (the others carry on) rather than
+        // diverge or acknowledge what is not durable.
+        tracing::error!(group = %name, error = %e, "raft member failed; stopped");
+    }
+    node.shutdown();
+}

@@ -1,0 +1,42 @@
+//! The one Raft integration of ragcluster, on raft-rs (tikv `raft`). The coordinators' catalog
+//! and every shard replica are groups of this core; they differ only in their `StateMachine`
+//! and their `Dialer`.
+//!
+//! - `node`: a member (`RaftNode`): the ready loop in raft-rs' documented order, proposal
+//!   waiters, read index, membership changes (ConfChangeV2, one at a time, quorum-checked),
+//!   log compaction, status on a watch channel.
+//! - `driver`: a member on its own thread with a mailbox (`Member`), the async API callers use.
+//! - `transport`: per-peer connections with batching, backoff and unreachable reports; routing
+//!   of incoming messages to groups; the `raft_isolate` failpoint.
+//! - `storage`: the `LogStore` trait, over RocksDB (`RocksLog`) or memory (`MemLog`).
+//! - `machine`: the `StateMachine` trait and its durability contract.
+//!
+//! This crate knows nothing of gRPC, shards or collections; it must not depend on any
+//! ragcluster crate.
+
+pub mod driver;
+pub mod error;
+pub mod machine;
+pub mod node;
+pub mod status;
+pub mod storage;
+pub mod transport;
+
+pub use driver::{Member, conf_change, mailbox};
+pub use error::{Fatal, RaftError};
+pub use machine::{SnapshotError, StateMachine};
+pub use node::{Msg, Options, RaftNode};
+pub use raft::eraftpb;
+pub use status::{Role, Status};
+pub use storage::mem::{MemDisk, MemLog};
+pub use storage::rocks::{Keys, RocksLog};
+pub use storage::{LogStore, Persisted};
+pub use transport::{Delivery, Dialer, Envelope, GroupId, Outbox, Transport};
+
+/// Milliseconds since the Unix epoch (the proposal clock written into log entries).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,606 @@
+//! One group member: the owner of a raft-rs `RawNode`. It steps messages and proposals, ticks,
+//! and handles every `Ready` in the order raft-rs documents: send the leader's messages,
+//! install a snapshot, apply committed entries, persist entries and hard state, send the
+//! messages that needed them persisted, advance, then the same for the light ready. Proposers
+//! wait on their log index and are answered once their entry is applied.
+//!
+//! `RaftNode` is driven from outside: by `driver::Member`'s thread in production (wall-clock
+//! ticks, a mailbox), or step by step by the deterministic simulation.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use protobuf::Message as _;
+use raft::eraftpb::{
+    ConfChange, ConfChangeSingle, ConfChangeType, ConfChangeV2, ConfState, Entry, EntryType,
+    Message, Snapshot,
+};
+use raft::{RawNode, StateRole};
+use tokio::sync::{oneshot, watch};
+
+use crate::error::{Fatal, RaftError};
+use crate::machine::StateMachine;
+use crate::status::{Role, Status};
+use crate::storage::{LogStore, RaftLog};
+use crate::transport::Outbox;
+
+pub type Reply<T> = oneshot::Sender<Result<T, RaftError>>;
+
+/// What a member's mailbox carries.
+pub enum Msg<R> {
+    Raft(Box<Message>),
+    Propose {
+        data: Vec<u8>,
+        reply: Reply<R>,
+    },
+    /// One membership change (a single `ConfChangeSingle`); the member's address, if it needs
+    /// one, rides in the context.
+    ConfChange {
+        cc: ConfChangeV2,
+        reply: Reply<ConfState>,
+    },
+    /// Answers with an index once this member has applied everything committed before the
+    /// request (Raft read index).
+    ReadIndex {
+        reply: Reply<u64>,
+    },
+    TransferLeader(u64),
+    Campaign,
+    Unreachable(u64),
+    SnapshotStatus {
+        to: u64,
+        ok: bool,
+    },
+    /// Nothing to do but publish a fresh status (the state machine made progress).
+    Wake,
+    Stop,
+}
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub id: u64,
+    pub tick: Duration,
+    pub election_ticks: usize,
+    pub heartbeat_ticks: usize,
+    /// Compact the log once it holds this many entries, keeping the newest half. Members
+    /// further behind catch up from a snapshot.
+    pub log_gc_threshold: u64,
+    /// Start an election at once (a fresh group's preferred leader, a lone member) instead of
+    /// waiting out a timeout.
+    pub campaign: bool,
+    /// A fixed election timeout in ticks instead of raft-rs' random one: the simulation needs
+    /// every run of a seed to be the same.
+    pub fixed_election_timeout: Option<usize>,
+    /// Name in logs and metric labels ("catalog", "docs/0").
+    pub name: String,
+    /// Metric name prefix: counters are `<prefix>_leader_changes_total` and the like.
+    pub metrics_prefix: &'static str,
+}
+
+enum Waiter<R> {
+    Entry(u64, Reply<R>),
+    Conf(u64, Reply<ConfState>),
+}
+
+impl<R> Waiter<R> {
+    fn fail(self, e: RaftError) {
+        match self {
+            Waiter::Entry(_, r) => {
+                let _ = r.send(Err(e));
+            }
+            Waiter::Conf(_, r) => {
+                let _ = r.send(Err(e));
+            }
+        }
+    }
+}
+
+pub struct RaftNode<L: LogStore, M: StateMachine> {
+    raw: RawNode<RaftLog<L, M>>,
+    sm: Arc<M>,
+    outbox: Arc<dyn Outbox>,
+    opts: Options,
+    /// Proposals by log index, answered when that index is applied.
+    waiters: BTreeMap<u64, Waiter<M::Response>>,
+    reads: HashMap<u64, Reply<u64>>,
+    read_seq: u64,
+    /// Read-index answers waiting for the applied index to reach theirs.
+    applied_reads: Vec<(u64, Reply<u64>)>,
+    status: watch::Sender<Status>,
+    last_leader: u64,
+    removed: bool,
+}
+
+fn metric(prefix: &str, what: &str) -> String {
+    format!("{prefix}_{what}")
+}
+
+impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
+    pub fn new(
+        opts: Options,
+        store: L,
+        sm: Arc<M>,
+        outbox: Arc<dyn Outbox>,
+    ) -> Result<(Self, watch::Receiver<Status>), Fatal> {
+        let (min, max) = match opts.fixed_election_timeout {
+            Some(t) => (t, t + 1),
+            None => (0, 0),
+        };
+        let cfg = raft::Config {
+            id: opts.id,
+            election_tick: opts.election_ticks,
+            heartbeat_tick: opts.heartbeat_ticks,
+            min_election_tick: min,
+            max_election_tick: max,
+            applied: sm.applied_index(),
+            max_size_per_msg: 1 << 20,
+            max_inflight_msgs: 256,
+            check_quorum: true,
+            pre_vote: true,
+            ..Default::default()
+        };
+        cfg.validate()?;
+        let log = RaftLog::open(store, sm.clone())?;
+        let logger = slog::Logger::root(slog::Discard, slog::o!());
+        let mut raw = RawNode::new(&cfg, log, &logger)?;
+        if opts.campaign {
+            raw.campaign()?;
+        }
+        let (status, rx) = watch::channel(Status {
+            id: opts.id,
+            ..Default::default()
+        });
+        let node = Self {
+            raw,
+            sm,
+            outbox,
+            opts,
+            waiters: BTreeMap::new(),
+            reads: HashMap::new(),
+            read_seq: 0,
+            applied_reads: Vec::new(),
+            status,
+            last_leader: 0,
+            removed: false,
+        };
+        node.publish();
+        Ok((node, rx))
+    }
+
+    pub fn state_machine(&self) -> &Arc<M> {
+        &self.sm
+    }
+
+    pub fn raw(&self) -> &RawNode<RaftLog<L, M>> {
+        &self.raw
+    }
+
+    pub fn removed(&self) -> bool {
+        self.removed
+    }
+
+    pub fn is_leader(&self) -> bool {
+        self.raw.raft.state == StateRole::Leader
+    }
+
+    pub fn commit_index(&self) -> u64 {
+        self.raw.raft.raft_log.committed
+    }
+
+    fn leader_hint(&self) -> RaftError {
+        let l = self.raw.raft.leader_id;
+        RaftError::NotLeader {
+            leader: (l != 0 && l != self.opts.id).then_some(l),
+        }
+    }
+
+    pub fn tick(&mut self) {
+        self.raw.tick();
+        self.reads.retain(|_, r| !r.is_closed());
+    }
+
+    pub fn handle(&mut self, m: Msg<M::Response>) {
+        match m {
+            Msg::Raft(msg) => {
+                // Stale terms, unknown peers and the like are rejected by raft-rs itself.
+                if let Err(e) = self.raw.step(*msg) {
+                    tracing::debug!(group = %self.opts.name, error = %e, "raft message ignored");
+                }
+            }
+            Msg::Propose { data, reply } => {
+                if self.raw.raft.state != StateRole::Leader {
+                    let _ = reply.send(Err(self.leader_hint()));
+                    return;
+                }
+                let before = self.raw.raft.raft_log.last_index();
+                match self.raw.propose(vec![], data) {
+                    Ok(()) if self.raw.raft.raft_log.last_index() > before => {
+                        let idx = self.raw.raft.raft_log.last_index();
+                        self.waiters
+                            .insert(idx, Waiter::Entry(self.raw.raft.term, reply));
+                    }
+                    // Dropped by raft-rs: a leadership transfer is under way.
+                    Ok(()) | Err(_) => {
+                        let _ = reply.send(Err(self.leader_hint()));
+                    }
+                }
+            }
+            Msg::ConfChange { cc, reply } => self.propose_conf_change(cc, reply),
+            Msg::ReadIndex { reply } => {
+                if self.raw.raft.leader_id == 0 {
+                    let _ = reply.send(Err(RaftError::NotLeader { leader: None }));
+                    return;
+                }
+                self.read_seq += 1;
+                self.raw.read_index(self.read_seq.to_be_bytes().to_vec());
+                self.reads.insert(self.read_seq, reply);
+            }
+            Msg::TransferLeader(to) => self.raw.transfer_leader(to),
+            Msg::Campaign => {
+                let _ = self.raw.campaign();
+            }
+            Msg::Unreachable(id) => self.raw.report_unreachable(id),
+            Msg::SnapshotStatus { to, ok } => {
+                let s = if ok {
+                    raft::SnapshotStatus::Finish
+                } else {
+                    raft::SnapshotStatus::Failure
+                };
+                self.raw.report_snapshot(to, s);
+            }
+            Msg::Wake | Msg::Stop => {}
+        }
+    }
+
+    fn propose_conf_change(&mut self, cc: ConfChangeV2, reply: Reply<ConfState>) {
+        if let Err(e) = self.check_conf_change(&cc) {
+            let _ = reply.send(Err(e));
+            return;
+        }
+        let before = self.raw.raft.raft_log.last_index();
+        match self.raw.propose_conf_change(vec![], cc) {
+            Ok(()) if self.raw.raft.raft_log.last_index() > before => {
+                let idx = self.raw.raft.raft_log.last_index();
+                self.waiters
+                    .insert(idx, Waiter::Conf(self.raw.raft.term, reply));
+            }
+            Ok(()) | Err(_) => {
+                let _ = reply.send(Err(RaftError::FailedPrecondition(
+                    "membership change dropped by raft (leadership moving?)".into(),
+                )));
+            }
+        }
+    }
+
+    /// Refuses membership changes that could not complete or would cost the group its
+    /// quorum: one change at a time, learners first, never the leader itself, never below a
+    /// quorum of reachable voters.
+    fn check_conf_change(&self, cc: &ConfChangeV2) -> Result<(), RaftError> {
+        let fail = |m: String| Err(RaftError::FailedPrecondition(m));
+        if self.raw.raft.state != StateRole::Leader {
+            return Err(self.leader_hint());
+        }
+        if self.raw.raft.has_pending_conf() {
+            return fail("another membership change is still being applied".into());
+        }
+        let [single] = cc.changes.as_slice() else {
+            return fail("one membership change at a time".into());
+        };
+        let cs = &self.raw.store().cs;
+        let id = single.node_id;
+        let is_voter = cs.voters.contains(&id);
+        let is_learner = cs.learners.contains(&id);
+        match single.get_change_type() {
+            ConfChangeType::AddLearnerNode if is_voter => {
+                fail(format!("node {id} is already a voter"))
+            }
+            ConfChangeType::AddNode if !is_learner && !is_voter => fail(format!(
+                "node {id} must be added as a learner and catch up before promotion"
+            )),
+            ConfChangeType::RemoveNode => {
+                if !is_voter && !is_learner {
+                    return fail(format!("node {id} is not a member of this group"));
+                }
+                if id == self.opts.id {
+                    return fail(
+                        "the leader cannot remove itself: transfer leadership first".into(),
+                    );
+                }
+                if is_voter {
+                    let remaining: Vec<u64> =
+                        cs.voters.iter().copied().filter(|v| *v != id).collect();
+                    let prs = self.raw.raft.prs();
+                    let active = remaining
+                        .iter()
+                        .filter(|v| {
+                            **v == self.opts.id || prs.get(**v).is_some_and(|p| p.recent_active)
+                        })
+                        .count();
+                    if remaining.is_empty() || active < remaining.len() / 2 + 1 {
+                        return fail(format!(
+                            "removing node {id} leaves {active} of {} voters reachable: below quorum",
+                            remaining.len()
+                        ));
+                    }
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Handles one ready cycle, if raft-rs has one. A failure is a storage failure: the caller
+    /// stops the member.
+    pub fn on_ready(&mut self) -> Result<(), Fatal> {
+        if !self.raw.has_ready() {
+            return Ok(());
+        }
+        let mut rd = self.raw.ready();
+        if let Some(ss) = rd.ss()
+            && ss.leader_id != self.last_leader
+        {
+            self.last_leader = ss.leader_id;
+            metrics::counter!(metric(self.opts.metrics_prefix, "leader_changes_total"),
+                "group" => self.opts.name.clone())
+            .increment(1);
+            tracing::info!(group = %self.opts.name, leader = ss.leader_id,
+                term = self.raw.raft.term, "raft leader changed");
+        }
+        self.outbox.send(rd.take_messages());
+        if !rd.snapshot().is_empty() {
+            self.install_snapshot(rd.snapshot().clone())?;
+        }
+        for rs in rd.take_read_states() {
+            self.on_read_state(rs.index, &rs.request_ctx);
+        }
+        self.apply(rd.take_committed_entries())?;
+        let hs = rd.hs().cloned();
+        if !rd.entries().is_empty() || hs.is_some() {
+            self.raw.mut_store().append(rd.entries(), hs.as_ref())?;
+        }
+        self.outbox.send(rd.take_persisted_messages());
+        // A member that applied its own removal stops here: raft-rs cannot advance a leader
+        // that is no longer in its own configuration (a leader elected while the change
+        // removing it was uncommitted ends up applying it).
+        if self.removed {
+            return Ok(());
+        }
+        let mut light = self.raw.advance(rd);
+        if let Some(commit) = light.commit_index() {
+            self.raw.mut_store().set_commit(commit)?;
+        }
+        self.outbox.send(light.take_messages());
+        self.apply(light.take_committed_entries())?;
+        if self.removed {
+            return Ok(());
+        }
+        self.raw.advance_apply();
+        self.release_reads();
+        self.maybe_compact()
+    }
+
+    fn install_snapshot(&mut self, snap: Snapshot) -> Result<(), Fatal> {
+        let meta = snap.get_metadata().clone();
+        let mut hs = self.raw.store().hs.clone();
+        hs.term = hs.term.max(meta.term);
+        hs.commit = hs.commit.max(meta.index);
+        self.sm.restore(&meta, &snap.data, &hs)?;
+        let cs = meta.conf_state.clone().unwrap_or_default();
+        self.raw.mut_store().reset(meta.index, meta.term, cs, hs)?;
+        metrics::counter!(metric(self.opts.metrics_prefix, "snapshots_applied_total")).increment(1);
+        tracing::info!(group = %self.opts.name, index = meta.index, term = meta.term,
+            "state replaced by the leader's snapshot");
+        // Entries up to the snapshot whose proposers wait here were overwritten or included;
+        // their outcome here is unknown.
+        let stale: Vec<u64> = self.waiters.range(..=meta.index).map(|(k, _)| *k).collect();
+        for k in stale {
+            if let Some(w) = self.waiters.remove(&k) {
+                w.fail(RaftError::NotLeader { leader: None });
+            }
+        }
+        Ok(())
+    }
+
+    fn on_read_state(&mut self, index: u64, ctx: &[u8]) {
+        let Ok(b) = <[u8; 8]>::try_from(ctx) else {
+            return;
+        };
+        if let Some(reply) = self.reads.remove(&u64::from_be_bytes(b)) {
+            self.applied_reads.push((index, reply));
+        }
+    }
+
+    fn release_reads(&mut self) {
+        let applied = self.sm.applied_index();
+        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.applied_reads)
+            .into_iter()
+            .partition(|(i, _)| *i <= applied);
+        self.applied_reads = waiting;
+        for (i, r) in ready {
+            let _ = r.send(Ok(i));
+        }
+    }
+
+    fn apply(&mut self, entries: Vec<Entry>) -> Result<(), Fatal> {
+        for e in entries {
+            if self.removed {
+                break;
+            }
+            // Replayed after a restart: the state machine has it already.
+            if e.index <= self.sm.applied_index() {
+                continue;
+            }
+            match e.get_entry_type() {
+                EntryType::EntryNormal if !e.data.is_empty() => {
+                    let r = self.sm.apply(e.index, e.term, &e.data)?;
+                    match self.waiters.remove(&e.index) {
+                        Some(Waiter::Entry(term, reply)) if term == e.term => {
+                            let _ = reply.send(Ok(r));
+                        }
+                        Some(w) => w.fail(self.leader_hint()),
+                        None => {}
+                    }
+                }
+                EntryType::EntryConfChange | EntryType::EntryConfChangeV2 => {
+                    self.apply_conf_change(&e)?;
+                }
+                _ => {
+                    self.sm.apply_empty(e.index, e.term, None)?;
+                    if let Some(w) = self.waiters.remove(&e.index) {
+                        w.fail(self.leader_hint());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn apply_conf_change(&mut self, e: &Entry) -> Result<(), Fatal> {
+        let bad = |err: protobuf::ProtobufError| Fatal(format!("conf change {}: {err}", e.index));
+        // Logs written before ConfChangeV2 hold v1 changes.
+        let (changes, context, cs) = if e.get_entry_type() == EntryType::EntryConfChange {
+            let mut cc = ConfChange::default();
+            cc.merge_from_bytes(&e.data).map_err(bad)?;
+            let mut single = ConfChangeSingle::default();
+            single.set_change_type(cc.get_change_type());
+            single.node_id = cc.node_id;
+            let old = self.raw.store().cs.clone();
+            let cs = self.raw.apply_conf_change(&cc)?;
+            (vec![(single, old)], cc.context.to_vec(), cs)
+        } else {
+            let mut cc = ConfChangeV2::default();
+            cc.merge_from_bytes(&e.data).map_err(bad)?;
+            let old = self.raw.store().cs.clone();
+            let cs = self.raw.apply_conf_change(&cc)?;
+            let changes = cc
+                .changes
+                .iter()
+                .map(|c| (c.clone(), old.clone()))
+                .collect();
+            (changes, cc.context.to_vec(), cs)
+        };
+        let mut newcomer = false;
+        for (c, old) in &changes {
+            let id = c.node_id;
+            let adds = matches!(
+                c.get_change_type(),
+                ConfChangeType::AddLearnerNode | ConfChangeType::AddNode
+            );
+            if adds && !old.voters.contains(&id) && !old.learners.contains(&id) {
+                newcomer = true;
+            }
+            if adds && !context.is_empty() {
+                self.outbox
+                    .learn_peer(id, &String::from_utf8_lossy(&context));
+            }
+            if c.get_change_type() == ConfChangeType::RemoveNode && id == self.opts.id {
+                self.removed = true;
+            }
+        }
+        self.sm.apply_empty(e.index, e.term, Some(&cs))?;
+        self.raw.mut_store().cs = cs.clone();
+        // A newcomer starts empty, without the group's first membership, so it cannot apply
+        // the log from index 1: dropping the log up to this change makes whichever member
+        // leads send it a snapshot (state and membership).
+        if newcomer {
+            self.raw.mut_store().compact(e.index)?;
+        }
+        // Visible to callers (a transfer to a just-promoted voter) before the proposer hears.
+        self.publish();
+        tracing::info!(group = %self.opts.name, index = e.index, voters = ?cs.voters,
+            learners = ?cs.learners, "membership changed");
+        match self.waiters.remove(&e.index) {
+            Some(Waiter::Conf(term, reply)) if term == e.term => {
+                let _ = reply.send(Ok(cs));
+            }
+            Some(w) => w.fail(self.leader_hint()),
+            None => {}
+        }
+        Ok(())
+    }
+
+    /// Keeps the log under `log_gc_threshold` entries: drops the older half once it is reached.
+    fn maybe_compact(&mut self) -> Result<(), Fatal> {
+        let store = self.raw.store();
+        if store.entry_count() < self.opts.log_gc_threshold {
+            return Ok(());
+        }
+        let to = self
+            .sm
+            .applied_index()
+            .saturating_sub(self.opts.log_gc_threshold / 2);
+        if to > store.truncated_index {
+            self.raw.mut_store().compact(to)?;
+            metrics::counter!(metric(self.opts.metrics_prefix, "log_compactions_total"))
+                .increment(1);
+        }
+        Ok(())
+    }
+
+    /// Publishes the member's view (only when it changed).
+    pub fn publish(&self) {
+        let r = &self.raw.raft;
+        let store = self.raw.store();
+        let learner = store.cs.learners.contains(&self.opts.id);
+        let role = match r.state {
+            StateRole::Leader => Role::Leader,
+            StateRole::Candidate => Role::Candidate,
+            StateRole::PreCandidate => Role::PreCandidate,
+            StateRole::Follower if learner => Role::Learner,
+            StateRole::Follower => Role::Follower,
+        };
+        let mut matched: Vec<(u64, u64)> = if role == Role::Leader {
+            r.prs().iter().map(|(id, p)| (*id, p.matched)).collect()
+        } else {
+            Vec::new()
+        };
+        matched.sort_unstable();
+        let mut voters = store.cs.voters.clone();
+        voters.sort_unstable();
+        let mut learners = store.cs.learners.clone();
+        learners.sort_unstable();
+        let s = Status {
+            id: self.opts.id,
+            role,
+            term: r.term,
+            leader_id: r.leader_id,
+            commit_index: r.raft_log.committed,
+            applied_index: self.sm.visible_index(),
+            first_log_index: store.truncated_index + 1,
+            voters,
+            learners,
+            matched,
+        };
+        self.status.send_if_modified(|old| {
+            let changed = *old != s;
+            if changed {
+                *old = s;
+            }
+            changed
+        });
+    }
+
+    /// Fails every waiting caller and publishes the final role. Called once, when the member
+    /// stops.
+    pub fn shutdown(&mut self) {
+        for (_, w) in std::mem::take(&mut self.waiters) {
+            w.fail(RaftError::Stopped);
+        }
+        for (_, r) in self.reads.drain() {
+            let _ = r.send(Err(RaftError::Stopped));
+        }
+        for (_, r) in self.applied_reads.drain(..) {
+            let _ = r.send(Err(RaftError::Stopped));
+        }
+        let role = if self.removed {
+            Role::Removed
+        } else {
+            Role::Stopped
+        };
+        self.status.send_modify(|s| {
+            s.role = role;
+            s.leader_id = 0;
+        });
+    }
+}

@@ -1,0 +1,254 @@
+//! Applies committed batches to a shard's indexes on a thread of their own, so the Raft thread
+//! only writes RocksDB (durable) and moves on. Jobs arrive in log order; the worker takes all
+//! that queued up, updates HNSW, stages everything in tantivy and commits once with the last
+//! sequence number as payload (group commit), then publishes that sequence as visible. Writes
+//! are acknowledged, and strong reads answered, once their sequence is visible.
+//!
+//! Crash windows: a batch is in RocksDB and the op log before it is queued here, so one lost in
+//! a crash is replayed into BM25 at open (HNSW is rebuilt from RocksDB anyway).
+
+use std::sync::Arc;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, Sender};
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use ragcluster_proto::v1::DocumentWrite;
+use tokio::sync::watch;
+
+use super::{Indexes, point};
+use crate::error::{Result, ShardError};
+use crate::storage::{ShardKey, Store};
+
+/// What the Raft thread hands over, in log order.
+pub enum Job {
+    /// A batch durable at `seq`: its writes, and the chunk ids it replaced that it did not
+    /// write again.
+    Batch {
+        seq: u64,
+        writes: Vec<DocumentWrite>,
+        removed: Vec<String>,
+    },
+    /// An entry that changed no chunk.
+    Skip(u64),
+    /// A snapshot was installed at `seq`: rebuild both indexes from RocksDB.
+    Rebuild(u64),
+}
+
+impl Job {
+    fn seq(&self) -> u64 {
+        match self {
+            Job::Batch { seq, .. } | Job::Skip(seq) | Job::Rebuild(seq) => *seq,
+        }
+    }
+}
+
+/// When to rebuild the HNSW graph: tombstones over `ratio` of all points and at least `min`.
+#[derive(Debug, Clone, Copy)]
+pub struct Compaction {
+    pub ratio: f64,
+    pub min: usize,
+}
+
+pub struct IndexWorker {
+    tx: Mutex<Option<Sender<Job>>>,
+    visible: watch::Receiver<u64>,
+    failed: Arc<AtomicBool>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    wake: Arc<OnceLock<Box<dyn Fn() + Send + Sync>>>,
+}
+
+struct Worker {
+    key: ShardKey,
+    store: Arc<Store>,
+    indexes: Arc<Indexes>,
+    compaction: Compaction,
+    visible: watch::Sender<u64>,
+    wake: Arc<OnceLock<Box<dyn Fn() + Send + Sync>>>,
+}
+
+const MAX_GROUP: usize = 256;
+
+impl IndexWorker {
+    /// Starts the worker with everything up to `visible` already in the indexes.
+    pub fn start(
+        key: ShardKey,
+        store: Arc<Store>,
+        indexes: Arc<Indexes>,
+        visible: u64,
+        compaction: Compaction,
+    ) -> Result<Self> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (vtx, vrx) = watch::channel(visible);
+        let failed = Arc::new(AtomicBool::new(false));
+        let wake: Arc<OnceLock<Box<dyn Fn() + Send + Sync>>> = Arc::default();
+        let w = Worker {
+            key: key.clone(),
+            store,
+            indexes,
+            compaction,
+            visible: vtx,
+            wake: wake.clone(),
+        };
+        let f = failed.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("index-{key}"))
+            .spawn(move || w.run(rx, &f))?;
+        Ok(Self {
+            tx: Mutex::new(Some(tx)),
+            visible: vrx,
+            failed,
+            thread: Mutex::new(Some(thread)),
+            wake,
+        })
+    }
+
+    /// Called after each group of jobs (the Raft member republishes its status).
+    pub fn on_progress(&self, f: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.wake.set(f);
+    }
+
+    pub fn push(&self, job: Job) {
+        if let Some(tx) = self.tx.lock().as_ref() {
+            let _ = tx.send(job);
+        }
+    }
+
+    /// The highest sequence whose effects searches see.
+    pub fn visible(&self) -> u64 {
+        *self.visible.borrow()
+    }
+
+    /// Waits until `seq` is visible, or fails at `deadline`.
+    pub async fn wait_visible(&self, seq: u64, deadline: Instant) -> Result<()> {
+        if self.visible() >= seq {
+            return Ok(());
+        }
+        let mut rx = self.visible.clone();
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, rx.wait_for(|v| *v >= seq)).await {
+            Ok(Ok(_)) => Ok(()),
+            _ if self.failed.load(Ordering::Acquire) => Err(ShardError::Unavailable(
+                "the shard's indexes failed to update; the write is durable and is indexed \
+                 again when the node restarts"
+                    .into(),
+            )),
+            _ => Err(ShardError::Unavailable(format!(
+                "entry {seq} is durable but not yet searchable after {} ms",
+                left.as_millis()
+            ))),
+        }
+    }
+
+    /// Finishes the queued jobs and stops the thread.
+    pub fn stop(&self) {
+        self.tx.lock().take();
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for IndexWorker {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl Worker {
+    fn run(self, rx: Receiver<Job>, failed: &AtomicBool) {
+        while let Ok(first) = rx.recv() {
+            let mut jobs = vec![first];
+            while jobs.len() < MAX_GROUP {
+                match rx.try_recv() {
+                    Ok(j) => jobs.push(j),
+                    Err(_) => break,
+                }
+            }
+            match self.apply(jobs) {
+                Ok(seq) => {
+                    self.visible.send_replace(seq);
+                    if let Some(w) = self.wake.get() {
+                        w();
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(shard = %self.key, error = %e,
+                        "index update failed; writes stay durable and are re-indexed at restart");
+                    failed.store(true, Ordering::Release);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Applies a group of jobs under the update lock and commits BM25 once.
+    fn apply(&self, jobs: Vec<Job>) -> Result<u64> {
+        let started = Instant::now();
+        let n = jobs.len();
+        let last = jobs.last().map_or(0, Job::seq);
+        let ix = &self.indexes;
+        let _g = ix.update.lock();
+        for job in jobs {
+            match job {
+                Job::Batch {
+                    writes, removed, ..
+                } => {
+                    let points = writes
+                        .iter()
+                        .flat_map(|w| w.chunks.iter().map(point))
+                        .collect();
+                    ix.hnsw.insert(points);
+                    ix.hnsw.remove(&removed);
+                    ix.bm25.stage(&writes)?;
+                }
+                Job::Skip(_) => {}
+                Job::Rebuild(_) => self.rebuild()?,
+            }
+        }
+        ix.bm25.commit(last)?;
+        self.store.truncate_oplog(&self.key, last)?;
+        self.maybe_compact()?;
+        metrics::histogram!("shard_index_group_seconds").record(started.elapsed().as_secs_f64());
+        metrics::histogram!("shard_index_group_entries").record(n as f64);
+        Ok(last)
+    }
+
+    fn rebuild(&self) -> Result<()> {
+        let t = Instant::now();
+        let mut points = Vec::new();
+        self.store.for_each_chunk(&self.key, true, |c| {
+            points.push(point(&c));
+            Ok(())
+        })?;
+        let n = points.len();
+        self.indexes.hnsw.rebuild(points);
+        self.indexes.bm25.clear()?;
+        self.store.for_each_chunk(&self.key, false, |c| {
+            self.indexes.bm25.stage_chunks(std::slice::from_ref(&c))
+        })?;
+        tracing::info!(shard = %self.key, chunks = n, ms = t.elapsed().as_millis() as u64,
+            "indexes rebuilt from a snapshot");
+        Ok(())
+    }
+
+    /// Rebuilds the HNSW graph when tombstones exceed the configured share.
+    fn maybe_compact(&self) -> Result<()> {
+        let (live, dead) = self.indexes.hnsw.counts();
+        let c = self.compaction;
+        if dead < c.min || (dead as f64) < c.ratio * (live + dead) as f64 {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let mut points = Vec::with_capacity(live);
+        self.store.for_each_chunk(&self.key, true, |ch| {
+            points.push(point(&ch));
+            Ok(())
+        })?;
+        self.indexes.hnsw.rebuild(points);
+        tracing::info!(shard = %self.key, dead, live, ms = started.elapsed().as_millis() as u64,
+            "hnsw compacted");
+        Ok(())
+    }
+}

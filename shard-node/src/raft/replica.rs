@@ -1,0 +1,185 @@
+//! The handle of one replica: the shard it serves plus its running Raft member. RPC handlers
+//! write, read and change membership through it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use prost::Message as _;
+use ragcluster_proto::v1::{RaftCommand, WriteBatchRequest, WriteBatchResponse};
+use ragcluster_raft::eraftpb::{ConfChangeType, ConfState};
+use ragcluster_raft::{Member, Options, RaftError, RocksLog, Status};
+
+use super::LeaderHint;
+use super::machine::ShardResponse;
+use super::transport::ShardTransport;
+use crate::error::{Result, ShardError};
+use crate::shard::Shard;
+
+pub struct Replica {
+    pub shard: Arc<Shard>,
+    member: Member<ShardResponse>,
+    transport: Arc<ShardTransport>,
+}
+
+impl Replica {
+    /// Starts the replica's member; its mailbox is registered with the transport first so no
+    /// message for it is lost.
+    pub fn start(
+        shard: Arc<Shard>,
+        log: RocksLog,
+        opts: Options,
+        transport: Arc<ShardTransport>,
+    ) -> Result<Arc<Self>> {
+        let key = shard.key.clone();
+        let mailbox = ragcluster_raft::mailbox();
+        transport.register(key.clone(), mailbox.0.clone());
+        let member = Member::start(
+            opts,
+            log,
+            shard.clone(),
+            transport.outbox(key.clone()),
+            mailbox,
+        )
+        .map_err(|e| {
+            transport.unregister(&key);
+            ShardError::Corrupt(e.0)
+        })?;
+        // The member republishes its status as the indexes catch up.
+        let wake = member.mailbox();
+        shard.on_progress(Box::new(move || {
+            let _ = wake.send(ragcluster_raft::Msg::Wake);
+        }));
+        Ok(Arc::new(Self {
+            shard,
+            member,
+            transport,
+        }))
+    }
+
+    pub fn status(&self) -> Status {
+        self.member.status()
+    }
+
+    /// The leader's id and address when another replica leads.
+    pub fn leader_hint(&self) -> LeaderHint {
+        let id = self.status().other_leader()?;
+        Some((id, self.transport.address(id).unwrap_or_default()))
+    }
+
+    pub fn leader_address(&self, id: u64) -> String {
+        self.transport.address(id).unwrap_or_default()
+    }
+
+    fn error(&self, e: RaftError) -> ShardError {
+        match e {
+            RaftError::NotLeader { leader } => ShardError::NotLeader(
+                leader.map(|id| (id, self.transport.address(id).unwrap_or_default())),
+            ),
+            RaftError::Stopped => {
+                ShardError::Unavailable(format!("replica {} stopped", self.shard.key))
+            }
+            RaftError::Timeout { what, after } => ShardError::Unavailable(format!(
+                "{what} not committed within {} ms (no quorum?); the outcome is unknown, retry \
+                 with the same request_id",
+                after.as_millis()
+            )),
+            RaftError::FailedPrecondition(m) => ShardError::FailedPrecondition(m),
+        }
+    }
+
+    /// Proposes a write batch and answers once it is committed, applied here and visible to
+    /// searches.
+    pub async fn write(
+        &self,
+        mut req: WriteBatchRequest,
+        timeout: Duration,
+    ) -> Result<WriteBatchResponse> {
+        if !self.status().is_leader() {
+            return Err(ShardError::NotLeader(self.leader_hint()));
+        }
+        self.shard.validate(&mut req)?;
+        let deadline = Instant::now() + timeout;
+        let data = RaftCommand {
+            proposed_at_ms: ragcluster_raft::now_ms(),
+            batch: Some(req),
+        }
+        .encode_to_vec();
+        let r = self
+            .member
+            .propose(data, timeout)
+            .await
+            .map_err(|e| self.error(e))??;
+        self.shard.wait_visible(r.applied_seq, deadline).await?;
+        Ok(r)
+    }
+
+    /// One membership change of `node` (its address rides along for the others to dial).
+    pub async fn change(
+        &self,
+        kind: ConfChangeType,
+        node: u64,
+        address: &str,
+        timeout: Duration,
+    ) -> Result<ConfState> {
+        let cc = ragcluster_raft::conf_change(kind, node, address);
+        self.member
+            .change(cc, timeout)
+            .await
+            .map_err(|e| self.error(e))
+    }
+
+    /// Waits until this replica's searches see everything committed before the call (Raft
+    /// read index), so a read that follows sees every acknowledged write.
+    pub async fn read_index(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let index = self.member.read_index(timeout).await.map_err(|e| match e {
+            RaftError::Timeout { .. } => ShardError::Unavailable(format!(
+                "no read index for {} within {} ms (no leader or no quorum)",
+                self.shard.key,
+                timeout.as_millis()
+            )),
+            e => self.error(e),
+        })?;
+        self.shard.wait_visible(index, deadline).await
+    }
+
+    /// Moves leadership to `to` and waits until it leads. Raft aborts a transfer the target
+    /// does not finish within an election timeout (a busy or lagging target), so while this
+    /// replica still leads it asks again every second.
+    pub async fn transfer_leader(&self, to: u64, timeout: Duration) -> Result<()> {
+        let st = self.status();
+        if !st.is_leader() {
+            return Err(ShardError::NotLeader(self.leader_hint()));
+        }
+        if !st.voters.contains(&to) {
+            return Err(ShardError::FailedPrecondition(format!(
+                "node {to} is not a voter of this shard"
+            )));
+        }
+        let until = Instant::now() + timeout;
+        while Instant::now() < until {
+            self.member.transfer_leader(to).map_err(|e| self.error(e))?;
+            let left = until.saturating_duration_since(Instant::now());
+            let waited = self
+                .member
+                .wait_for(left.min(Duration::from_secs(1)), |s| {
+                    s.leader_id == to || (s.leader_id != st.id && s.leader_id != 0)
+                })
+                .await;
+            match waited {
+                Ok(s) if s.leader_id == to => return Ok(()),
+                // Someone else took over: ask the new leader instead.
+                Ok(_) => return Err(ShardError::NotLeader(self.leader_hint())),
+                Err(_) => {}
+            }
+        }
+        Err(ShardError::Unavailable(format!(
+            "leadership did not move to node {to} in time (is it caught up?)"
+        )))
+    }
+
+    /// Stops the member and waits for it.
+    pub fn stop(&self) {
+        self.member.stop();
+    }
+}
