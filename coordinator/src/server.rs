@@ -14,6 +14,7 @@ use crate::channels::Channels;
 use crate::chunking::{HfTokens, Tokens};
 use crate::collections::Collections;
 use crate::config::CoordinatorConfig;
+use crate::flow::run::Services;
 use crate::flow::{AskOptions, Engine, Flows};
 use crate::handles::Handles;
 use crate::ingest::Ingestor;
@@ -110,10 +111,12 @@ pub async fn run_with(
         engine: Arc::new(Engine {
             flows,
             catalog: catalog.clone(),
-            searcher,
-            shards: h.shards.clone(),
-            models: h.models.clone(),
-            tokens,
+            services: Arc::new(Services {
+                searcher,
+                shards: h.shards.clone(),
+                models: h.models.clone(),
+                tokens,
+            }),
             opts: AskOptions {
                 timeout: cfg.ask_timeout,
                 max_generated_tokens: cfg.ask_max_generated_tokens,

@@ -14,7 +14,7 @@ use std::collections::HashSet;
 use ragcluster_proto::v1::Citation;
 use unicode_segmentation::UnicodeSegmentation;
 
-use super::exec::Passage;
+use super::run::Passage;
 
 /// Characters of context text placed in one prompt; later contexts are left out.
 pub const MAX_CONTEXT_CHARS: usize = 6000;

@@ -8,28 +8,8 @@ use std::sync::atomic::Ordering;
 use futures::StreamExt;
 use ragcluster_proto::v1::*;
 
-use super::exec::Run;
+use super::run::{Generated, Run};
 use crate::error::{CoordError, Result};
-
-/// A finished generation with per-token text and log-probabilities.
-#[derive(Debug, Clone, Default)]
-pub struct Generated {
-    pub text: String,
-    pub tokens: Vec<String>,
-    pub logprobs: Vec<f32>,
-    pub finish: String,
-    pub completion_tokens: u32,
-}
-
-impl Generated {
-    /// exp(mean log-probability): the length-normalised sequence probability.
-    pub fn mean_prob(&self) -> f32 {
-        if self.logprobs.is_empty() {
-            return 0.0;
-        }
-        (self.logprobs.iter().sum::<f32>() / self.logprobs.len() as f32).exp()
-    }
-}
 
 /// Runs one generation. With `stream` set, every token goes to the client as it arrives
 /// (preceded by a restart marker when an earlier answer was already streamed).
@@ -50,7 +30,7 @@ pub async fn generate(
         });
     }
     req.max_tokens = req.max_tokens.min(left as u32).max(1);
-    let mut s = rt.engine.models.generate(req, rt.left()).await?;
+    let mut s = rt.services.models.generate(req, rt.left()).await?;
     if let Some(step) = stream {
         rt.begin_answer(step).await;
     }
@@ -128,14 +108,14 @@ pub async fn yes_probability(rt: &Run, prompt: String, model: &str) -> Result<f3
 }
 
 pub async fn embed(rt: &Run, texts: Vec<String>) -> Result<Vec<Vec<f32>>> {
-    rt.engine
+    rt.services
         .models
         .embed(&rt.info.embedding_model, texts)
         .await
 }
 
 pub async fn rerank(rt: &Run, model: &str, query: &str, passages: Vec<String>) -> Result<Vec<f32>> {
-    rt.engine
+    rt.services
         .models
         .rerank(model, query, passages, rt.left())
         .await

@@ -1,17 +1,22 @@
 //! The RAG flow engine behind `Coordinator.Ask`: Modular RAG's operators and flow patterns
 //! (linear, conditional, branching, loops) over this cluster's search and model worker.
 //!
-//! - `spec`: the flow file schema, parsing and validation (errors name the place).
-//! - `exec`: the executor and the operators, with a trace entry per step.
-//! - `route`: keyword / semantic / hybrid routing (eq. 19-22).
+//! - `spec`: flows as data (serde structs), lowered to operators and validated (errors name
+//!   the place).
+//! - `ops`: the executor and the operators, one file per family behind the `Operator` trait.
+//! - `run`: what one request shares (`Run`) and the context its steps read and write.
+//! - `trace`: what each step's trace entry says it read and produced.
+//! - `route`: keyword / semantic routing scores (eq. 19-22).
 //! - `citations`: chunk-tagged prompts, citation parsing, validation and spans.
 //! - `llm`: calls to the model worker under the request's token budget and deadline.
 
 pub mod citations;
-pub mod exec;
 pub mod llm;
+pub mod ops;
 pub mod route;
+pub mod run;
 pub mod spec;
+pub mod trace;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -22,15 +27,11 @@ use ragcluster_proto::v1::*;
 use tokio::sync::mpsc;
 
 use crate::catalog::Catalog;
-use crate::chunking::Tokens;
 use crate::error::{CoordError, Result};
 use crate::limits::{
     MAX_ASK_TIMEOUT_MS, MAX_FLOW_TOP_K, MAX_HISTORY, MAX_QUESTION_BYTES, MAX_STEP_TOKENS,
 };
-use crate::models::Models;
-use crate::search::Searcher;
-use crate::shards::Shards;
-use exec::{Ctx, Limits, Overrides, Run};
+use run::{Ctx, Limits, Overrides, Run, Services};
 use spec::{Flow, FlowSet};
 
 /// The shipped example flows (one per pattern), used when no flow file is configured.
@@ -121,15 +122,12 @@ pub struct AskOptions {
     pub max_iterations: usize,
 }
 
-/// Runs flows: what every operator may call (search, shards, models, tokenizer) and the
-/// loaded flows.
+/// Runs flows: the loaded flows and what every operator may call (search, shards, models,
+/// tokenizer).
 pub struct Engine {
     pub flows: Flows,
     pub catalog: Arc<Catalog>,
-    pub searcher: Arc<Searcher>,
-    pub shards: Arc<Shards>,
-    pub models: Arc<Models>,
-    pub tokens: Arc<dyn Tokens>,
+    pub services: Arc<Services>,
     pub opts: AskOptions,
 }
 
@@ -231,7 +229,7 @@ impl Engine {
         let (tx, rx) = mpsc::channel(256);
         let started = Instant::now();
         let run = Arc::new(Run {
-            engine: self.clone(),
+            services: self.services.clone(),
             info,
             question: question.clone(),
             history: r.history,
@@ -254,7 +252,7 @@ impl Engine {
                 ..Default::default()
             };
             let res = {
-                let fut = exec::run_steps(&run, &flow.steps, &mut ctx, "", true);
+                let fut = ops::run_steps(&run, &flow.steps, &mut ctx, "", true);
                 tokio::select! {
                     r = tokio::time::timeout(timeout, fut) => match r {
                         Err(_) => Err(CoordError::Deadline(format!("ask (flow {:?}, {} ms)", flow.name, timeout.as_millis()))),

@@ -14,14 +14,11 @@ use std::collections::{HashMap, HashSet};
 use parking_lot::Mutex;
 use unicode_segmentation::UnicodeSegmentation;
 
-use super::exec::Run;
-use super::llm;
-use super::spec::{RouteMethod, RouteTarget};
-use crate::error::Result;
+use super::spec::RouteTarget;
 
 /// Embeddings of intent descriptions, by (model, text): computed once per coordinator.
 #[derive(Default)]
-pub struct IntentCache(Mutex<HashMap<(String, String), Vec<f32>>>);
+pub struct IntentCache(pub Mutex<HashMap<(String, String), Vec<f32>>>);
 
 /// Eq. 19 for every target.
 pub fn keyword_scores(query: &str, routes: &[RouteTarget]) -> Vec<f32> {
@@ -78,95 +75,6 @@ pub fn semantic_scores(q: &[f32], intents: &[Vec<Vec<f32>>], temperature: f32) -
     sims.iter()
         .map(|vs| vs.iter().map(|s| (s - max).exp() / z).fold(0.0, f32::max))
         .collect()
-}
-
-async fn intent_vectors(rt: &Run, routes: &[RouteTarget]) -> Result<Vec<Vec<Vec<f32>>>> {
-    let model = rt.info.embedding_model.clone();
-    let missing: Vec<String> = {
-        let c = rt.intents.0.lock();
-        let mut m: Vec<String> = routes
-            .iter()
-            .flat_map(|r| r.intents.iter())
-            .filter(|t| !c.contains_key(&(model.clone(), (*t).clone())))
-            .cloned()
-            .collect();
-        m.dedup();
-        m
-    };
-    if !missing.is_empty() {
-        let vecs = llm::embed(rt, missing.clone()).await?;
-        let mut c = rt.intents.0.lock();
-        for (t, v) in missing.into_iter().zip(vecs) {
-            c.insert((model.clone(), t), v);
-        }
-    }
-    let c = rt.intents.0.lock();
-    Ok(routes
-        .iter()
-        .map(|r| {
-            r.intents
-                .iter()
-                .filter_map(|t| c.get(&(model.clone(), t.clone())).cloned())
-                .collect()
-        })
-        .collect())
-}
-
-/// The chosen flow and a line saying why (every target's scores).
-pub async fn choose(
-    rt: &Run,
-    query: &str,
-    method: RouteMethod,
-    alpha: f32,
-    temperature: f32,
-    routes: &[RouteTarget],
-    default: &str,
-) -> Result<(String, String)> {
-    let key = keyword_scores(query, routes);
-    let sem = if method == RouteMethod::Keyword || routes.iter().all(|r| r.intents.is_empty()) {
-        vec![0.0; routes.len()]
-    } else {
-        let q = llm::embed(rt, vec![query.to_owned()])
-            .await?
-            .pop()
-            .unwrap_or_default();
-        semantic_scores(&q, &intent_vectors(rt, routes).await?, temperature)
-    };
-    let a = match method {
-        RouteMethod::Keyword => 1.0,
-        RouteMethod::Semantic => 0.0,
-        RouteMethod::Hybrid => alpha,
-    };
-    let scores: Vec<f32> = key
-        .iter()
-        .zip(&sem)
-        .map(|(k, s)| a * k + (1.0 - a) * s)
-        .collect();
-    let best = scores
-        .iter()
-        .enumerate()
-        .max_by(|x, y| x.1.total_cmp(y.1))
-        .filter(|(_, s)| **s > 0.0)
-        .map(|(i, _)| i);
-    let chosen = match best {
-        Some(i) => routes[i].flow.clone(),
-        None if !default.is_empty() => default.to_owned(),
-        None => routes[0].flow.clone(),
-    };
-    let detail: Vec<String> = routes
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            format!(
-                "{} key {:.2} sem {:.2} = {:.3}",
-                r.flow, key[i], sem[i], scores[i]
-            )
-        })
-        .collect();
-    Ok((
-        chosen.clone(),
-        format!("-> {chosen} ({})", detail.join("; ")),
-    ))
 }
 
 #[cfg(test)]
