@@ -6,6 +6,7 @@
 
 pub mod client;
 pub mod config;
+pub mod names;
 pub mod server;
 pub mod telemetry;
 pub mod tls;

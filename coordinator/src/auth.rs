@@ -21,6 +21,8 @@ use sha2::{Digest, Sha256};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::metadata::MetadataMap;
 
+use ragcluster_common::names::role_name;
+
 use crate::catalog::Catalog;
 use crate::config::AuthConfig;
 use crate::error::{CoordError, Result};
@@ -57,24 +59,6 @@ impl Caller {
     /// Whether the key may touch collection `name`.
     pub fn may_see(&self, name: &str) -> bool {
         self.collections.is_empty() || self.collections.iter().any(|c| c == name)
-    }
-}
-
-pub fn role_name(r: Role) -> &'static str {
-    match r {
-        Role::Reader => "reader",
-        Role::Writer => "writer",
-        Role::Admin => "admin",
-        Role::Unspecified => "none",
-    }
-}
-
-pub fn parse_role(s: &str) -> Option<Role> {
-    match s {
-        "reader" => Some(Role::Reader),
-        "writer" => Some(Role::Writer),
-        "admin" => Some(Role::Admin),
-        _ => None,
     }
 }
 

@@ -21,7 +21,6 @@ pub mod chunking;
 pub mod collections;
 pub mod config;
 pub mod error;
-pub mod eval;
 pub mod flow;
 pub mod fusion;
 pub mod fuzzing;

@@ -515,7 +515,7 @@ pub async fn coordinator_client(addr: &str) -> Result<CoordinatorClient<Channel>
 }
 
 /// A BEIR document.
-pub use coordinator::eval::beir::{BeirDoc, BeirQuery, read_jsonl, read_qrels};
+pub use ragctl::eval::beir::{BeirDoc, BeirQuery, read_jsonl, read_qrels};
 
 /// Percentile (0..=100) of an unsorted sample, nearest rank.
 pub fn percentile(v: &mut [f64], p: f64) -> f64 {

@@ -1,4 +1,4 @@
-//! Retrieval metrics: the product's own (`coordinator::eval::metrics`), re-exported so the
+//! Retrieval metrics: the product's own (`ragctl::eval::metrics`), re-exported so the
 //! benchmarks score exactly what `ragctl eval` reports.
 
-pub use coordinator::eval::metrics::*;
+pub use ragctl::eval::metrics::*;

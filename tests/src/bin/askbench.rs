@@ -45,7 +45,7 @@ const QUESTIONS: [&str; 3] = [
 ];
 
 async fn ask(c: &mut CoordinatorClient<Channel>, flow: &str, q: &str) -> Result<AskResult> {
-    let r = coordinator::flow::ask_result(
+    let r = ragctl::client::ask_result(
         c,
         AskRequest {
             collection: "docs".into(),

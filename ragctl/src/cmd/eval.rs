@@ -1,6 +1,6 @@
 //! `ragctl eval retrieval`: retrieval quality of search configurations or flows on a BEIR
 //! dataset. Every judged query runs through each configuration; documents are ranked by
-//! their best chunk; the metrics of `coordinator::eval::metrics` are averaged over queries.
+//! their best chunk; the metrics of `ragctl::eval::metrics` are averaged over queries.
 //! Writes `per_query.jsonl`, `summary.json`, one TREC run file per configuration (for
 //! trec_eval / pytrec_eval) and `report.html` (charts) into `--out`, and prints a table.
 
@@ -10,16 +10,16 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
-use coordinator::eval::answers::{self, QaItem};
-use coordinator::eval::beir::{self, BeirDoc};
-use coordinator::eval::metrics;
-use coordinator::flow::ask_result;
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use ragcluster_common::client::KeyedChannel;
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::*;
+use ragctl::client::ask_result;
+use ragctl::eval::answers::{self, QaItem};
+use ragctl::eval::beir::{self, BeirDoc};
+use ragctl::eval::metrics;
 use serde_json::json;
 
 #[derive(clap::Subcommand)]
@@ -301,7 +301,7 @@ pub async fn retrieval(client: CoordinatorClient<KeyedChannel>, a: &RetrievalArg
     header.extend(["p50 ms".into(), "p99 ms".into()]);
     table.set_header(header);
     let queries = std::mem::take(&mut judged.queries);
-    let mut charts: Vec<crate::report::Config> = Vec::new();
+    let mut charts: Vec<crate::cmd::report::Config> = Vec::new();
     for (config, spec) in &configs {
         let b = bar(queries.len(), config)?;
         let results: Vec<Result<(String, Vec<String>, f64)>> =
@@ -360,7 +360,7 @@ pub async fn retrieval(client: CoordinatorClient<KeyedChannel>, a: &RetrievalArg
         );
         row.extend([format!("{p50:.1}"), format!("{p99:.1}")]);
         table.add_row(row);
-        charts.push(crate::report::Config {
+        charts.push(crate::cmd::report::Config {
             name: config.clone(),
             means: means.clone(),
             per_query: values,
@@ -397,7 +397,7 @@ pub async fn retrieval(client: CoordinatorClient<KeyedChannel>, a: &RetrievalArg
     );
     std::fs::write(
         a.out.join("report.html"),
-        crate::report::html(&title, &charts, &names)?,
+        crate::cmd::report::html(&title, &charts, &names)?,
     )?;
     println!("{table}");
     println!(

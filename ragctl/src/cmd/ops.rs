@@ -1,16 +1,16 @@
 //! Operator commands that move shard replicas: `ragctl shard move`, `ragctl node drain` and
-//! `ragctl rebalance`. Plans come from `coordinator::rebalance` over the cluster's current
+//! `ragctl rebalance`. Plans come from `ragctl::plan` over the cluster's current
 //! state, so running a command again after an interruption plans only what is left (and a
 //! half-done move resumes where it stopped); moves run one at a time, each with a progress
 //! bar.
 
 use anyhow::{Context, Result, bail};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
-use coordinator::rebalance::{ShardView, Step, plan_leaders, plan_replicas};
 use indicatif::{ProgressBar, ProgressStyle};
 use ragcluster_common::client::KeyedChannel;
 use ragcluster_proto::v1::admin_client::AdminClient;
 use ragcluster_proto::v1::*;
+use ragctl::plan::{ShardView, Step, plan_leaders, plan_replicas};
 
 #[derive(clap::Subcommand)]
 pub enum ShardCmd {

@@ -3,8 +3,8 @@
 use anyhow::{Result, bail};
 use clap::Subcommand;
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
-use coordinator::auth::{parse_role, role_name};
 use ragcluster_common::client::KeyedChannel;
+use ragcluster_common::names::{parse_role, role_name};
 use ragcluster_proto::v1::admin_client::AdminClient;
 use ragcluster_proto::v1::*;
 

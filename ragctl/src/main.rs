@@ -2,11 +2,9 @@
 //! loopback; `ingest`, `search`, `ask`, `eval`, `collection` and `status` talk to a
 //! coordinator.
 
-mod eval;
-mod keys;
-mod ops;
-mod optimize;
-mod report;
+mod cmd;
+
+use cmd::{eval, keys, ops, optimize};
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -17,6 +15,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use indicatif::{ProgressBar, ProgressStyle};
 use ragcluster_common::client::KeyedChannel;
+use ragcluster_common::names::{node_kind_name, raft_role_name};
 use ragcluster_common::tls::{ClientAuth, Tls, TlsConfig};
 use ragcluster_proto::v1::admin_client::AdminClient;
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
@@ -592,7 +591,7 @@ async fn local_up(dir: &Path, n: usize, models: &Path) -> Result<()> {
     ]);
     for nstat in &st.nodes {
         t.add_row([
-            kind_name(nstat.kind()).to_string(),
+            node_kind_name(nstat.kind()).to_string(),
             nstat.address.clone(),
             nstat.health.clone(),
         ]);
@@ -606,7 +605,7 @@ async fn local_up(dir: &Path, n: usize, models: &Path) -> Result<()> {
     if let Some(bad) = st.nodes.iter().find(|x| x.health != "SERVING") {
         bail!(
             "{} {} is {}",
-            kind_name(bad.kind()),
+            node_kind_name(bad.kind()),
             bad.address,
             bad.health
         );
@@ -884,7 +883,7 @@ fn print_shards(shards: &[ShardStats]) {
                     format!(
                         "{} {} @{} lag {}",
                         r.node,
-                        role_name(r.role()),
+                        raft_role_name(r.role()),
                         r.applied_index,
                         s.commit_index.saturating_sub(r.applied_index)
                     )
@@ -909,16 +908,16 @@ async fn status(cli: &Cli, json: bool) -> Result<()> {
         .await?
         .into_inner();
     if json {
-        let nodes: Vec<_> = st.nodes.iter().map(|n| serde_json::json!({"address": n.address, "role": kind_name(n.kind()), "health": n.health, "shards": n.shards, "leaders": n.leaders})).collect();
+        let nodes: Vec<_> = st.nodes.iter().map(|n| serde_json::json!({"address": n.address, "role": node_kind_name(n.kind()), "health": n.health, "shards": n.shards, "leaders": n.leaders})).collect();
         let cols: Vec<_> = st
             .collections
             .iter()
             .map(|c| {
-                let shards: Vec<_> = c.shards.iter().map(|s| serde_json::json!({"shard": s.shard, "leader": s.leader, "term": s.term, "replicas": s.replicas.iter().map(|r| serde_json::json!({"node": r.node, "role": role_name(r.role()), "applied": r.applied_index, "lag": s.commit_index.saturating_sub(r.applied_index), "chunks": r.chunks})).collect::<Vec<_>>(), "documents": s.documents, "chunks": s.chunks, "error": s.error})).collect();
+                let shards: Vec<_> = c.shards.iter().map(|s| serde_json::json!({"shard": s.shard, "leader": s.leader, "term": s.term, "replicas": s.replicas.iter().map(|r| serde_json::json!({"node": r.node, "role": raft_role_name(r.role()), "applied": r.applied_index, "lag": s.commit_index.saturating_sub(r.applied_index), "chunks": r.chunks})).collect::<Vec<_>>(), "documents": s.documents, "chunks": s.chunks, "error": s.error})).collect();
                 serde_json::json!({"name": c.collection.as_ref().map(|x| x.name.clone()), "shards": shards})
             })
             .collect();
-        let catalog = st.catalog.as_ref().map(|c| serde_json::json!({"node_id": c.node_id, "role": role_name(c.role()), "leader_id": c.leader_id, "leader": c.leader_address, "term": c.term, "commit_index": c.commit_index, "applied_index": c.applied_index}));
+        let catalog = st.catalog.as_ref().map(|c| serde_json::json!({"node_id": c.node_id, "role": raft_role_name(c.role()), "leader_id": c.leader_id, "leader": c.leader_address, "term": c.term, "commit_index": c.commit_index, "applied_index": c.applied_index}));
         println!(
             "{}",
             serde_json::json!({"nodes": nodes, "collections": cols, "catalog": catalog})
@@ -930,7 +929,7 @@ async fn status(cli: &Cli, json: bool) -> Result<()> {
         .set_header(["role", "address", "health", "shards", "leaders"]);
     for n in &st.nodes {
         t.add_row([
-            kind_name(n.kind()).to_string(),
+            node_kind_name(n.kind()).to_string(),
             n.address.clone(),
             n.health.clone(),
             n.shards.to_string(),
@@ -942,7 +941,7 @@ async fn status(cli: &Cli, json: bool) -> Result<()> {
         println!(
             "catalog: coordinator {} is {} (leader {} {}), term {}, commit {}, applied {}",
             c.node_id,
-            role_name(c.role()),
+            raft_role_name(c.role()),
             c.leader_id,
             c.leader_address,
             c.term,
@@ -1100,27 +1099,4 @@ async fn ask(cli: &Cli, a: &AskArgs) -> Result<()> {
         bail!("{:?}: {}", s.code(), s.message());
     }
     Ok(())
-}
-
-/// How a Raft role reads in tables and JSON.
-pub fn role_name(r: RaftRole) -> &'static str {
-    match r {
-        RaftRole::Unspecified => "unknown",
-        RaftRole::Follower => "follower",
-        RaftRole::PreCandidate => "pre-candidate",
-        RaftRole::Candidate => "candidate",
-        RaftRole::Leader => "leader",
-        RaftRole::Learner => "learner",
-        RaftRole::Stopped => "stopped",
-        RaftRole::Removed => "removed",
-        RaftRole::Unreachable => "unreachable",
-    }
-}
-
-pub fn kind_name(k: NodeKind) -> &'static str {
-    match k {
-        NodeKind::ShardNode => "shard-node",
-        NodeKind::ModelWorker => "model-worker",
-        NodeKind::Unspecified => "unknown",
-    }
 }

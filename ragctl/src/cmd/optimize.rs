@@ -22,17 +22,17 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail, ensure};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
-use coordinator::eval::answers::QaItem;
-use coordinator::eval::beir::{self, BeirQuery};
-use coordinator::eval::metrics::{self, Rels};
 use futures::StreamExt;
 use ragcluster_common::client::KeyedChannel;
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
+use ragctl::eval::answers::QaItem;
+use ragctl::eval::beir::{self, BeirQuery};
+use ragctl::eval::metrics::{self, Rels};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::eval::{ANSWER_METRICS, FlowRef, percentile, rank, score_answer};
+use crate::cmd::eval::{ANSWER_METRICS, FlowRef, percentile, rank, score_answer};
 
 #[derive(clap::Args)]
 pub struct OptimizeArgs {
@@ -478,7 +478,7 @@ pub async fn optimize(
         bail!("nodes judged by answer metrics need --qa");
     }
     let mw = if needs(Judge::Answers) {
-        Some(crate::eval::model_worker(model_worker).await?)
+        Some(crate::cmd::eval::model_worker(model_worker).await?)
     } else {
         None
     };
@@ -652,9 +652,9 @@ pub async fn optimize(
         a.out.join("summary.json"),
         serde_json::to_string_pretty(&summary)?,
     )?;
-    let rows: Vec<crate::report::TrialRow> = trials
+    let rows: Vec<crate::cmd::report::TrialRow> = trials
         .iter()
-        .map(|t| crate::report::TrialRow {
+        .map(|t| crate::cmd::report::TrialRow {
             node: t.node.clone(),
             candidate: t.step.clone(),
             metrics: shown(t),
@@ -666,7 +666,7 @@ pub async fn optimize(
         .collect();
     std::fs::write(
         a.out.join("report.html"),
-        crate::report::optimizer_html(
+        crate::cmd::report::optimizer_html(
             &format!("ragctl optimize: {}", a.space.display()),
             &flow_text(&winner),
             &rows,
