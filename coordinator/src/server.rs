@@ -59,87 +59,7 @@ pub async fn run_with(
         tls.as_ref(),
     )?);
     let connector = connector.unwrap_or_else(|| Arc::new(GrpcConnector::new(channels.clone())));
-    let embed = EmbedOptions {
-        batch: cfg.embed_batch,
-        concurrency: cfg.embed_concurrency,
-        timeout: cfg.embed_timeout,
-    };
-    let limits = &cfg.limits;
-    let handles = Arc::new(Handles {
-        catalog: catalog.clone(),
-        shards: Arc::new(Shards::new(connector)),
-        models: Arc::new(Models::new(
-            cfg.model_worker.clone(),
-            channels.clone(),
-            embed,
-        )),
-        auth: Arc::new(Auth::new(
-            &cfg.auth,
-            limits.max_concurrent_requests,
-            limits.max_concurrent_requests_per_key,
-        )?),
-    });
-    let tokens: Arc<dyn Tokens> = Arc::new(HfTokens::load(&cfg.embedding_tokenizer)?);
-    let flows = Flows::load(cfg.flows_file.as_deref()).map_err(anyhow::Error::msg)?;
-    tracing::info!(collections = catalog.list().len(), "catalog loaded");
-    tracing::info!(flows = flows.set.flows.len(), default = %flows.set.default, "flows loaded");
-    let h = &handles;
-    let searcher = Arc::new(Searcher::new(
-        catalog.clone(),
-        h.shards.clone(),
-        h.models.clone(),
-    ));
-    let collections = Arc::new(Collections::new(
-        catalog.clone(),
-        h.shards.clone(),
-        h.models.clone(),
-        cfg.shard_nodes.clone(),
-    ));
-    let forward = Arc::new(Forwarder::new(channels.clone()));
-    let coordinator = CoordinatorService {
-        handles: handles.clone(),
-        collections: collections.clone(),
-        ingestor: Arc::new(Ingestor::new(
-            catalog.clone(),
-            h.shards.clone(),
-            h.models.clone(),
-            tokens.clone(),
-            cfg.write_timeout,
-            limits.max_batch_documents,
-        )),
-        searcher: searcher.clone(),
-        engine: Arc::new(Engine {
-            flows,
-            catalog: catalog.clone(),
-            services: Arc::new(Services {
-                searcher,
-                shards: h.shards.clone(),
-                models: h.models.clone(),
-                tokens,
-            }),
-            opts: AskOptions {
-                timeout: cfg.ask_timeout,
-                max_generated_tokens: cfg.ask_max_generated_tokens,
-                max_branches: cfg.ask_max_branches,
-                max_iterations: cfg.ask_max_iterations,
-            },
-        }),
-        forward: forward.clone(),
-        search_timeout: cfg.search_timeout,
-        max_top_k: limits.max_top_k,
-    };
-    let admin = AdminService {
-        handles: handles.clone(),
-        collections,
-        rebalancer: Arc::new(Rebalancer::new(
-            catalog.clone(),
-            h.shards.clone(),
-            cfg.shard_nodes.clone(),
-        )),
-        forward,
-        channels,
-        shard_nodes: cfg.shard_nodes.clone(),
-    };
+    let (coordinator, admin) = services(&cfg, catalog.clone(), channels, connector)?;
     let peer = CatalogPeerService {
         catalog: catalog.clone(),
         tls: tls.clone(),
@@ -174,4 +94,93 @@ pub async fn run_with(
         .await?;
     catalog.stop();
     Ok(())
+}
+
+/// The components and the two public services over them.
+fn services(
+    cfg: &CoordinatorConfig,
+    catalog: Arc<Catalog>,
+    channels: Arc<Channels>,
+    connector: Arc<dyn Connector>,
+) -> anyhow::Result<(CoordinatorService, AdminService)> {
+    let embed = EmbedOptions {
+        batch: cfg.embed_batch,
+        concurrency: cfg.embed_concurrency,
+        timeout: cfg.embed_timeout,
+    };
+    let limits = &cfg.limits;
+    let h = Arc::new(Handles {
+        catalog: catalog.clone(),
+        shards: Arc::new(Shards::new(connector)),
+        models: Arc::new(Models::new(
+            cfg.model_worker.clone(),
+            channels.clone(),
+            embed,
+        )),
+        auth: Arc::new(Auth::new(
+            &cfg.auth,
+            limits.max_concurrent_requests,
+            limits.max_concurrent_requests_per_key,
+        )?),
+    });
+    let tokens: Arc<dyn Tokens> = Arc::new(HfTokens::load(&cfg.embedding_tokenizer)?);
+    let flows = Flows::load(cfg.flows_file.as_deref()).map_err(anyhow::Error::msg)?;
+    tracing::info!(collections = catalog.list().len(), "catalog loaded");
+    tracing::info!(flows = flows.set.flows.len(), default = %flows.set.default, "flows loaded");
+    let searcher = Arc::new(Searcher::new(
+        catalog.clone(),
+        h.shards.clone(),
+        h.models.clone(),
+    ));
+    let collections = Arc::new(Collections::new(
+        catalog.clone(),
+        h.shards.clone(),
+        h.models.clone(),
+        cfg.shard_nodes.clone(),
+    ));
+    let ingestor = Ingestor::new(
+        catalog.clone(),
+        h.shards.clone(),
+        h.models.clone(),
+        tokens.clone(),
+        cfg.write_timeout,
+        limits.max_batch_documents,
+    );
+    let engine = Engine {
+        flows,
+        catalog: catalog.clone(),
+        services: Arc::new(Services {
+            searcher: searcher.clone(),
+            shards: h.shards.clone(),
+            models: h.models.clone(),
+            tokens,
+        }),
+        opts: AskOptions {
+            timeout: cfg.ask_timeout,
+            max_generated_tokens: cfg.ask_max_generated_tokens,
+            max_branches: cfg.ask_max_branches,
+            max_iterations: cfg.ask_max_iterations,
+        },
+    };
+    let forward = Arc::new(Forwarder::new(channels.clone()));
+    let coordinator = CoordinatorService {
+        handles: h.clone(),
+        collections: collections.clone(),
+        ingestor: Arc::new(ingestor),
+        searcher,
+        engine: Arc::new(engine),
+        forward: forward.clone(),
+        search_timeout: cfg.search_timeout,
+        max_top_k: limits.max_top_k,
+    };
+    let rebalancer = Rebalancer::new(catalog, h.shards.clone(), cfg.shard_nodes.clone());
+    let admin = AdminService {
+        handles: h,
+        collections,
+        rebalancer: Arc::new(rebalancer),
+        forward,
+        channels,
+        shard_nodes: cfg.shard_nodes.clone(),
+    };
+    Ok((coordinator, admin))
 }

@@ -113,12 +113,12 @@ impl RemoteGenerator {
         }
     }
 
-    async fn forward(
+    /// Sends the request; a non-2xx answer becomes the matching error.
+    async fn open(
         &self,
         r: &GenerateRequest,
         p: &GenParams,
-        tx: &mpsc::Sender<Result<GenerateResponse, ModelError>>,
-    ) -> Result<(), ModelError> {
+    ) -> Result<(String, hyper::body::Incoming), ModelError> {
         let (url, body) = self.body(r, p);
         let mut req = hyper::Request::post(&url)
             .header("content-type", "application/json")
@@ -134,26 +134,37 @@ impl RemoteGenerator {
             .map_err(|_| ModelError::Unavailable(format!("{url}: no answer in 60 s")))?
             .map_err(|e| ModelError::Unavailable(format!("{url}: {e}")))?;
         let status = resp.status();
-        let mut body = resp.into_body();
-        if !status.is_success() {
-            let bytes = tokio::time::timeout(IDLE_TIMEOUT, body.collect())
-                .await
-                .ok()
-                .and_then(|b| b.ok())
-                .map(|b| b.to_bytes())
-                .unwrap_or_default();
-            let msg = serde_json::from_slice::<Value>(&bytes)
-                .ok()
-                .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
-                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
-            let msg = format!("{url}: HTTP {}: {msg}", status.as_u16());
-            return Err(match status.as_u16() {
-                400 | 422 => ModelError::InvalidArgument(msg),
-                404 => ModelError::UnknownModel(msg),
-                429 => ModelError::Overloaded(msg),
-                _ => ModelError::Unavailable(msg),
-            });
+        let body = resp.into_body();
+        if status.is_success() {
+            return Ok((url, body));
         }
+        let bytes = tokio::time::timeout(IDLE_TIMEOUT, body.collect())
+            .await
+            .ok()
+            .and_then(|b| b.ok())
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        let msg = serde_json::from_slice::<Value>(&bytes)
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
+            .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+        let msg = format!("{url}: HTTP {}: {msg}", status.as_u16());
+        Err(match status.as_u16() {
+            400 | 422 => ModelError::InvalidArgument(msg),
+            404 => ModelError::UnknownModel(msg),
+            429 => ModelError::Overloaded(msg),
+            _ => ModelError::Unavailable(msg),
+        })
+    }
+
+    /// Streams the server's tokens to `tx`, the last one marked `finished` with the usage.
+    async fn forward(
+        &self,
+        r: &GenerateRequest,
+        p: &GenParams,
+        tx: &mpsc::Sender<Result<GenerateResponse, ModelError>>,
+    ) -> Result<(), ModelError> {
+        let (url, mut body) = self.open(r, p).await?;
         let mut buf: Vec<u8> = Vec::new();
         let mut pending: Option<GenerateResponse> = None;
         let mut last = GenerateResponse::default();
@@ -186,38 +197,10 @@ impl RemoteGenerator {
                     done = true;
                     break;
                 }
-                let v: Value = serde_json::from_str(payload).map_err(|e| {
-                    ModelError::Unavailable(format!("{url}: bad stream chunk: {e}"))
-                })?;
-                if let Some(err) = v.get("error") {
-                    return Err(ModelError::Unavailable(format!("{url}: {err}")));
-                }
-                if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-                    last.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0) as u32;
-                    last.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as u32;
-                }
-                let Some(c) = v["choices"].get(0) else {
+                let Some(next) = chunk(&url, payload, &mut last)? else {
                     continue;
                 };
-                if let Some(f) = c["finish_reason"].as_str() {
-                    last.finish_reason = f.to_owned();
-                }
-                let text = c["delta"]["content"]
-                    .as_str()
-                    .or_else(|| c["text"].as_str())
-                    .unwrap_or_default();
-                let logprob = c["logprobs"]["content"][0]["logprob"]
-                    .as_f64()
-                    .or_else(|| c["logprobs"]["token_logprobs"][0].as_f64());
-                if text.is_empty() && logprob.is_none() {
-                    continue;
-                }
                 sent_tokens += 1;
-                let next = GenerateResponse {
-                    text: text.to_owned(),
-                    logprob: logprob.unwrap_or(0.0) as f32,
-                    ..Default::default()
-                };
                 // Held one message back so the last can carry `finished`.
                 if let Some(m) = pending.replace(next)
                     && tx.send(Ok(m)).await.is_err()
@@ -243,4 +226,42 @@ impl RemoteGenerator {
         let _ = tx.send(Ok(end)).await;
         Ok(())
     }
+}
+
+/// One server-sent chunk: its token, if it carries one; usage and finish reason go to `last`.
+fn chunk(
+    url: &str,
+    payload: &str,
+    last: &mut GenerateResponse,
+) -> Result<Option<GenerateResponse>, ModelError> {
+    let v: Value = serde_json::from_str(payload)
+        .map_err(|e| ModelError::Unavailable(format!("{url}: bad stream chunk: {e}")))?;
+    if let Some(err) = v.get("error") {
+        return Err(ModelError::Unavailable(format!("{url}: {err}")));
+    }
+    if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+        last.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0) as u32;
+        last.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as u32;
+    }
+    let Some(c) = v["choices"].get(0) else {
+        return Ok(None);
+    };
+    if let Some(f) = c["finish_reason"].as_str() {
+        last.finish_reason = f.to_owned();
+    }
+    let text = c["delta"]["content"]
+        .as_str()
+        .or_else(|| c["text"].as_str())
+        .unwrap_or_default();
+    let logprob = c["logprobs"]["content"][0]["logprob"]
+        .as_f64()
+        .or_else(|| c["logprobs"]["token_logprobs"][0].as_f64());
+    if text.is_empty() && logprob.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(GenerateResponse {
+        text: text.to_owned(),
+        logprob: logprob.unwrap_or(0.0) as f32,
+        ..Default::default()
+    }))
 }

@@ -11,7 +11,8 @@ use tokio::sync::{oneshot, watch};
 
 use crate::error::{Fatal, RaftError};
 use crate::machine::StateMachine;
-use crate::node::{Msg, Options, RaftNode};
+use crate::mailbox::Msg;
+use crate::node::{Options, RaftNode};
 use crate::status::Status;
 use crate::storage::LogStore;
 use crate::transport::Outbox;
@@ -21,11 +22,6 @@ pub struct Member<R> {
     tx: Sender<Msg<R>>,
     status: watch::Receiver<Status>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
-}
-
-/// A mailbox: register the sender with the transport before the member starts.
-pub fn mailbox<R>() -> (Sender<Msg<R>>, Receiver<Msg<R>>) {
-    std::sync::mpsc::channel()
 }
 
 /// One membership change as a `ConfChangeV2`, with the member's address as context.

@@ -5,7 +5,8 @@
 //! - `node`: a member (`RaftNode`): the ready loop in raft-rs' documented order, proposal
 //!   waiters, read index, membership changes (ConfChangeV2, one at a time, quorum-checked),
 //!   log compaction, status on a watch channel.
-//! - `driver`: a member on its own thread with a mailbox (`Member`), the async API callers use.
+//! - `driver`: a member on its own thread (`Member`), the async API callers use.
+//! - `mailbox`: what a member's mailbox carries.
 //! - `transport`: per-peer connections with batching, backoff and unreachable reports; routing
 //!   of incoming messages to groups; the `raft_isolate` failpoint.
 //! - `storage`: the `LogStore` trait, over RocksDB (`RocksLog`) or memory (`MemLog`).
@@ -17,15 +18,17 @@
 pub mod driver;
 pub mod error;
 pub mod machine;
+pub mod mailbox;
 pub mod node;
 pub mod status;
 pub mod storage;
 pub mod transport;
 
-pub use driver::{Member, conf_change, mailbox};
+pub use driver::{Member, conf_change};
 pub use error::{Fatal, RaftError};
 pub use machine::{SnapshotError, StateMachine};
-pub use node::{Msg, Options, RaftNode};
+pub use mailbox::{Msg, mailbox};
+pub use node::{Options, RaftNode};
 pub use raft::eraftpb;
 pub use status::{Role, Status};
 pub use storage::mem::{MemDisk, MemLog};

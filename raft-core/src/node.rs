@@ -14,48 +14,17 @@ use std::time::Duration;
 use protobuf::Message as _;
 use raft::eraftpb::{
     ConfChange, ConfChangeSingle, ConfChangeType, ConfChangeV2, ConfState, Entry, EntryType,
-    Message, Snapshot,
+    Snapshot,
 };
 use raft::{RawNode, StateRole};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 
 use crate::error::{Fatal, RaftError};
 use crate::machine::StateMachine;
+use crate::mailbox::{Msg, Reply};
 use crate::status::{Role, Status};
 use crate::storage::{LogStore, RaftLog};
 use crate::transport::Outbox;
-
-pub type Reply<T> = oneshot::Sender<Result<T, RaftError>>;
-
-/// What a member's mailbox carries.
-pub enum Msg<R> {
-    Raft(Box<Message>),
-    Propose {
-        data: Vec<u8>,
-        reply: Reply<R>,
-    },
-    /// One membership change (a single `ConfChangeSingle`); the member's address, if it needs
-    /// one, rides in the context.
-    ConfChange {
-        cc: ConfChangeV2,
-        reply: Reply<ConfState>,
-    },
-    /// Answers with an index once this member has applied everything committed before the
-    /// request (Raft read index).
-    ReadIndex {
-        reply: Reply<u64>,
-    },
-    TransferLeader(u64),
-    Campaign,
-    Unreachable(u64),
-    SnapshotStatus {
-        to: u64,
-        ok: bool,
-    },
-    /// Nothing to do but publish a fresh status (the state machine made progress).
-    Wake,
-    Stop,
-}
 
 #[derive(Debug, Clone)]
 pub struct Options {

@@ -19,7 +19,7 @@ use protobuf::Message as _;
 use raft::eraftpb::{Message, MessageType};
 use tokio::sync::mpsc;
 
-use crate::node::Msg;
+use crate::mailbox::Msg;
 
 /// Where a member's outgoing messages go (the transport for one group, or the simulation).
 pub trait Outbox: Send + Sync {

@@ -6,6 +6,9 @@ use tonic::{Code, Status};
 
 pub type Result<T, E = ShardError> = std::result::Result<T, E>;
 
+/// Leader hint carried by NotLeader errors: (node id, address).
+pub type LeaderHint = Option<(u64, String)>;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ShardError {
     #[error("shard {0} does not exist on this node")]
@@ -29,7 +32,7 @@ pub enum ShardError {
     #[error("internal task failed: {0}")]
     Join(String),
     #[error("not the shard leader{}", .0.as_ref().map(|(id, a)| format!("; leader is node {id} at {a}")).unwrap_or_default())]
-    NotLeader(crate::raft::LeaderHint),
+    NotLeader(LeaderHint),
     #[error("unavailable: {0}")]
     Unavailable(String),
     #[error("failed precondition: {0}")]

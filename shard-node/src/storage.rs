@@ -36,7 +36,6 @@ use rocksdb::{
 };
 
 use crate::error::{Result, ShardError};
-use crate::index::hnsw::HnswParams;
 
 const CF_META: &str = "meta";
 const CF_CHUNKS: &str = "chunks";
@@ -104,6 +103,16 @@ impl fmt::Display for ShardKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.collection, self.shard)
     }
+}
+
+/// Graph parameters of a shard (validated by the service: `m` in [2, 256]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HnswParams {
+    /// Links per node.
+    pub m: u32,
+    pub ef_construction: u32,
+    /// Default search breadth when a query does not give one.
+    pub ef_search: u32,
 }
 
 /// A shard's parameters, kept under `m` in `meta`.

@@ -147,14 +147,48 @@ impl Engine {
                 format!("is longer than {MAX_QUESTION_BYTES} bytes"),
             ));
         }
-        let set = self.flows.set.clone();
-        let flow: Flow = match (r.flow.is_empty(), r.inline_flow.is_empty()) {
-            (false, false) => {
-                return Err(CoordError::invalid(
-                    "inline_flow",
-                    "give either flow or inline_flow",
-                ));
-            }
+        let flow = self.flow_of(&r)?;
+        let o = overrides(
+            &r.overrides.clone().unwrap_or_default(),
+            self.opts.max_generated_tokens,
+        )?;
+        let limits = self.limits(&r)?;
+        let timeout = match r.timeout_ms {
+            0 => self.opts.timeout,
+            ms => Duration::from_millis(u64::from(ms)),
+        };
+        let (tx, rx) = mpsc::channel(256);
+        let started = Instant::now();
+        let run = Arc::new(Run {
+            services: self.services.clone(),
+            info,
+            question: question.clone(),
+            history: r.history,
+            overrides: o,
+            tokens_left: AtomicI64::new(limits.max_generated_tokens as i64),
+            limits,
+            flows: self.flows.set.clone(),
+            intents: self.flows.intents.clone(),
+            trace: Default::default(),
+            generated: AtomicU64::new(0),
+            streamed: AtomicBool::new(false),
+            sink: Some(tx.clone()),
+            started,
+            deadline: started + timeout,
+        });
+        tokio::spawn(drive(run, flow, question, timeout, tx));
+        Ok(rx)
+    }
+
+    /// The request's flow: named, inline (parsed and checked against the loaded flows), or the
+    /// collection's default.
+    fn flow_of(&self, r: &AskRequest) -> Result<Flow> {
+        let set = &self.flows.set;
+        match (r.flow.is_empty(), r.inline_flow.is_empty()) {
+            (false, false) => Err(CoordError::invalid(
+                "inline_flow",
+                "give either flow or inline_flow",
+            )),
             (_, false) => {
                 let v: toml::Value = r
                     .inline_flow
@@ -165,18 +199,19 @@ impl Engine {
                     .map_err(|e| CoordError::invalid("inline_flow", e))?;
                 set.validate_inline(&f)
                     .map_err(|e| CoordError::invalid("inline_flow", e))?;
-                f
+                Ok(f)
             }
-            _ => set
+            _ => Ok(set
                 .resolve(&r.flow, &r.collection)
                 .map_err(|e| CoordError::invalid("flow", e))?
-                .clone(),
-        };
+                .clone()),
+        }
+    }
+
+    /// The request's history and caps, checked; caps are the configured ones lowered by the
+    /// request.
+    fn limits(&self, r: &AskRequest) -> Result<Limits> {
         let cfg = &self.opts;
-        let o = overrides(
-            &r.overrides.clone().unwrap_or_default(),
-            cfg.max_generated_tokens,
-        )?;
         if r.history.len() > MAX_HISTORY {
             return Err(CoordError::invalid(
                 "history",
@@ -199,20 +234,21 @@ impl Engine {
                 format!("must be at most {MAX_ASK_TIMEOUT_MS}"),
             ));
         }
-        let limits = Limits {
-            max_generated_tokens: match r.max_generated_tokens {
-                0 => cfg.max_generated_tokens,
-                n if n as usize <= cfg.max_generated_tokens => n as usize,
-                n => {
-                    return Err(CoordError::invalid(
-                        "max_generated_tokens",
-                        format!(
-                            "{n} is above the coordinator's cap of {}",
-                            cfg.max_generated_tokens
-                        ),
-                    ));
-                }
-            },
+        let max_generated_tokens = match r.max_generated_tokens {
+            0 => cfg.max_generated_tokens,
+            n if n as usize <= cfg.max_generated_tokens => n as usize,
+            n => {
+                return Err(CoordError::invalid(
+                    "max_generated_tokens",
+                    format!(
+                        "{n} is above the coordinator's cap of {}",
+                        cfg.max_generated_tokens
+                    ),
+                ));
+            }
+        };
+        Ok(Limits {
+            max_generated_tokens,
             max_branches: match r.max_branches {
                 0 => cfg.max_branches,
                 n => (n as usize).min(cfg.max_branches),
@@ -221,72 +257,55 @@ impl Engine {
                 0 => cfg.max_iterations,
                 n => (n as usize).min(cfg.max_iterations),
             },
-        };
-        let timeout = match r.timeout_ms {
-            0 => cfg.timeout,
-            ms => Duration::from_millis(u64::from(ms)),
-        };
-        let (tx, rx) = mpsc::channel(256);
-        let started = Instant::now();
-        let run = Arc::new(Run {
-            services: self.services.clone(),
-            info,
-            question: question.clone(),
-            history: r.history,
-            overrides: o,
-            tokens_left: AtomicI64::new(limits.max_generated_tokens as i64),
-            limits,
-            flows: set,
-            intents: self.flows.intents.clone(),
-            trace: Default::default(),
-            generated: AtomicU64::new(0),
-            streamed: AtomicBool::new(false),
-            sink: Some(tx.clone()),
-            started,
-            deadline: started + timeout,
-        });
-        tokio::spawn(async move {
-            let mut ctx = Ctx {
-                query: question,
-                widen: 1,
-                ..Default::default()
-            };
-            let res = {
-                let fut = ops::run_steps(&run, &flow.steps, &mut ctx, "", true);
-                tokio::select! {
-                    r = tokio::time::timeout(timeout, fut) => match r {
-                        Err(_) => Err(CoordError::Deadline(format!("ask (flow {:?}, {} ms)", flow.name, timeout.as_millis()))),
-                        Ok(r) => r,
-                    },
-                    // The client went away: stop every operator (dropping the flow cancels
-                    // model worker streams and searches).
-                    _ = tx.closed() => return,
-                }
-            };
-            let status: tonic::Status;
-            let (result, err) = match res {
-                Ok(()) => (finish(&run, &flow, &ctx, "ok"), None),
-                Err(e) => {
-                    status = e.into();
-                    let code = format!("{:?}", status.code()).to_lowercase();
-                    let mut r = finish(&run, &flow, &ctx, &code);
-                    r.error = status.message().to_owned();
-                    (r, Some(status))
-                }
-            };
-            let label = result.status.clone();
-            metrics::histogram!("coordinator_ask_seconds", "flow" => flow.name.clone(), "status" => label)
-                .record(started.elapsed().as_secs_f64());
-            let _ = tx
-                .send(Ok(AskResponse {
-                    event: Some(ask_response::Event::Result(result)),
-                }))
-                .await;
-            if let Some(s) = err {
-                let _ = tx.send(Err(s)).await;
-            }
-        });
-        Ok(rx)
+        })
+    }
+}
+
+/// Runs the flow to its end (or deadline) and sends the result; stops when the client goes.
+async fn drive(
+    run: Arc<Run>,
+    flow: Flow,
+    question: String,
+    timeout: Duration,
+    tx: mpsc::Sender<std::result::Result<AskResponse, tonic::Status>>,
+) {
+    let mut ctx = Ctx {
+        query: question,
+        widen: 1,
+        ..Default::default()
+    };
+    let res = {
+        let fut = ops::run_steps(&run, &flow.steps, &mut ctx, "", true);
+        tokio::select! {
+            r = tokio::time::timeout(timeout, fut) => match r {
+                Err(_) => Err(CoordError::Deadline(format!("ask (flow {:?}, {} ms)", flow.name, timeout.as_millis()))),
+                Ok(r) => r,
+            },
+            // The client went away: stop every operator (dropping the flow cancels model
+            // worker streams and searches).
+            _ = tx.closed() => return,
+        }
+    };
+    let (result, err) = match res {
+        Ok(()) => (finish(&run, &flow, &ctx, "ok"), None),
+        Err(e) => {
+            let status: tonic::Status = e.into();
+            let code = format!("{:?}", status.code()).to_lowercase();
+            let mut r = finish(&run, &flow, &ctx, &code);
+            r.error = status.message().to_owned();
+            (r, Some(status))
+        }
+    };
+    let label = result.status.clone();
+    metrics::histogram!("coordinator_ask_seconds", "flow" => flow.name.clone(), "status" => label)
+        .record(run.started.elapsed().as_secs_f64());
+    let _ = tx
+        .send(Ok(AskResponse {
+            event: Some(ask_response::Event::Result(result)),
+        }))
+        .await;
+    if let Some(s) = err {
+        let _ = tx.send(Err(s)).await;
     }
 }
 

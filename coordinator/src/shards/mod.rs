@@ -10,7 +10,6 @@
 //!   share of the time left; strong reads stay on the leader (Raft read index).
 //! - Membership and leadership changes go to the leader, found again when it moves.
 
-pub mod error;
 pub mod node;
 pub mod routing;
 
@@ -22,7 +21,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use ragcluster_proto::v1::*;
 
-pub use error::ShardCallError;
+pub use crate::error::ShardCallError;
 pub use node::{Connector, GrpcConnector, ShardNode};
 pub use routing::Routing;
 

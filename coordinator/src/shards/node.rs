@@ -11,8 +11,8 @@ use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
 use tonic::transport::Channel;
 
-use super::error::ShardCallError;
 use crate::channels::{Channels, MAX_MESSAGE};
+use crate::error::ShardCallError;
 
 type Result<T> = std::result::Result<T, ShardCallError>;
 

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{Config, HiddenAct, PositionEmbeddingType};
-use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+use cudarc::cublas::sys::cublasOperation_t::{self, CUBLAS_OP_N, CUBLAS_OP_T};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
@@ -217,6 +217,36 @@ fn rows_cfg(rows: usize, shared_per_thread: usize) -> LaunchConfig {
     }
 }
 
+/// A batch of column-major products C = op(A) op(B) with alpha 1 and beta 0: `mnk` are the
+/// dimensions, `ld` the leading dimensions of A, B and C, `strides` the element distance
+/// between consecutive batch entries of A, B and C.
+fn batched(
+    (transa, transb): (cublasOperation_t, cublasOperation_t),
+    (m, n, k): (i32, i32, i32),
+    (lda, ldb, ldc): (i32, i32, i32),
+    batch: usize,
+    (sa, sb, sc): (usize, usize, usize),
+) -> StridedBatchedConfig<f32> {
+    StridedBatchedConfig {
+        gemm: GemmConfig {
+            transa,
+            transb,
+            m,
+            n,
+            k,
+            alpha: 1.0,
+            lda,
+            ldb,
+            beta: 0.0,
+            ldc,
+        },
+        batch_size: batch as i32,
+        stride_a: sa as i64,
+        stride_b: sb as i64,
+        stride_c: sc as i64,
+    }
+}
+
 impl CudaTransformer {
     /// Uploads the weights found through `vb` (CPU tensors, HF names) to GPU `ordinal`.
     pub fn load(vb: VarBuilder, c: &Config, ordinal: usize) -> Result<Self, ModelError> {
@@ -402,6 +432,82 @@ impl CudaTransformer {
         Ok(out)
     }
 
+    /// Multi-head self-attention of one layer over `x` (`n * s` rows): fused Q/K/V, scores,
+    /// masked softmax, context, heads merged back to rows of `hidden` (before the output
+    /// projection).
+    fn attention(
+        &self,
+        x: &CudaSlice<f32>,
+        layer: &Layer,
+        mask_d: &CudaSlice<f32>,
+        n: usize,
+        s: usize,
+    ) -> Result<CudaSlice<f32>, ModelError> {
+        let (h, heads, d) = (self.hidden, self.heads, self.head_dim);
+        let rows = n * s;
+        let st = &self.stream;
+        let (ni, si, hi, di) = (n as i32, s as i32, heads as i32, d as i32);
+        let bh = n * heads;
+        let qkv = self.gemm(x, &layer.qkv, rows)?;
+        let mut q = st.alloc_zeros::<f32>(rows * h).map_err(err)?;
+        let mut k = st.alloc_zeros::<f32>(rows * h).map_err(err)?;
+        let mut v = st.alloc_zeros::<f32>(rows * h).map_err(err)?;
+        {
+            let mut l = st.launch_builder(&self.k.split_heads);
+            l.arg(&mut q)
+                .arg(&mut k)
+                .arg(&mut v)
+                .arg(&qkv)
+                .arg(&layer.qkv.b);
+            l.arg(&ni).arg(&si).arg(&hi).arg(&di);
+            // SAFETY: qkv is rows*3h, q/k/v rows*h; guarded by i < n*s*3h.
+            unsafe { l.launch(elems(rows * 3 * h)) }.map_err(err)?;
+        }
+        // scores (bh, s, s) = q k^T: column-major S^T = K^T(op T) . Q.
+        let mut scores = st.alloc_zeros::<f32>(bh * s * s).map_err(err)?;
+        // Each batch entry: (s x d)^T (d x s), strides s*d, s*d, s*s.
+        let cfg = batched(
+            (CUBLAS_OP_T, CUBLAS_OP_N),
+            (si, si, di),
+            (di, di, si),
+            bh,
+            (s * d, s * d, s * s),
+        );
+        // SAFETY: k and q hold bh blocks of s*d, scores bh blocks of s*s.
+        unsafe { self.blas.gemm_strided_batched(cfg, &k, &q, &mut scores) }.map_err(err)?;
+        {
+            let mut l = st.launch_builder(&self.k.masked_softmax);
+            l.arg(&mut scores).arg(mask_d).arg(&hi).arg(&si);
+            // SAFETY: bh*s rows of s floats; mask has n*s floats.
+            unsafe { l.launch(rows_cfg(bh * s, 1)) }.map_err(err)?;
+        }
+        // ctx (bh, s, d) = P V: column-major ctx^T = V^T . P^T.
+        let mut ctx = st.alloc_zeros::<f32>(rows * h).map_err(err)?;
+        // Each batch entry: (d x s) (s x s), strides s*d, s*s, s*d.
+        let cfg = batched(
+            (CUBLAS_OP_N, CUBLAS_OP_N),
+            (di, si, si),
+            (di, si, di),
+            bh,
+            (s * d, s * s, s * d),
+        );
+        // SAFETY: v and ctx hold bh blocks of s*d, scores bh blocks of s*s.
+        unsafe { self.blas.gemm_strided_batched(cfg, &v, &scores, &mut ctx) }.map_err(err)?;
+        let mut merged = st.alloc_zeros::<f32>(rows * h).map_err(err)?;
+        {
+            let mut l = st.launch_builder(&self.k.merge_heads);
+            l.arg(&mut merged)
+                .arg(&ctx)
+                .arg(&ni)
+                .arg(&si)
+                .arg(&hi)
+                .arg(&di);
+            // SAFETY: both rows*h floats; guarded by i < n*s*h.
+            unsafe { l.launch(elems(rows * h)) }.map_err(err)?;
+        }
+        Ok(merged)
+    }
+
     /// Hidden states `(n, s, hidden)` on the CPU for `(n, s)` ids / type ids and 0/1 mask.
     pub fn forward(
         &self,
@@ -416,7 +522,7 @@ impl CudaTransformer {
                 "sequence of {s} tokens is longer than the position table"
             )));
         }
-        let (h, heads, d) = (self.hidden, self.heads, self.head_dim);
+        let h = self.hidden;
         let rows = n * s;
         let st = &self.stream;
         let ids_d = st.clone_htod(ids).map_err(err)?;
@@ -440,86 +546,8 @@ impl CudaTransformer {
             unsafe { l.launch(elems(rows * h)) }.map_err(err)?;
         }
         let mut x = self.layer_norm(&emb, None, &self.emb_ln, rows)?;
-        let (ni, si, hi, di) = (n as i32, s as i32, heads as i32, d as i32);
-        let bh = n * heads;
         for layer in &self.layers {
-            let qkv = self.gemm(&x, &layer.qkv, rows)?;
-            let mut q = st.alloc_zeros::<f32>(rows * h).map_err(err)?;
-            let mut k = st.alloc_zeros::<f32>(rows * h).map_err(err)?;
-            let mut v = st.alloc_zeros::<f32>(rows * h).map_err(err)?;
-            {
-                let mut l = st.launch_builder(&self.k.split_heads);
-                l.arg(&mut q)
-                    .arg(&mut k)
-                    .arg(&mut v)
-                    .arg(&qkv)
-                    .arg(&layer.qkv.b);
-                l.arg(&ni).arg(&si).arg(&hi).arg(&di);
-                // SAFETY: qkv is rows*3h, q/k/v rows*h; guarded by i < n*s*3h.
-                unsafe { l.launch(elems(rows * 3 * h)) }.map_err(err)?;
-            }
-            // scores (bh, s, s) = q k^T: column-major S^T = K^T(op T) . Q.
-            let mut scores = st.alloc_zeros::<f32>(bh * s * s).map_err(err)?;
-            let cfg = StridedBatchedConfig {
-                gemm: GemmConfig {
-                    transa: CUBLAS_OP_T,
-                    transb: CUBLAS_OP_N,
-                    m: si,
-                    n: si,
-                    k: di,
-                    alpha: 1.0f32,
-                    lda: di,
-                    ldb: di,
-                    beta: 0.0f32,
-                    ldc: si,
-                },
-                batch_size: bh as i32,
-                stride_a: (s * d) as i64,
-                stride_b: (s * d) as i64,
-                stride_c: (s * s) as i64,
-            };
-            // SAFETY: k and q hold bh blocks of s*d, scores bh blocks of s*s.
-            unsafe { self.blas.gemm_strided_batched(cfg, &k, &q, &mut scores) }.map_err(err)?;
-            {
-                let mut l = st.launch_builder(&self.k.masked_softmax);
-                l.arg(&mut scores).arg(&mask_d).arg(&hi).arg(&si);
-                // SAFETY: bh*s rows of s floats; mask has n*s floats.
-                unsafe { l.launch(rows_cfg(bh * s, 1)) }.map_err(err)?;
-            }
-            // ctx (bh, s, d) = P V: column-major ctx^T = V^T . P^T.
-            let mut ctx = st.alloc_zeros::<f32>(rows * h).map_err(err)?;
-            let cfg = StridedBatchedConfig {
-                gemm: GemmConfig {
-                    transa: CUBLAS_OP_N,
-                    transb: CUBLAS_OP_N,
-                    m: di,
-                    n: si,
-                    k: si,
-                    alpha: 1.0f32,
-                    lda: di,
-                    ldb: si,
-                    beta: 0.0f32,
-                    ldc: di,
-                },
-                batch_size: bh as i32,
-                stride_a: (s * d) as i64,
-                stride_b: (s * s) as i64,
-                stride_c: (s * d) as i64,
-            };
-            // SAFETY: v and ctx hold bh blocks of s*d, scores bh blocks of s*s.
-            unsafe { self.blas.gemm_strided_batched(cfg, &v, &scores, &mut ctx) }.map_err(err)?;
-            let mut merged = st.alloc_zeros::<f32>(rows * h).map_err(err)?;
-            {
-                let mut l = st.launch_builder(&self.k.merge_heads);
-                l.arg(&mut merged)
-                    .arg(&ctx)
-                    .arg(&ni)
-                    .arg(&si)
-                    .arg(&hi)
-                    .arg(&di);
-                // SAFETY: both rows*h floats; guarded by i < n*s*h.
-                unsafe { l.launch(elems(rows * h)) }.map_err(err)?;
-            }
+            let merged = self.attention(&x, layer, &mask_d, n, s)?;
             let mut a = self.gemm(&merged, &layer.attn_out, rows)?;
             self.bias_act(&mut a, &layer.attn_out.b, rows, h, 0)?;
             let a = self.layer_norm(&a, Some(&x), &layer.ln1, rows)?;

@@ -4,7 +4,7 @@
 //! Writes `per_query.jsonl`, `summary.json`, one TREC run file per configuration (for
 //! trec_eval / pytrec_eval) and `report.html` (charts) into `--out`, and prints a table.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -249,26 +249,9 @@ pub(crate) fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[i.clamp(1, v.len()) - 1]
 }
 
-pub async fn retrieval(client: CoordinatorClient<KeyedChannel>, a: &RetrievalArgs) -> Result<()> {
-    let mut judged =
-        beir::judged_queries(&a.dataset, &a.split, a.limit_queries.unwrap_or(usize::MAX))?;
-    if judged.queries.is_empty() {
-        bail!(
-            "no judged queries in {} ({} split)",
-            a.dataset.display(),
-            a.split
-        );
-    }
-    let mut c = client.clone();
-    if a.ingest {
-        let ids: HashSet<String> = judged
-            .queries
-            .iter()
-            .flat_map(|q| judged.qrels[&q.id].keys().cloned())
-            .collect();
-        ingest(&mut c, a, &ids).await?;
-    }
-    std::fs::create_dir_all(&a.out)?;
+/// Every configuration `ragctl eval retrieval` runs: (label, what runs); an inline flow is
+/// labelled by its file name.
+fn configurations(a: &RetrievalArgs) -> Result<Vec<(String, String)>> {
     let mut configs: Vec<String> = a
         .configs
         .iter()
@@ -276,7 +259,6 @@ pub async fn retrieval(client: CoordinatorClient<KeyedChannel>, a: &RetrievalArg
         .cloned()
         .collect();
     configs.extend(a.flow.iter().map(|f| format!("flow:{f}")));
-    // (label, what runs): an inline flow is labelled by its file name.
     let mut configs: Vec<(String, String)> = configs.into_iter().map(|c| (c.clone(), c)).collect();
     if let Some(p) = &a.flow_file {
         let stem = p
@@ -288,93 +270,153 @@ pub async fn retrieval(client: CoordinatorClient<KeyedChannel>, a: &RetrievalArg
             format!("inline:{}", default_flow_of(p)?),
         ));
     }
+    Ok(configs)
+}
+
+/// One configuration's ranking of every query: (query id, doc ids, latency ms).
+async fn run_config(
+    client: &CoordinatorClient<KeyedChannel>,
+    a: &RetrievalArgs,
+    config: &str,
+    spec: &str,
+    queries: &[beir::BeirQuery],
+) -> Result<Vec<(String, Vec<String>, f64)>> {
+    let b = bar(queries.len(), config)?;
+    let results: Vec<Result<(String, Vec<String>, f64)>> = futures::stream::iter(queries.iter())
+        .map(|q| {
+            let c = client.clone();
+            let b = b.clone();
+            async move {
+                let (docs, ms) = rank(c, &a.collection, spec, &q.text, a.top_k).await?;
+                b.inc(1);
+                Ok((q.id.clone(), docs, ms))
+            }
+        })
+        .buffered(a.concurrency.max(1))
+        .collect()
+        .await;
+    b.finish_and_clear();
+    results.into_iter().collect()
+}
+
+/// What one configuration's rankings add up to.
+struct Scored {
+    means: BTreeMap<String, f64>,
+    values: BTreeMap<String, Vec<f64>>,
+    p50: f64,
+    p99: f64,
+    /// One JSON line per query.
+    per_query: String,
+    /// The TREC run file.
+    trec: String,
+}
+
+fn score(
+    config: &str,
+    results: Vec<(String, Vec<String>, f64)>,
+    qrels: &HashMap<String, metrics::Rels>,
+    k: usize,
+) -> Scored {
+    let n = results.len().max(1) as f64;
+    let mut sums: BTreeMap<String, f64> = BTreeMap::new();
+    let mut values: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut lat = Vec::new();
+    let (mut trec, mut per_query) = (String::new(), String::new());
+    let tag = config.replace(':', "_");
+    for (qid, docs, ms) in results {
+        let m = metrics::all(&docs, &qrels[&qid], k);
+        for (n, v) in &m {
+            *sums.entry(n.clone()).or_default() += v;
+            values.entry(n.clone()).or_default().push(*v);
+        }
+        lat.push(ms);
+        let mut line = json!({"config": config, "query_id": qid, "latency_ms": ms,
+                              "top10": docs.iter().take(10).collect::<Vec<_>>()});
+        for (n, v) in m {
+            line[n] = json!(v);
+        }
+        per_query.push_str(&line.to_string());
+        per_query.push('\n');
+        for (i, d) in docs.iter().enumerate() {
+            // Strictly decreasing scores: trec_eval re-sorts by score.
+            trec.push_str(&format!(
+                "{qid} Q0 {d} {} {} {tag}\n",
+                i + 1,
+                docs.len() - i
+            ));
+        }
+    }
+    Scored {
+        means: sums.into_iter().map(|(k, v)| (k, v / n)).collect(),
+        values,
+        p50: percentile(&mut lat, 50.0),
+        p99: percentile(&mut lat, 99.0),
+        per_query,
+        trec,
+    }
+}
+
+pub async fn retrieval(client: CoordinatorClient<KeyedChannel>, a: &RetrievalArgs) -> Result<()> {
+    let mut judged =
+        beir::judged_queries(&a.dataset, &a.split, a.limit_queries.unwrap_or(usize::MAX))?;
+    if judged.queries.is_empty() {
+        bail!(
+            "no judged queries in {} ({} split)",
+            a.dataset.display(),
+            a.split
+        );
+    }
+    if a.ingest {
+        let ids: HashSet<String> = judged
+            .queries
+            .iter()
+            .flat_map(|q| judged.qrels[&q.id].keys().cloned())
+            .collect();
+        ingest(&mut client.clone(), a, &ids).await?;
+    }
+    std::fs::create_dir_all(&a.out)?;
+    let configs = configurations(a)?;
     let mut per_query = String::new();
     let mut summary = serde_json::Map::new();
     let mut table = Table::new();
     table.load_preset(UTF8_FULL_CONDENSED);
-    let mut header = vec!["configuration".to_string()];
     let names: Vec<String> = metrics::all(&[], &Default::default(), a.context_precision_k)
         .into_iter()
         .map(|(n, _)| n)
         .collect();
+    let mut header = vec!["configuration".to_string()];
     header.extend(names.iter().cloned());
     header.extend(["p50 ms".into(), "p99 ms".into()]);
     table.set_header(header);
     let queries = std::mem::take(&mut judged.queries);
     let mut charts: Vec<crate::cmd::report::Config> = Vec::new();
     for (config, spec) in &configs {
-        let b = bar(queries.len(), config)?;
-        let results: Vec<Result<(String, Vec<String>, f64)>> =
-            futures::stream::iter(queries.iter())
-                .map(|q| {
-                    let c = client.clone();
-                    let b = b.clone();
-                    async move {
-                        let (docs, ms) = rank(c, &a.collection, spec, &q.text, a.top_k).await?;
-                        b.inc(1);
-                        Ok((q.id.clone(), docs, ms))
-                    }
-                })
-                .buffered(a.concurrency.max(1))
-                .collect()
-                .await;
-        b.finish_and_clear();
-        let mut sums: BTreeMap<String, f64> = BTreeMap::new();
-        let mut values: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-        let mut lat = Vec::new();
-        let mut trec = String::new();
-        for r in results {
-            let (qid, docs, ms) = r?;
-            let rels = &judged.qrels[&qid];
-            let m = metrics::all(&docs, rels, a.context_precision_k);
-            for (n, v) in &m {
-                *sums.entry(n.clone()).or_default() += v;
-                values.entry(n.clone()).or_default().push(*v);
-            }
-            lat.push(ms);
-            let mut line = json!({"config": config, "query_id": qid, "latency_ms": ms,
-                                  "top10": docs.iter().take(10).collect::<Vec<_>>()});
-            for (n, v) in m {
-                line[n] = json!(v);
-            }
-            per_query.push_str(&line.to_string());
-            per_query.push('\n');
-            let tag = config.replace(':', "_");
-            for (i, d) in docs.iter().enumerate() {
-                // Strictly decreasing scores: trec_eval re-sorts by score.
-                trec.push_str(&format!(
-                    "{qid} Q0 {d} {} {} {tag}\n",
-                    i + 1,
-                    docs.len() - i
-                ));
-            }
-        }
-        let n = queries.len() as f64;
-        let means: BTreeMap<String, f64> = sums.into_iter().map(|(k, v)| (k, v / n)).collect();
-        let (p50, p99) = (percentile(&mut lat, 50.0), percentile(&mut lat, 99.0));
+        let results = run_config(&client, a, config, spec, &queries).await?;
+        let s = score(config, results, &judged.qrels, a.context_precision_k);
         let mut row = vec![config.clone()];
         row.extend(
             names
                 .iter()
-                .map(|k| format!("{:.4}", means.get(k).copied().unwrap_or(0.0))),
+                .map(|k| format!("{:.4}", s.means.get(k).copied().unwrap_or(0.0))),
         );
-        row.extend([format!("{p50:.1}"), format!("{p99:.1}")]);
+        row.extend([format!("{:.1}", s.p50), format!("{:.1}", s.p99)]);
         table.add_row(row);
-        charts.push(crate::cmd::report::Config {
-            name: config.clone(),
-            means: means.clone(),
-            per_query: values,
-            p50_ms: p50,
-            p99_ms: p99,
-        });
         summary.insert(
             config.clone(),
-            json!({"queries": queries.len(), "metrics": means, "latency_ms": {"p50": p50, "p99": p99}}),
+            json!({"queries": queries.len(), "metrics": s.means, "latency_ms": {"p50": s.p50, "p99": s.p99}}),
         );
         std::fs::write(
             a.out.join(format!("{}.trec", config.replace(':', "_"))),
-            trec,
+            &s.trec,
         )?;
+        per_query.push_str(&s.per_query);
+        charts.push(crate::cmd::report::Config {
+            name: config.clone(),
+            means: s.means,
+            per_query: s.values,
+            p50_ms: s.p50,
+            p99_ms: s.p99,
+        });
     }
     std::fs::write(a.out.join("per_query.jsonl"), per_query)?;
     let summary = json!({

@@ -1,7 +1,11 @@
 //! The subcommands that have their own files.
 
+pub mod ask;
+pub mod docs;
 pub mod eval;
 pub mod keys;
+pub mod local;
 pub mod ops;
 pub mod optimize;
 pub mod report;
+pub mod status;

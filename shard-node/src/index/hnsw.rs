@@ -13,6 +13,7 @@ use hnsw_rs::hnsw::Hnsw;
 use parking_lot::RwLock;
 
 use super::Filter;
+pub use crate::storage::HnswParams;
 
 /// Cosine distance for unit vectors, `1 - a·b`, clamped at 0. (hnsw_rs's `DistDot` asserts
 /// `1 - a·b >= 0`, which rounding breaks for near-duplicates and would abort the node.)
@@ -50,16 +51,6 @@ pub fn normalize(v: &mut [f32]) -> bool {
     }
     v.iter_mut().for_each(|x| *x /= n);
     true
-}
-
-/// Graph parameters of a shard (validated by the service: `m` in [2, 256]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct HnswParams {
-    /// Links per node.
-    pub m: u32,
-    pub ef_construction: u32,
-    /// Default search breadth when a query does not give one.
-    pub ef_search: u32,
 }
 
 /// Below this many matching points a filtered search is answered by exact brute force.

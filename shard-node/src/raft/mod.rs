@@ -15,5 +15,4 @@ pub mod transport;
 
 pub use replica::Replica;
 
-/// Leader hint carried by NotLeader errors: (node id, address).
-pub type LeaderHint = Option<(u64, String)>;
+pub use crate::error::LeaderHint;

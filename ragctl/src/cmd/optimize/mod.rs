@@ -17,22 +17,22 @@
 //! `best-flow.toml` (ready for `coordinator.flows_file`), the trial table, `summary.json`
 //! and `report.html`.
 
+mod output;
+mod trials;
+
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail, ensure};
-use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
-use futures::StreamExt;
 use ragcluster_common::client::KeyedChannel;
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
-use ragctl::eval::answers::QaItem;
-use ragctl::eval::beir::{self, BeirQuery};
 use ragctl::eval::metrics::{self, Rels};
 use serde::Deserialize;
-use serde_json::json;
 
-use crate::cmd::eval::{ANSWER_METRICS, FlowRef, percentile, rank, score_answer};
+use crate::cmd::eval::ANSWER_METRICS;
+
+use trials::{Judged, Trial, TrialCache, flow_text, load_judged, run_trial, score};
 
 #[derive(clap::Args)]
 pub struct OptimizeArgs {
@@ -274,175 +274,16 @@ fn sample<T: Clone>(v: &[T], n: usize, seed: u64) -> Vec<T> {
     idx.into_iter().map(|i| v[i].clone()).collect()
 }
 
-/// One candidate's result.
-struct Trial {
-    node: String,
+/// One node of the search space, ready to search: its strategy, judge and candidates.
+struct Planned<'a> {
+    node: &'a Node,
+    strategy: Strategy,
     judge: Judge,
-    step: String,
-    flow: String,
-    metrics: BTreeMap<String, f64>,
-    p50_ms: f64,
-    score: f64,
-    allowed: bool,
-    cached: bool,
-    won: bool,
+    candidates: Vec<Option<Step>>,
 }
 
-fn flow_text(steps: &[Step]) -> String {
-    let s: Vec<&str> = steps.iter().map(|s| s.text.as_str()).collect();
-    format!("steps = [{}]", s.join(", "))
-}
-
-/// The questions a judge runs: (id, question) with qrels for retrieval, QA items for answers.
-struct Judged {
-    retrieval: Option<(Vec<BeirQuery>, HashMap<String, Rels>)>,
-    answers: Option<Vec<QaItem>>,
-}
-
-fn load_judged(a: &OptimizeArgs) -> Result<Judged> {
-    let qa: Option<Vec<QaItem>> =
-        a.qa.as_ref()
-            .map(|p| beir::read_jsonl(p, usize::MAX))
-            .transpose()?;
-    let retrieval = match (&a.dataset, &qa) {
-        (Some(d), _) => {
-            let j = beir::judged_queries(d, &a.split, a.limit_queries.unwrap_or(usize::MAX))?;
-            Some((sample(&j.queries, a.queries, a.seed), j.qrels))
-        }
-        (None, Some(items)) => {
-            let mut queries = Vec::new();
-            let mut qrels = HashMap::new();
-            for (i, it) in items
-                .iter()
-                .enumerate()
-                .filter(|(_, it)| !it.gold_doc_ids.is_empty())
-            {
-                let id = format!("qa-{i}");
-                queries.push(BeirQuery {
-                    id: id.clone(),
-                    text: it.question.clone(),
-                });
-                qrels.insert(id, it.gold_doc_ids.iter().map(|d| (d.clone(), 1)).collect());
-            }
-            Some((sample(&queries, a.queries, a.seed), qrels))
-        }
-        (None, None) => None,
-    };
-    Ok(Judged {
-        retrieval,
-        answers: qa.map(|items| sample(&items, a.queries, a.seed)),
-    })
-}
-
-/// Mean metrics and p50 latency of one flow over the judged questions.
-async fn run_trial(
-    client: &CoordinatorClient<KeyedChannel>,
-    mw: Option<&ModelWorkerClient<KeyedChannel>>,
-    a: &OptimizeArgs,
-    judged: &Judged,
-    judge: Judge,
-    with_llm_judge: bool,
-    flow: &str,
-) -> Result<(BTreeMap<String, f64>, f64)> {
-    let mut sums: BTreeMap<String, (f64, usize)> = BTreeMap::new();
-    let mut lat = Vec::new();
-    match judge {
-        Judge::Retrieval => {
-            let (queries, qrels) = judged
-                .retrieval
-                .as_ref()
-                .context("retrieval metrics need --dataset (or a --qa file with gold_doc_ids)")?;
-            ensure!(!queries.is_empty(), "no judged queries");
-            let config = format!("inline:{flow}");
-            let results: Vec<Result<(String, Vec<String>, f64)>> =
-                futures::stream::iter(queries.iter())
-                    .map(|q| {
-                        let c = client.clone();
-                        let config = config.clone();
-                        async move {
-                            let (docs, ms) = rank(c, &a.collection, &config, &q.text, 100).await?;
-                            Ok((q.id.clone(), docs, ms))
-                        }
-                    })
-                    .buffered(a.concurrency.max(1))
-                    .collect()
-                    .await;
-            for r in results {
-                let (qid, docs, ms) = r?;
-                lat.push(ms);
-                for (n, v) in metrics::all(&docs, &qrels[&qid], 10) {
-                    let e = sums.entry(n).or_default();
-                    e.0 += v;
-                    e.1 += 1;
-                }
-            }
-        }
-        Judge::Answers => {
-            let items = judged
-                .answers
-                .as_ref()
-                .context("answer metrics need --qa")?;
-            ensure!(!items.is_empty(), "the QA file has no questions");
-            let mw = mw.context("answer metrics need a model worker (--model-worker)")?;
-            let results: Vec<Result<(serde_json::Value, f64)>> = futures::stream::iter(items)
-                .map(|item| {
-                    score_answer(
-                        client.clone(),
-                        mw.clone(),
-                        &a.collection,
-                        FlowRef::Inline(flow),
-                        item,
-                        with_llm_judge,
-                    )
-                })
-                .buffered(a.concurrency.max(1))
-                .collect()
-                .await;
-            for r in results {
-                let (row, ms) = r?;
-                lat.push(ms);
-                for k in ANSWER_METRICS {
-                    if let Some(v) = row[k].as_f64() {
-                        let e = sums.entry(k.to_string()).or_default();
-                        e.0 += v;
-                        e.1 += 1;
-                    }
-                }
-            }
-        }
-    }
-    let means = sums
-        .into_iter()
-        .map(|(k, (v, n))| (k, v / n as f64))
-        .collect();
-    Ok((means, percentile(&mut lat, 50.0)))
-}
-
-fn score(node: &str, s: &Strategy, means: &BTreeMap<String, f64>) -> Result<f64> {
-    let total: f64 = s.metrics.values().sum();
-    let mut score = 0.0;
-    for (m, w) in &s.metrics {
-        let v = means.get(m).with_context(|| {
-            format!(
-                "node {node}: strategy metric {m:?} was not measured (measured: {:?}; key_fact \
-                 and final_score need key_facts, citation_precision gold ids)",
-                means.keys().collect::<Vec<_>>()
-            )
-        })?;
-        score += w * v / total;
-    }
-    Ok(score)
-}
-
-pub async fn optimize(
-    client: CoordinatorClient<KeyedChannel>,
-    model_worker: Option<String>,
-    a: &OptimizeArgs,
-) -> Result<()> {
-    let space: Space = serde_yaml::from_str(
-        &std::fs::read_to_string(&a.space).with_context(|| a.space.display().to_string())?,
-    )
-    .with_context(|| format!("{}: not a valid search space", a.space.display()))?;
+/// Expands every node's modules into candidates and checks each node can be judged.
+fn plan_nodes(space: &Space) -> Result<Vec<Planned<'_>>> {
     let mut plan = Vec::new();
     for node in &space.nodes {
         let strategy = node.strategy.clone().unwrap_or(space.strategy.clone());
@@ -465,10 +306,109 @@ pub async fn optimize(
                 s.text
             );
         }
-        plan.push((node, strategy, judge, candidates));
+        plan.push(Planned {
+            node,
+            strategy,
+            judge,
+            candidates,
+        });
     }
+    Ok(plan)
+}
+
+/// What every trial shares: the cluster, the judged questions and the cache.
+struct Trials<'a> {
+    client: CoordinatorClient<KeyedChannel>,
+    mw: Option<ModelWorkerClient<KeyedChannel>>,
+    a: &'a OptimizeArgs,
+    judged: Judged,
+    cache: TrialCache,
+    done: Vec<Trial>,
+}
+
+impl Trials<'_> {
+    /// Tries every candidate of one node after the winners `fixed`; returns the winner's index.
+    async fn node(
+        &mut self,
+        p: &Planned<'_>,
+        fixed: &[Step],
+        later: &[Vec<Option<Step>>],
+    ) -> Result<usize> {
+        let with_llm_judge = p.strategy.metrics.contains_key("judge");
+        let first = self.done.len();
+        for step in &p.candidates {
+            let mut steps = fixed.to_vec();
+            steps.extend(step.clone());
+            let flow = flow_text(&complete(&steps, p.judge, later));
+            let (means, p50, cached) = match self.cache.get(p.judge, &flow)? {
+                Some((means, p50)) => (means, p50, true),
+                None => {
+                    let (means, p50) = run_trial(
+                        &self.client,
+                        self.mw.as_ref(),
+                        self.a,
+                        &self.judged,
+                        p.judge,
+                        with_llm_judge,
+                        &flow,
+                    )
+                    .await
+                    .with_context(|| format!("node {}: trial {flow}", p.node.node))?;
+                    self.cache
+                        .record(&p.node.node, p.judge, &flow, &means, p50)?;
+                    (means, p50, false)
+                }
+            };
+            let score = score(&p.node.node, &p.strategy, &means)?;
+            let allowed = p.strategy.latency_ms_max.is_none_or(|max| p50 <= max);
+            eprintln!(
+                "{:<18} {score:.4} {p50:>8.1} ms {}{flow}",
+                p.node.node,
+                if cached { "(cached) " } else { "" }
+            );
+            self.done.push(Trial {
+                node: p.node.node.clone(),
+                judge: p.judge,
+                step: step.as_ref().map_or("(none)".into(), |s| s.text.clone()),
+                flow,
+                metrics: means,
+                p50_ms: p50,
+                score,
+                allowed,
+                cached,
+                won: false,
+            });
+        }
+        // The first best among allowed candidates wins (ties keep the earlier, simpler one).
+        let mut best: Option<usize> = None;
+        for (j, t) in self.done.iter().enumerate().skip(first) {
+            if t.allowed && best.is_none_or(|b| t.score > self.done[b].score) {
+                best = Some(j);
+            }
+        }
+        let best = best.with_context(|| {
+            format!(
+                "node {}: no candidate within the latency limit",
+                p.node.node
+            )
+        })?;
+        self.done[best].won = true;
+        Ok(best - first)
+    }
+}
+
+pub async fn optimize(
+    client: CoordinatorClient<KeyedChannel>,
+    model_worker: Option<String>,
+    a: &OptimizeArgs,
+) -> Result<()> {
+    let space: Space = serde_yaml::from_str(
+        &std::fs::read_to_string(&a.space).with_context(|| a.space.display().to_string())?,
+    )
+    .with_context(|| format!("{}: not a valid search space", a.space.display()))?;
+    let plan = plan_nodes(&space)?;
     let judged = load_judged(a)?;
-    let needs = |j: Judge| plan.iter().any(|p| p.2 == j);
+    let needs = |j: Judge| plan.iter().any(|p| p.judge == j);
     if needs(Judge::Retrieval) && judged.retrieval.is_none() {
         bail!(
             "nodes judged by retrieval metrics need --dataset (or a --qa file with gold_doc_ids)"
@@ -482,203 +422,29 @@ pub async fn optimize(
     } else {
         None
     };
-    std::fs::create_dir_all(&a.out)?;
-    let cache_path = a.out.join("trials.jsonl");
-    // Cached trials count only for the same questions: data files, sample size and seed.
-    let data = format!(
-        "{}:{} {}",
-        a.dataset
-            .as_ref()
-            .map_or(String::new(), |d| d.display().to_string()),
-        a.split,
-        a.qa.as_ref()
-            .map_or(String::new(), |d| d.display().to_string())
-    );
-    let key = |judge: Judge, flow: &str| format!("{}\t{flow}", judge.name());
-    let mut cache: HashMap<String, serde_json::Value> = std::fs::read_to_string(&cache_path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["sample"] == a.queries && v["seed"] == a.seed && v["data"] == data)
-        .filter_map(|v| {
-            let judge = if v["judge"] == "answers" {
-                Judge::Answers
-            } else {
-                Judge::Retrieval
-            };
-            Some((key(judge, v["flow"].as_str()?), v))
-        })
-        .collect();
+    let mut trials = Trials {
+        client,
+        mw,
+        a,
+        judged,
+        cache: TrialCache::open(a)?,
+        done: Vec::new(),
+    };
     let mut fixed: Vec<Step> = Vec::new();
-    let mut trials: Vec<Trial> = Vec::new();
     let mut last_judge = Judge::Retrieval;
-    for (i, (node, strategy, judge, candidates)) in plan.iter().enumerate() {
-        let later: Vec<Vec<Option<Step>>> = plan[i + 1..].iter().map(|p| p.3.clone()).collect();
-        let with_llm_judge = strategy.metrics.contains_key("judge");
-        let first_trial = trials.len();
-        for step in candidates {
-            let mut steps = fixed.clone();
-            steps.extend(step.clone());
-            let flow = flow_text(&complete(&steps, *judge, &later));
-            let (means, p50, cached) = match cache.get(&key(*judge, &flow)) {
-                Some(v) => (
-                    serde_json::from_value::<BTreeMap<String, f64>>(v["metrics"].clone())?,
-                    v["p50_ms"].as_f64().unwrap_or(0.0),
-                    true,
-                ),
-                None => {
-                    let (means, p50) = run_trial(
-                        &client,
-                        mw.as_ref(),
-                        a,
-                        &judged,
-                        *judge,
-                        with_llm_judge,
-                        &flow,
-                    )
-                    .await
-                    .with_context(|| format!("node {}: trial {flow}", node.node))?;
-                    let line = json!({"node": node.node, "judge": judge.name(), "flow": flow,
-                                      "metrics": means, "p50_ms": p50, "sample": a.queries,
-                                      "seed": a.seed, "data": data});
-                    let mut f = std::fs::OpenOptions::new()
-                        .create(true)
-                        .append(true)
-                        .open(&cache_path)?;
-                    std::io::Write::write_all(&mut f, format!("{line}\n").as_bytes())?;
-                    cache.insert(key(*judge, &flow), line);
-                    (means, p50, false)
-                }
-            };
-            let score = score(&node.node, strategy, &means)?;
-            let allowed = strategy.latency_ms_max.is_none_or(|max| p50 <= max);
-            eprintln!(
-                "{:<18} {score:.4} {p50:>8.1} ms {}{flow}",
-                node.node,
-                if cached { "(cached) " } else { "" }
-            );
-            trials.push(Trial {
-                node: node.node.clone(),
-                judge: *judge,
-                step: step.as_ref().map_or("(none)".into(), |s| s.text.clone()),
-                flow,
-                metrics: means,
-                p50_ms: p50,
-                score,
-                allowed,
-                cached,
-                won: false,
-            });
-        }
-        // The first best among allowed candidates wins (ties keep the earlier, simpler one).
-        let mut best: Option<usize> = None;
-        for (j, t) in trials.iter().enumerate().skip(first_trial) {
-            if t.allowed && best.is_none_or(|b| t.score > trials[b].score) {
-                best = Some(j);
-            }
-        }
-        let best = best.with_context(|| {
-            format!("node {}: no candidate within the latency limit", node.node)
-        })?;
-        trials[best].won = true;
-        fixed.extend(candidates[best - first_trial].clone());
-        last_judge = *judge;
+    for (i, p) in plan.iter().enumerate() {
+        let later: Vec<Vec<Option<Step>>> =
+            plan[i + 1..].iter().map(|p| p.candidates.clone()).collect();
+        let best = trials.node(p, &fixed, &later).await?;
+        fixed.extend(p.candidates[best].clone());
+        last_judge = p.judge;
     }
     let winner = complete(&fixed, last_judge, &[]);
-    let best_flow = format!(
-        "# Written by `ragctl optimize` (space {}, {} questions sampled with seed {}).\ndefault = \"optimized\"\n\n[flows.optimized]\ndescription = \"greedy node-wise optimum\"\n{}\n",
-        a.space.display(),
-        if a.queries == 0 {
-            "all".to_string()
-        } else {
-            a.queries.to_string()
-        },
-        a.seed,
-        flow_text(&winner)
-    );
-    std::fs::write(a.out.join("best-flow.toml"), &best_flow)?;
-    let mut t = Table::new();
-    t.load_preset(UTF8_FULL_CONDENSED);
-    t.set_header([
-        "node",
-        "candidate",
-        "score",
-        "metrics",
-        "p50 ms",
-        "",
-        "cached",
-    ]);
-    let shown = |tr: &Trial| -> String {
-        let strategy = plan
-            .iter()
-            .find(|p| p.0.node == tr.node)
-            .map(|p| &p.1.metrics);
-        tr.metrics
-            .iter()
-            .filter(|(k, _)| strategy.is_some_and(|m| m.contains_key(*k)) || *k == "ndcg@10")
-            .map(|(k, v)| format!("{k} {v:.4}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    for tr in &trials {
-        t.add_row(vec![
-            tr.node.clone(),
-            tr.step.clone(),
-            format!("{:.4}", tr.score),
-            shown(tr),
-            format!("{:.1}", tr.p50_ms),
-            if tr.won {
-                "winner".into()
-            } else if !tr.allowed {
-                "too slow".into()
-            } else {
-                String::new()
-            },
-            if tr.cached {
-                "yes".into()
-            } else {
-                String::new()
-            },
-        ]);
-    }
-    let summary = json!({
-        "space": a.space.display().to_string(), "collection": a.collection, "seed": a.seed,
-        "sample": a.queries, "winner": flow_text(&winner),
-        "trials": trials.iter().map(|t| json!({"node": t.node, "judge": t.judge.name(),
-            "candidate": t.step, "flow": t.flow, "metrics": t.metrics, "p50_ms": t.p50_ms,
-            "score": t.score, "within_latency_limit": t.allowed, "winner": t.won})).collect::<Vec<_>>(),
-    });
-    std::fs::write(
-        a.out.join("summary.json"),
-        serde_json::to_string_pretty(&summary)?,
-    )?;
-    let rows: Vec<crate::cmd::report::TrialRow> = trials
+    let strategies: HashMap<&str, &Strategy> = plan
         .iter()
-        .map(|t| crate::cmd::report::TrialRow {
-            node: t.node.clone(),
-            candidate: t.step.clone(),
-            metrics: shown(t),
-            score: t.score,
-            p50_ms: t.p50_ms,
-            allowed: t.allowed,
-            won: t.won,
-        })
+        .map(|p| (p.node.node.as_str(), &p.strategy))
         .collect();
-    std::fs::write(
-        a.out.join("report.html"),
-        crate::cmd::report::optimizer_html(
-            &format!("ragctl optimize: {}", a.space.display()),
-            &flow_text(&winner),
-            &rows,
-        )?,
-    )?;
-    println!("{t}");
-    println!(
-        "winner: {}\nwritten to {} (summary.json, report.html, trials.jsonl beside it)",
-        flow_text(&winner),
-        a.out.join("best-flow.toml").display()
-    );
-    Ok(())
+    output::write(a, &strategies, &trials.done, &flow_text(&winner))
 }
 
 #[cfg(test)]

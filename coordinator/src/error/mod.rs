@@ -1,6 +1,10 @@
 //! Coordinator errors and their gRPC codes; the one place they become `tonic::Status`.
 
+pub mod shard;
+
 use tonic::{Code, Status};
+
+pub use shard::ShardCallError;
 
 pub type Result<T, E = CoordError> = std::result::Result<T, E>;
 
@@ -39,10 +43,7 @@ pub enum CoordError {
     Overloaded { reason: String, retry_after_ms: u64 },
     /// A shard call failed (`what` names the shard for the client: no node addresses).
     #[error("{what}: {error}")]
-    Shard {
-        what: String,
-        error: crate::shards::ShardCallError,
-    },
+    Shard { what: String, error: ShardCallError },
     #[error("{0}")]
     Upstream(Status),
 }
@@ -107,13 +108,13 @@ impl From<CoordError> for Status {
             CoordError::Unavailable { retry_after_ms, .. }
             | CoordError::Overloaded { retry_after_ms, .. } => Some(*retry_after_ms),
             CoordError::Shard {
-                error: crate::shards::ShardCallError::Unavailable { retry_after, .. },
+                error: ShardCallError::Unavailable { retry_after, .. },
                 ..
             } => Some(retry_after.as_millis() as u64),
             CoordError::Shard {
-                error: crate::shards::ShardCallError::NotLeader { .. },
+                error: ShardCallError::NotLeader { .. },
                 ..
-            } => Some(crate::shards::error::DEFAULT_RETRY_AFTER.as_millis() as u64),
+            } => Some(shard::DEFAULT_RETRY_AFTER.as_millis() as u64),
             _ => None,
         };
         if let Some(ms) = retry_after_ms

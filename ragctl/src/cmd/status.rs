@@ -1,0 +1,117 @@
+//! `ragctl status`: nodes, catalog and every shard's replicas.
+
+use anyhow::Result;
+use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use ragcluster_common::names::{node_kind_name, raft_role_name};
+use ragcluster_proto::v1::admin_client::AdminClient;
+use ragcluster_proto::v1::*;
+
+use crate::{Cli, channel};
+
+pub fn print_shards(shards: &[ShardStats]) {
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED).set_header([
+        "shard",
+        "leader",
+        "term",
+        "replicas",
+        "docs",
+        "chunks",
+        "applied",
+        "bm25 bytes",
+        "hnsw",
+        "tombstones",
+        "error",
+    ]);
+    for s in shards {
+        t.add_row([
+            s.shard.to_string(),
+            s.leader.clone(),
+            s.term.to_string(),
+            s.replicas
+                .iter()
+                .map(|r| {
+                    format!(
+                        "{} {} @{} lag {}",
+                        r.node,
+                        raft_role_name(r.role()),
+                        r.applied_index,
+                        s.commit_index.saturating_sub(r.applied_index)
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("\n"),
+            s.documents.to_string(),
+            s.chunks.to_string(),
+            s.applied_seq.to_string(),
+            s.bm25_index_bytes.to_string(),
+            s.hnsw_points.to_string(),
+            s.hnsw_tombstones.to_string(),
+            s.error.clone(),
+        ]);
+    }
+    println!("{t}");
+}
+
+pub async fn status(cli: &Cli, json: bool) -> Result<()> {
+    let st = AdminClient::new(channel(cli).await?)
+        .cluster_status(ClusterStatusRequest {})
+        .await?
+        .into_inner();
+    if json {
+        let nodes: Vec<_> = st.nodes.iter().map(|n| serde_json::json!({"address": n.address, "role": node_kind_name(n.kind()), "health": n.health, "shards": n.shards, "leaders": n.leaders})).collect();
+        let cols: Vec<_> = st
+            .collections
+            .iter()
+            .map(|c| {
+                let shards: Vec<_> = c.shards.iter().map(|s| serde_json::json!({"shard": s.shard, "leader": s.leader, "term": s.term, "replicas": s.replicas.iter().map(|r| serde_json::json!({"node": r.node, "role": raft_role_name(r.role()), "applied": r.applied_index, "lag": s.commit_index.saturating_sub(r.applied_index), "chunks": r.chunks})).collect::<Vec<_>>(), "documents": s.documents, "chunks": s.chunks, "error": s.error})).collect();
+                serde_json::json!({"name": c.collection.as_ref().map(|x| x.name.clone()), "shards": shards})
+            })
+            .collect();
+        let catalog = st.catalog.as_ref().map(|c| serde_json::json!({"node_id": c.node_id, "role": raft_role_name(c.role()), "leader_id": c.leader_id, "leader": c.leader_address, "term": c.term, "commit_index": c.commit_index, "applied_index": c.applied_index}));
+        println!(
+            "{}",
+            serde_json::json!({"nodes": nodes, "collections": cols, "catalog": catalog})
+        );
+        return Ok(());
+    }
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED)
+        .set_header(["role", "address", "health", "shards", "leaders"]);
+    for n in &st.nodes {
+        t.add_row([
+            node_kind_name(n.kind()).to_string(),
+            n.address.clone(),
+            n.health.clone(),
+            n.shards.to_string(),
+            n.leaders.to_string(),
+        ]);
+    }
+    println!("{t}");
+    if let Some(c) = &st.catalog {
+        println!(
+            "catalog: coordinator {} is {} (leader {} {}), term {}, commit {}, applied {}",
+            c.node_id,
+            raft_role_name(c.role()),
+            c.leader_id,
+            c.leader_address,
+            c.term,
+            c.commit_index,
+            c.applied_index
+        );
+        for p in c.peers.iter().filter(|p| p.node_id != c.node_id) {
+            println!("  peer {} {} matched {}", p.node_id, p.address, p.matched);
+        }
+    }
+    for c in &st.collections {
+        println!(
+            "collection {}",
+            c.collection
+                .as_ref()
+                .map(|x| x.name.as_str())
+                .unwrap_or("?")
+        );
+        print_shards(&c.shards);
+    }
+    Ok(())
+}
