@@ -27,17 +27,31 @@ pub fn init_logging(cfg: &TelemetryConfig) {
     let _ = result;
 }
 
-/// Installs the global metrics recorder and serves `GET /metrics` on `listen`.
-/// Returns the bound address.
+/// The process's one recorder: several servers in one process (an in-process test cluster)
+/// share it, so each `/metrics` shows the whole process.
+static RECORDER: std::sync::Mutex<Option<PrometheusHandle>> = std::sync::Mutex::new(None);
+
+/// Installs the global metrics recorder (once per process) and serves `GET /metrics` on
+/// `listen`. Returns the bound address.
 pub async fn serve_metrics(listen: &str) -> std::io::Result<SocketAddr> {
-    let handle = PrometheusBuilder::new()
-        .set_buckets(&[
-            0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-            2.5, 5.0, 10.0,
-        ])
-        .map_err(std::io::Error::other)?
-        .install_recorder()
-        .map_err(std::io::Error::other)?;
+    let handle = {
+        let mut installed = RECORDER.lock().unwrap_or_else(|e| e.into_inner());
+        match &*installed {
+            Some(h) => h.clone(),
+            None => {
+                let h = PrometheusBuilder::new()
+                    .set_buckets(&[
+                        0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                        0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                    ])
+                    .map_err(std::io::Error::other)?
+                    .install_recorder()
+                    .map_err(std::io::Error::other)?;
+                *installed = Some(h.clone());
+                h
+            }
+        }
+    };
     let listener = TcpListener::bind(listen).await?;
     let addr = listener.local_addr()?;
     tokio::spawn(metrics_loop(listener, handle));

@@ -84,6 +84,8 @@ pub struct Transport<G: GroupId, R> {
     dialer: Arc<dyn Dialer<G>>,
     on_learn: OnLearn,
     metrics_prefix: &'static str,
+    /// Set by `close`: nothing more is sent and the peer loops end.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 /// Whether traffic with member `peer` is cut (failpoint `raft_isolate`, whose `return` value
@@ -119,7 +121,20 @@ impl<G: GroupId, R: Send + 'static> Transport<G, R> {
             dialer,
             on_learn,
             metrics_prefix,
+            closed: Default::default(),
         })
+    }
+
+    /// Stops sending: every peer connection ends and later messages are dropped, so the
+    /// transport (and what its callbacks hold) is released once its last user lets go.
+    pub fn close(&self) {
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.peers.write().clear();
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(std::sync::atomic::Ordering::Acquire)
     }
 
     pub fn id(&self) -> u64 {
@@ -179,6 +194,9 @@ impl<G: GroupId, R: Send + 'static> Transport<G, R> {
 
     /// Queues messages for their peers; drops them when a peer is cut off or its queue full.
     pub fn send(self: &Arc<Self>, group: &G, msgs: Vec<Message>) {
+        if self.is_closed() {
+            return;
+        }
         for m in msgs {
             let to = m.to;
             if isolated(to) {
@@ -251,6 +269,9 @@ impl<G: GroupId, R: Send + 'static> Transport<G, R> {
     async fn peer_loop(self: Arc<Self>, to: u64, mut rx: mpsc::Receiver<Envelope<G>>) {
         let mut backoff = Duration::from_millis(100);
         loop {
+            if rx.is_closed() {
+                return;
+            }
             let Some(addr) = self.address(to) else {
                 // Unknown address: drop what queued up, Raft resends from its own state.
                 while rx.try_recv().is_ok() {}

@@ -25,6 +25,19 @@ use std::sync::Arc;
 use ragcluster_common::{server, telemetry};
 use ragcluster_proto::v1::shard_server::ShardServer;
 
+/// How long a shutting-down node waits for calls in flight (writes wait at most
+/// `write_timeout`, 10 s by default).
+const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// A started shard node: recovered, serving gRPC on `addr` and `/metrics` on `metrics_addr`.
+pub struct Running {
+    pub node: Arc<Node>,
+    pub addr: std::net::SocketAddr,
+    pub metrics_addr: std::net::SocketAddr,
+    /// Ends when the server has drained after `shutdown` and the indexes are flushed.
+    pub served: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
 /// Runs a shard node until `shutdown` resolves: opens (and recovers) every shard, serves gRPC
 /// and `/metrics`, then flushes the indexes on the way out.
 pub async fn run(
@@ -32,6 +45,16 @@ pub async fn run(
     metrics_listen: &str,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    start(cfg, metrics_listen, shutdown).await?.served.await?
+}
+
+/// Opens every shard, binds the ports and serves in a task until `shutdown` resolves. The
+/// returned node is what an in-process cluster (tests) calls directly.
+pub async fn start(
+    cfg: ShardNodeConfig,
+    metrics_listen: &str,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<Running> {
     let started = std::time::Instant::now();
     let tls = ragcluster_common::tls::Tls::load(&cfg.tls)?;
     let node = {
@@ -47,9 +70,9 @@ pub async fn run(
         "shard node recovered"
     );
     let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
-    {
-        // Every second: drop replicas that applied their own removal; every 10 s: index sizes
-        // and RocksDB figures for /metrics.
+    // Every second: drop replicas that applied their own removal; every 10 s: index sizes
+    // and RocksDB figures for /metrics. Stops with the server.
+    let reaper = {
         let node = node.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
@@ -64,15 +87,15 @@ pub async fn run(
                 })
                 .await;
             }
-        });
-    }
+        })
+    };
     let (listener, addr) = server::bind(&cfg.listen).await?;
     if let Some(p) = &cfg.port_file {
         server::write_port_file(p, addr, metrics_addr, cfg.tls.enabled())?;
     }
     tracing::info!(%addr, %metrics_addr, data_dir = %cfg.data_dir.display(),
                    tls = cfg.tls.enabled(), "shard node listening");
-    let (_reporter, health, reflection) =
+    let (reporter, health, reflection) =
         server::health_and_reflection(&["ragcluster.v1.Shard"]).await;
     let svc = ShardServer::new(service::ShardService::new(node.clone(), &cfg))
         .max_decoding_message_size(64 * 1024 * 1024)
@@ -88,10 +111,45 @@ pub async fn run(
             service::failpoints::FailpointService,
         ),
     );
-    router
-        .serve_with_incoming_shutdown(ragcluster_common::tls::incoming(listener, tls), shutdown)
-        .await?;
-    tracing::info!("grpc drained; flushing indexes");
-    tokio::task::spawn_blocking(move || node.flush()).await??;
-    Ok(())
+    let served = {
+        let node = node.clone();
+        tokio::spawn(async move {
+            let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
+            let closing = {
+                let node = node.clone();
+                async move {
+                    shutdown.await;
+                    node.begin_close();
+                    let _ = drain_tx.send(());
+                }
+            };
+            let serve = router.serve_with_incoming_shutdown(
+                ragcluster_common::tls::incoming(listener, tls),
+                closing,
+            );
+            // Calls still running DRAIN_LIMIT after the signal are cut off.
+            let served = tokio::select! {
+                r = serve => r,
+                () = async {
+                    let _ = drain_rx.await;
+                    tokio::time::sleep(DRAIN_LIMIT).await;
+                } => {
+                    tracing::warn!(limit = ?DRAIN_LIMIT, "calls still running; stopping anyway");
+                    Ok(())
+                }
+            };
+            drop(reporter);
+            reaper.abort();
+            served?;
+            tracing::info!("grpc drained; flushing indexes");
+            tokio::task::spawn_blocking(move || node.flush()).await??;
+            Ok(())
+        })
+    };
+    Ok(Running {
+        node,
+        addr,
+        metrics_addr,
+        served,
+    })
 }

@@ -36,6 +36,9 @@ pub struct Node {
     transport: Arc<ShardTransport>,
     /// Serialises open/drop so two creators of one shard cannot race.
     admin: parking_lot::Mutex<()>,
+    /// Set when the node starts shutting down: peers' endless Raft streams end on it, so the
+    /// server can drain.
+    closing: tokio::sync::watch::Sender<bool>,
 }
 
 impl Node {
@@ -69,6 +72,7 @@ impl Node {
             replicas: RwLock::new(HashMap::new()),
             transport,
             admin: Default::default(),
+            closing: tokio::sync::watch::Sender::new(false),
             cfg,
         };
         for (key, meta) in node.store.list_shards()? {
@@ -91,6 +95,17 @@ impl Node {
 
     pub fn transport(&self) -> &Arc<ShardTransport> {
         &self.transport
+    }
+
+    /// Starts shutting down: inbound Raft streams end (peers redial another time).
+    pub fn begin_close(&self) {
+        self.closing.send_replace(true);
+    }
+
+    /// Resolves once `begin_close` was called.
+    pub async fn closed(&self) {
+        let mut rx = self.closing.subscribe();
+        let _ = rx.wait_for(|c| *c).await;
     }
 
     fn snap_dir(&self) -> PathBuf {
@@ -285,6 +300,7 @@ impl Node {
         for r in self.replicas() {
             r.stop();
         }
+        self.transport.close();
         for r in self.replicas() {
             r.shard.flush()?;
         }

@@ -96,14 +96,15 @@ pub struct GrpcShardNode {
 }
 
 /// A request with a gRPC deadline, so the node stops working when we stop waiting.
-fn request<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
+pub fn request<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
     let mut r = tonic::Request::new(msg);
     r.set_timeout(timeout);
     r
 }
 
-/// Awaits a call under `timeout` (a node that accepted the connection but hangs).
-async fn call<T>(
+/// Awaits a call under `timeout` (a node that accepted the connection but hangs), typing its
+/// status. In-process implementations await their handlers through it too.
+pub async fn call<T>(
     timeout: Duration,
     fut: impl Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
 ) -> Result<T> {

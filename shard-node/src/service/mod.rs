@@ -315,8 +315,19 @@ impl ShardRpc for ShardService {
     ) -> Result<Response<RaftDone>, Status> {
         let mut stream = req.into_inner();
         let transport = self.node.transport().clone();
-        while let Some(batch) = stream.next().await {
-            let batch = batch?;
+        let closed = self.node.closed();
+        tokio::pin!(closed);
+        loop {
+            // A peer's stream never ends by itself: stop reading when this node shuts down.
+            let batch = tokio::select! {
+                b = stream.next() => match b {
+                    Some(b) => b?,
+                    None => break,
+                },
+                () = &mut closed => {
+                    return Err(Status::unavailable("shard node shutting down"));
+                }
+            };
             for m in &batch.messages {
                 if let Some(r) = &m.shard {
                     let key = crate::storage::ShardKey::new(r.collection.clone(), r.shard);
