@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: images compose-up compose-down setup build demo test test-faults test-unit test-cluster lint fmt bench bench-raft bench-gen bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security
+.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-raft bench-gen bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -34,6 +34,9 @@ test:             ## every test: unit, model reference, black-box cluster tests
 test-faults:       ## Raft fault schedules: 200 random seeds (CI runs 20)
 	cargo build --release --workspace $(TEST_FEATURES)
 	RAGCLUSTER_FAULT_SEEDS=200 cargo test --release --workspace $(TEST_FEATURES) --test raft -- --nocapture
+
+test-sim:          ## deterministic Raft simulation: 5000 seeds (CI runs 500); SEED=N reruns one seed with a trace
+	RAFT_SIM_SEEDS=$(or $(SEEDS),5000) RAFT_SIM_SEED=$(SEED) cargo test --release --workspace $(TEST_FEATURES) --test sim -- --nocapture
 
 test-unit:
 	cargo test --release --workspace $(TEST_FEATURES) --lib --bins

@@ -715,9 +715,7 @@ fn run_seed(seed: u64, verbose: bool) -> Outcome {
 }
 
 fn reproduce(seed: u64) -> String {
-    format!(
-        "RAFT_SIM_SEED={seed} cargo test --release -p ragcluster-raft --test sim -- --nocapture"
-    )
+    format!("make test-sim SEED={seed}")
 }
 
 #[test]
