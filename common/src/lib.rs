@@ -1,11 +1,13 @@
 //! What every ragcluster process shares and nothing more: layered config loading
-//! (`config`), logs and Prometheus metrics (`telemetry`), and the gRPC server shell with
+//! (`config`), logs and Prometheus metrics (`telemetry`, families registered at start in
+//! `families`), and the gRPC server shell with
 //! health, reflection, per-RPC metrics and graceful shutdown (`server`), TLS with reload and
 //! member certificates (`tls`), and API-key channels for clients (`client`).
 //! It must not depend on any process crate.
 
 pub mod client;
 pub mod config;
+pub mod families;
 pub mod names;
 pub mod server;
 pub mod telemetry;

@@ -36,6 +36,20 @@ pub async fn shutdown_signal() {
     tracing::info!("shutdown signal received, draining");
 }
 
+/// Bounds a shutdown: once called (after the signal), the process exits with status 1 if it is
+/// still running `limit` later, whatever it is waiting for. Binaries call it; an in-process
+/// server (tests) must not.
+pub fn exit_after(limit: std::time::Duration) {
+    std::thread::spawn(move || {
+        std::thread::sleep(limit);
+        tracing::error!(
+            limit_ms = limit.as_millis() as u64,
+            "shutdown took too long; exiting"
+        );
+        std::process::exit(1);
+    });
+}
+
 /// Binds the gRPC listener.
 pub async fn bind(listen: &str) -> std::io::Result<(TcpListener, SocketAddr)> {
     let l = TcpListener::bind(listen).await?;
@@ -77,7 +91,23 @@ pub fn write_port_file_with(
     std::fs::rename(tmp, path)
 }
 
-/// Health service (all given services SERVING) and reflection over the ragcluster descriptors.
+/// Reflection of a port lists only `services` and the health service; v1 and v1alpha are both
+/// served (grpcurl and PyPI's grpcio-reflection still speak v1alpha).
+fn reflection_builder(services: &[&str]) -> tonic_reflection::server::Builder<'static> {
+    let mut b = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(ragcluster_proto::v1::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .with_service_name("grpc.health.v1.Health")
+        .with_service_name("grpc.reflection.v1.ServerReflection")
+        .with_service_name("grpc.reflection.v1alpha.ServerReflection");
+    for s in services {
+        b = b.with_service_name(*s);
+    }
+    b
+}
+
+/// Health service (all given services SERVING) and reflection (v1, v1alpha) listing exactly
+/// those.
 pub async fn health_and_reflection(
     serving: &[&str],
 ) -> (
@@ -85,6 +115,9 @@ pub async fn health_and_reflection(
     tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
     tonic_reflection::server::v1::ServerReflectionServer<
         impl tonic_reflection::server::v1::ServerReflection,
+    >,
+    tonic_reflection::server::v1alpha::ServerReflectionServer<
+        impl tonic_reflection::server::v1alpha::ServerReflection,
     >,
 ) {
     let (reporter, health) = tonic_health::server::health_reporter();
@@ -96,12 +129,13 @@ pub async fn health_and_reflection(
     reporter
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(ragcluster_proto::v1::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    let v1 = reflection_builder(serving)
         .build_v1()
         .expect("embedded descriptor sets are valid");
-    (reporter, health, reflection)
+    let v1alpha = reflection_builder(serving)
+        .build_v1alpha()
+        .expect("embedded descriptor sets are valid");
+    (reporter, health, v1, v1alpha)
 }
 
 /// Tower layer that counts requests and records latency per gRPC method and status code:

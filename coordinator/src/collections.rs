@@ -187,6 +187,15 @@ impl Collections {
                 .unwrap_or(0),
         };
         self.open_shards(&info).await?;
+        // Acknowledged only once every shard serves STRONG reads (a leader with a read index).
+        let deadline = std::time::Instant::now() + ADMIN_TIMEOUT;
+        let ready = (0..info.shard_count).map(|s| {
+            self.shards
+                .wait_readable(&info.name, s, &info.shards, deadline)
+        });
+        for r in join_all(ready).await {
+            r?;
+        }
         self.catalog.insert(info.clone(), ADMIN_TIMEOUT).await?;
         tracing::info!(collection = %info.name, shards = l.shard_count, "collection created");
         Ok(info)

@@ -24,9 +24,14 @@ pub struct CoordinatorConfig {
     /// Deadline for one search when the request gives none.
     #[serde(with = "humantime_serde")]
     pub search_timeout: Duration,
-    /// Deadline for one write to a shard node (includes its fsync and index commit).
+    /// Deadline for one write to a shard (retries, leader changes, its fsync and index commit
+    /// included); shorter than the usual client deadline, so a shard without quorum answers
+    /// UNAVAILABLE before the client gives up. A tighter client deadline wins.
     #[serde(with = "humantime_serde")]
     pub write_timeout: Duration,
+    /// SIGTERM to exit, at most: calls in flight drain, then the process exits anyway.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_timeout: Duration,
     /// Deadline for one embedding call.
     #[serde(with = "humantime_serde")]
     pub embed_timeout: Duration,
@@ -126,7 +131,8 @@ impl Default for CoordinatorConfig {
             model_worker: "http://127.0.0.1:7200".into(),
             embedding_tokenizer: PathBuf::from("models/all-MiniLM-L6-v2/tokenizer.json"),
             search_timeout: Duration::from_secs(5),
-            write_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(8),
+            shutdown_timeout: Duration::from_secs(10),
             embed_timeout: Duration::from_secs(120),
             embed_batch: 32,
             embed_concurrency: 2,

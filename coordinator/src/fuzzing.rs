@@ -56,7 +56,8 @@ pub fn flow_config(data: &[u8]) {
 /// them), through the checks that run before any work.
 pub fn request_validators(data: &[u8]) {
     if let Ok(r) = UpsertDocumentsRequest::decode(data) {
-        let _ = crate::ingest::validate_documents(&r.documents, crate::limits::MAX_DOCS_PER_BATCH);
+        let _ =
+            crate::ingest::validate_documents(&r.documents, crate::limits::MAX_DOCS_PER_BATCH, 384);
     }
     if let Ok(r) = SearchRequest::decode(data)
         && let Ok(p) = crate::service::convert::search_query(

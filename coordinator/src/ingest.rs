@@ -3,7 +3,7 @@
 //! returns only when every touched shard has acknowledged, i.e. made the batch durable and
 //! searchable. Upserts replace whole documents, so retrying a failed call is safe.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 use ragcluster_proto::v1::*;
@@ -37,8 +37,29 @@ fn check_id(field: &str, id: &str) -> Result<()> {
     Ok(())
 }
 
-/// Checks a batch of documents; nothing is written unless all pass.
-pub fn validate_documents(docs: &[Document], max_docs: usize) -> Result<()> {
+/// Why a vector cannot be stored or searched: the shard normalises it for cosine similarity,
+/// which needs finite values and a finite, non-zero norm.
+pub fn vector_problem(v: &[f32]) -> Option<&'static str> {
+    if v.iter().any(|x| !x.is_finite()) {
+        return Some("not finite (NaN or infinite values)");
+    }
+    let norm = v
+        .iter()
+        .map(|x| f64::from(*x) * f64::from(*x))
+        .sum::<f64>()
+        .sqrt();
+    if norm == 0.0 {
+        Some("all zero (no direction to normalise)")
+    } else if norm > 1e30 {
+        Some("too large (its norm overflows f32)")
+    } else {
+        None
+    }
+}
+
+/// Checks a batch of documents for a collection of `dimension`; nothing is written unless all
+/// pass (the shards would refuse the same things, after other shards had committed).
+pub fn validate_documents(docs: &[Document], max_docs: usize, dimension: u32) -> Result<()> {
     if docs.is_empty() {
         return Err(CoordError::invalid("documents", "is empty"));
     }
@@ -94,6 +115,21 @@ pub fn validate_documents(docs: &[Document], max_docs: usize) -> Result<()> {
                 format!("documents[{i}].metadata"),
                 format!("key {k:?} is empty, too long or has U+001F"),
             ));
+        }
+        if !d.embedding.is_empty() {
+            let field = format!("documents[{i}].embedding");
+            if d.embedding.len() != dimension as usize {
+                return Err(CoordError::invalid(
+                    field,
+                    format!(
+                        "has dimension {}, the collection has {dimension}",
+                        d.embedding.len()
+                    ),
+                ));
+            }
+            if let Some(why) = vector_problem(&d.embedding) {
+                return Err(CoordError::invalid(field, why));
+            }
         }
     }
     Ok(())
@@ -163,24 +199,19 @@ impl Ingestor {
         }
     }
 
-    pub async fn upsert(&self, r: UpsertDocumentsRequest) -> Result<UpsertDocumentsResponse> {
+    /// Upserts a batch; `client_timeout` (the caller's deadline) shortens `write_timeout`.
+    pub async fn upsert(
+        &self,
+        r: UpsertDocumentsRequest,
+        client_timeout: Option<Duration>,
+    ) -> Result<UpsertDocumentsResponse> {
+        let started = std::time::Instant::now();
+        check_collection("collection", &r.collection)?;
         let info = self.catalog.get(&r.collection)?;
-        validate_documents(&r.documents, self.max_batch)?;
-        for (i, d) in r.documents.iter().enumerate() {
-            if !d.embedding.is_empty() && d.embedding.len() != info.dimension as usize {
-                return Err(CoordError::invalid(
-                    format!("documents[{i}].embedding"),
-                    format!(
-                        "has dimension {}, the collection has {}",
-                        d.embedding.len(),
-                        info.dimension
-                    ),
-                ));
-            }
-        }
+        validate_documents(&r.documents, self.max_batch, info.dimension)?;
+        let ids: Vec<String> = r.documents.iter().map(|d| d.id.clone()).collect();
         let chunking = info.chunking.unwrap_or_default();
         let docs = self.chunk(r.documents, &chunking).await?;
-        let total_chunks: usize = docs.iter().map(|d| d.pieces.len()).sum();
         let label = chunking.label_with_title.unwrap_or(true);
         let texts: Vec<String> = docs
             .iter()
@@ -197,14 +228,30 @@ impl Ingestor {
             self.models.embed(&info.embedding_model, texts).await?
         };
         let per_shard = writes(docs, vectors, info.shard_count);
-        let n_docs = per_shard.values().map(Vec::len).sum::<usize>() as u32;
-        self.write_shards(&info, per_shard).await?;
-        metrics::counter!("coordinator_ingested_documents_total").increment(u64::from(n_docs));
-        metrics::counter!("coordinator_ingested_chunks_total").increment(total_chunks as u64);
-        Ok(UpsertDocumentsResponse {
-            documents: n_docs,
-            chunks: total_chunks as u32,
-        })
+        let chunks_of: HashMap<String, usize> = per_shard
+            .values()
+            .flatten()
+            .map(|w| (w.doc_id.clone(), w.chunks.len()))
+            .collect();
+        let timeout = self.timeout(client_timeout, started);
+        let outcomes = self.write_shards(&info, per_shard, timeout).await;
+        let report = Report::new(&ids, &chunks_of, outcomes, &info.name);
+        metrics::counter!("coordinator_ingested_documents_total")
+            .increment(u64::from(report.response.documents));
+        metrics::counter!("coordinator_ingested_chunks_total")
+            .increment(u64::from(report.response.chunks));
+        report.into_result()
+    }
+
+    /// The write deadline: `write_timeout`, or less when the caller's deadline is nearer.
+    fn timeout(&self, client: Option<Duration>, started: std::time::Instant) -> Duration {
+        match client {
+            Some(c) => self
+                .write_timeout
+                .min(c.saturating_sub(started.elapsed()))
+                .max(Duration::from_millis(1)),
+            None => self.write_timeout,
+        }
     }
 
     /// Chunking is CPU work: it runs off the async workers.
@@ -230,7 +277,13 @@ impl Ingestor {
         .map_err(|e| CoordError::Catalog(e.to_string()))
     }
 
-    pub async fn delete(&self, r: DeleteDocumentsRequest) -> Result<DeleteDocumentsResponse> {
+    pub async fn delete(
+        &self,
+        r: DeleteDocumentsRequest,
+        client_timeout: Option<Duration>,
+    ) -> Result<DeleteDocumentsResponse> {
+        let started = std::time::Instant::now();
+        check_collection("collection", &r.collection)?;
         let info = self.catalog.get(&r.collection)?;
         if r.ids.is_empty() {
             return Err(CoordError::invalid("ids", "is empty"));
@@ -261,33 +314,159 @@ impl Ingestor {
                     delete: true,
                 });
         }
-        let results = self.write_shards(&info, per_shard).await?;
-        let not_found: Vec<String> = results.into_iter().flat_map(|r| r.not_found).collect();
+        let timeout = self.timeout(client_timeout, started);
+        let mut not_found = Vec::new();
+        let mut failed = Vec::new();
+        for (shard, docs, r) in self.write_shards(&info, per_shard, timeout).await {
+            match r {
+                Ok(r) => not_found.extend(r.not_found),
+                Err(e) => failed.push((shard, docs.len(), e)),
+            }
+        }
+        if let Some((_, _, first)) = failed.first() {
+            let n: usize = failed.iter().map(|(_, n, _)| n).sum();
+            let shards: Vec<String> = failed.iter().map(|(s, _, _)| s.to_string()).collect();
+            return Err(CoordError::Partial {
+                code: first.to_status_code(),
+                reason: format!(
+                    "{n} of {} deletes not applied (shards {} of {}: {first}); retrying the \
+                     whole call is safe",
+                    r.ids.len(),
+                    shards.join(", "),
+                    info.name
+                ),
+                retry_after_ms: 500,
+                details: Vec::new(),
+            });
+        }
         Ok(DeleteDocumentsResponse {
             deleted: (r.ids.len() - not_found.len()) as u32,
             not_found,
         })
     }
 
+    /// Writes every shard's batch in parallel; each outcome with the shard and its doc ids.
     async fn write_shards(
         &self,
         info: &CollectionInfo,
         per_shard: BTreeMap<u32, Vec<DocumentWrite>>,
-    ) -> Result<Vec<WriteBatchResponse>> {
+        timeout: Duration,
+    ) -> Vec<(u32, Vec<String>, Result<WriteBatchResponse>)> {
         let writes = per_shard.into_iter().map(|(shard, writes)| async move {
-            let replicas = &info
-                .shards
-                .get(shard as usize)
-                .ok_or_else(|| CoordError::Catalog(format!("{} has no shard {shard}", info.name)))?
-                .nodes;
-            self.shards
-                .write(&info.name, shard, replicas, writes, self.write_timeout)
-                .await
+            let docs: Vec<String> = writes.iter().map(|w| w.doc_id.clone()).collect();
+            let r = match info.shards.get(shard as usize) {
+                Some(p) => {
+                    self.shards
+                        .write(&info.name, shard, &p.nodes, writes, timeout)
+                        .await
+                }
+                None => Err(CoordError::Catalog(format!(
+                    "{} has no shard {shard}",
+                    info.name
+                ))),
+            };
+            (shard, docs, r)
         });
-        futures::future::join_all(writes)
-            .await
-            .into_iter()
-            .collect()
+        futures::future::join_all(writes).await
+    }
+}
+
+/// Checks a collection name given by a client (`field` names it in the error): a malformed
+/// name is the request's fault, not a missing collection.
+pub fn check_collection(field: &str, name: &str) -> Result<()> {
+    if crate::catalog::valid_name(name) {
+        Ok(())
+    } else {
+        Err(CoordError::invalid(
+            field,
+            format!("{name:?} is not a collection name ([a-z0-9_-]{{1,64}})"),
+        ))
+    }
+}
+
+/// What became of each document of an upsert, from the shards' outcomes.
+struct Report {
+    response: UpsertDocumentsResponse,
+    /// The first failure, when some shard's batch failed.
+    failure: Option<CoordError>,
+    failed_shards: Vec<u32>,
+}
+
+impl Report {
+    fn new(
+        ids: &[String],
+        chunks_of: &HashMap<String, usize>,
+        outcomes: Vec<(u32, Vec<String>, Result<WriteBatchResponse>)>,
+        collection: &str,
+    ) -> Self {
+        let mut failed: HashMap<String, (i32, String)> = HashMap::new();
+        let mut failure = None;
+        let mut failed_shards = Vec::new();
+        for (shard, docs, r) in outcomes {
+            if let Err(e) = r {
+                let code = e.to_status_code() as i32;
+                let msg = format!("shard {shard} of {collection}: {e}");
+                for d in docs {
+                    failed.insert(d, (code, msg.clone()));
+                }
+                failed_shards.push(shard);
+                failure.get_or_insert(e);
+            }
+        }
+        let results: Vec<DocumentResult> = ids
+            .iter()
+            .map(|id| match failed.get(id) {
+                Some((code, message)) => DocumentResult {
+                    id: id.clone(),
+                    stored: false,
+                    code: *code,
+                    message: message.clone(),
+                },
+                None => DocumentResult {
+                    id: id.clone(),
+                    stored: true,
+                    ..Default::default()
+                },
+            })
+            .collect();
+        let stored: Vec<&DocumentResult> = results.iter().filter(|r| r.stored).collect();
+        let chunks = stored
+            .iter()
+            .map(|r| chunks_of.get(&r.id).copied().unwrap_or(0))
+            .sum::<usize>();
+        Self {
+            response: UpsertDocumentsResponse {
+                documents: stored.len() as u32,
+                chunks: chunks as u32,
+                results,
+            },
+            failure,
+            failed_shards,
+        }
+    }
+
+    /// OK when every document is stored; else the first failure's code, a message that says
+    /// how many were stored, and this response in the status details.
+    fn into_result(self) -> Result<UpsertDocumentsResponse> {
+        let Some(first) = self.failure else {
+            return Ok(self.response);
+        };
+        let total = self.response.results.len();
+        let shards: Vec<String> = self.failed_shards.iter().map(u32::to_string).collect();
+        let retry_after_ms = first.retry_after_ms().unwrap_or(500);
+        tracing::warn!(stored = self.response.documents, total, shards = %shards.join(","),
+                       error = %first, "upsert partly failed");
+        Err(CoordError::Partial {
+            code: first.to_status_code(),
+            reason: format!(
+                "{} of {total} documents stored; not stored: those of shards {} ({first}); \
+                 retrying the whole batch is safe (the status details list each document)",
+                self.response.documents,
+                shards.join(", ")
+            ),
+            retry_after_ms,
+            details: prost::Message::encode_to_vec(&self.response),
+        })
     }
 }
 
@@ -360,7 +539,7 @@ mod tests {
     #[test]
     fn rejects_bad_batches_naming_the_field() {
         let err = |d: &[Document]| {
-            validate_documents(d, MAX_DOCS_PER_BATCH)
+            validate_documents(d, MAX_DOCS_PER_BATCH, 3)
                 .unwrap_err()
                 .to_string()
         };
@@ -370,16 +549,28 @@ mod tests {
         assert!(err(&[doc("a", "  ")]).contains("documents[0].text"));
         let big = "x".repeat(MAX_DOC_BYTES + 1);
         assert!(matches!(
-            validate_documents(&[doc("a", &big)], MAX_DOCS_PER_BATCH),
+            validate_documents(&[doc("a", &big)], MAX_DOCS_PER_BATCH, 3),
             Err(CoordError::TooLarge { .. })
         ));
         let many: Vec<Document> = (0..=MAX_DOCS_PER_BATCH)
             .map(|i| doc(&i.to_string(), "x"))
             .collect();
         assert!(matches!(
-            validate_documents(&many, MAX_DOCS_PER_BATCH),
+            validate_documents(&many, MAX_DOCS_PER_BATCH, 3),
             Err(CoordError::TooLarge { .. })
         ));
+        let with = |embedding: Vec<f32>| Document {
+            embedding,
+            ..doc("v", "x")
+        };
+        assert!(
+            err(&[with(vec![1.0, f32::NAN, 0.0])]).contains("documents[0].embedding: not finite")
+        );
+        assert!(err(&[with(vec![f32::INFINITY, 0.0, 0.0])]).contains("not finite"));
+        assert!(err(&[with(vec![0.0; 3])]).contains("all zero"));
+        assert!(err(&[with(vec![1e30, 1e30, 0.0])]).contains("too large"));
+        assert!(err(&[with(vec![1.0; 4])]).contains("dimension 4"));
+        assert!(validate_documents(&[with(vec![0.0, 2.0, 0.0])], MAX_DOCS_PER_BATCH, 3).is_ok());
     }
 
     #[test]

@@ -21,6 +21,7 @@ pub mod chunking;
 pub mod collections;
 pub mod config;
 pub mod error;
+pub mod families;
 pub mod flow;
 pub mod fusion;
 pub mod fuzzing;

@@ -39,3 +39,78 @@ pub const MAX_FLOW_DEPTH: usize = 4;
 pub const MAX_FLOW_TOP_K: usize = 100;
 /// Generated tokens of one flow step.
 pub const MAX_STEP_TOKENS: usize = 2048;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Comment text of a proto file (or any text) with runs of whitespace made one space.
+    fn flat(text: &str) -> String {
+        text.lines()
+            .map(|l| l.trim().trim_start_matches("//").trim())
+            .collect::<Vec<_>>()
+            .join(" ")
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    fn read(path: &str) -> String {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        flat(&std::fs::read_to_string(root.join(path)).unwrap())
+    }
+
+    fn size(bytes: usize) -> String {
+        match bytes {
+            b if b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+            b if b % 1024 == 0 => format!("{} KiB", b >> 10),
+            b => format!("{b} bytes"),
+        }
+    }
+
+    /// Every limit the proto comments and the README state is this table's value: a cap
+    /// changed here without its documentation (or the reverse) fails.
+    #[test]
+    fn documented_limits_are_the_enforced_ones() {
+        let proto = read("proto/ragcluster/v1/coordinator.proto");
+        let stated = [
+            format!("at most {MAX_DOCS_PER_BATCH} documents per call"),
+            format!("{} of text per document", size(MAX_DOC_BYTES)),
+            format!("Non-empty, at most {MAX_ID_BYTES} bytes, unique within the batch"),
+            format!("Non-empty, at most {} (UTF-8 bytes)", size(MAX_DOC_BYTES)),
+            format!("Number of shards, default 3, range [1, {MAX_SHARDS}]"),
+            format!("at most {}. string query = 2;", size(MAX_QUERY_BYTES)),
+            format!("at most {}. string question = 2;", size(MAX_QUESTION_BYTES)),
+            format!("Hits to return, required, range [1, {MAX_SEARCH_TOP_K}]"),
+            format!("max(top_k, 50) for hybrid, at most {MAX_SEARCH_TOP_K}"),
+            format!("coordinator.search_timeout (5 s), at most {MAX_SEARCH_TIMEOUT_MS}"),
+            format!("coordinator.ask_timeout (120 s), at most {MAX_ASK_TIMEOUT_MS}"),
+            format!("(at most {MAX_HISTORY})"),
+            format!("Passages each retrieval step returns, [1, {MAX_FLOW_TOP_K}]"),
+            format!("[1, min({MAX_STEP_TOKENS}, coordinator.ask_max_generated_tokens)]"),
+            format!("default 8, at most {MAX_FLOW_BRANCHES})"),
+            format!("default 4, at most {MAX_FLOW_ITERATIONS})"),
+        ];
+        for s in &stated {
+            assert!(
+                proto.contains(s.as_str()),
+                "coordinator.proto does not state {s:?}"
+            );
+        }
+        let readme = read("README.md");
+        let stated = [
+            format!(
+                "Limits: {MAX_DOCS_PER_BATCH} documents per upsert, {} per document",
+                size(MAX_DOC_BYTES)
+            ),
+            format!("document ids ≤ {MAX_ID_BYTES} bytes"),
+            format!(
+                "`top_k` in [1, {MAX_SEARCH_TOP_K}], query ≤ {}",
+                size(MAX_QUERY_BYTES)
+            ),
+        ];
+        for s in &stated {
+            assert!(readme.contains(s.as_str()), "README does not state {s:?}");
+        }
+    }
+}

@@ -43,6 +43,9 @@ pub async fn run_with(
     connector: Option<Arc<dyn Connector>>,
 ) -> anyhow::Result<()> {
     let tls = ragcluster_common::tls::Tls::load(&cfg.tls)?;
+    // The recorder first: the catalog's first election is an event too.
+    let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
+    ragcluster_common::families::register(&crate::families::all());
     let channels = Arc::new(Channels::new(tls.clone()));
     let catalog_opts = CatalogOptions {
         node_id: cfg.node_id,
@@ -64,7 +67,6 @@ pub async fn run_with(
         catalog: catalog.clone(),
         tls: tls.clone(),
     };
-    let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
     let (listener, addr) = server::bind(&cfg.listen).await?;
     if let Some(p) = &cfg.port_file {
         let serves_tls = tls.as_ref().is_some_and(|t| t.serves());
@@ -72,7 +74,7 @@ pub async fn run_with(
     }
     tracing::info!(%addr, %metrics_addr, shard_nodes = cfg.shard_nodes.len(),
                    tls = cfg.tls.enabled(), auth = cfg.auth.enabled, "coordinator listening");
-    let (_reporter, health, reflection) = server::health_and_reflection(&[
+    let (_reporter, health, reflection, reflection_alpha) = server::health_and_reflection(&[
         "ragcluster.v1.Coordinator",
         "ragcluster.v1.Admin",
         "ragcluster.v1.CatalogPeer",
@@ -83,6 +85,7 @@ pub async fn run_with(
         .layer(server::GrpcMetricsLayer)
         .add_service(health)
         .add_service(reflection)
+        .add_service(reflection_alpha)
         .add_service(
             CoordinatorServer::new(coordinator)
                 .max_decoding_message_size(cfg.limits.max_request_bytes)

@@ -20,6 +20,9 @@ pub struct ModelWorkerConfig {
     /// How long a request may wait for others to share its forward pass.
     #[serde(with = "humantime_serde")]
     pub batch_wait: std::time::Duration,
+    /// SIGTERM to exit, at most: calls in flight drain, then the process exits anyway.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_timeout: std::time::Duration,
     /// Merge concurrent requests into shared batches (off: each request runs alone).
     pub batching: bool,
     /// Optional OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`,
@@ -118,6 +121,7 @@ impl Default for ModelWorkerConfig {
             max_batch: 64,
             max_batch_tokens: 8192,
             batch_wait: std::time::Duration::from_millis(2),
+            shutdown_timeout: std::time::Duration::from_secs(10),
             batching: true,
             http_listen: String::new(),
             max_concurrent_generations: 4,

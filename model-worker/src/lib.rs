@@ -10,6 +10,7 @@ pub mod backend;
 pub mod batcher;
 pub mod config;
 pub mod error;
+pub mod families;
 pub mod http;
 pub mod registry;
 pub mod remote;
@@ -35,6 +36,7 @@ pub async fn run(
     };
     let tls = ragcluster_common::tls::Tls::load(&cfg.tls)?;
     let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
+    ragcluster_common::families::register(&crate::families::all());
     let (listener, addr) = server::bind(&cfg.listen).await?;
     // Both servers stop on the one shutdown signal.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -59,7 +61,7 @@ pub async fn run(
     }
     tracing::info!(%addr, %metrics_addr, http = ?http_addr, models = cfg.models.len(),
                    tls = cfg.tls.enabled(), "model worker listening");
-    let (_reporter, health, reflection) =
+    let (_reporter, health, reflection, reflection_alpha) =
         server::health_and_reflection(&["ragcluster.v1.ModelWorker"]).await;
     let incoming = ragcluster_common::tls::incoming(listener, tls);
     let grpc_shutdown = async move {
@@ -70,6 +72,7 @@ pub async fn run(
         .layer(server::GrpcMetricsLayer)
         .add_service(health)
         .add_service(reflection)
+        .add_service(reflection_alpha)
         .add_service(
             ModelWorkerServer::new(service::ModelWorkerService::new(reg))
                 .max_decoding_message_size(32 * 1024 * 1024)

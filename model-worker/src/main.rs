@@ -107,9 +107,12 @@ fn main() -> anyhow::Result<()> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
-        .block_on(model_worker::run(
-            cfg,
-            &tel.metrics_listen,
-            server::shutdown_signal(),
-        ))
+        .block_on(async move {
+            let limit = cfg.shutdown_timeout;
+            let shutdown = async move {
+                server::shutdown_signal().await;
+                server::exit_after(limit);
+            };
+            model_worker::run(cfg, &tel.metrics_listen, shutdown).await
+        })
 }

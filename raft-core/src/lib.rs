@@ -37,6 +37,33 @@ pub use storage::{LogStore, Persisted};
 pub use transport::{Delivery, Dialer, Envelope, GroupId, Outbox, Transport};
 
 /// Milliseconds since the Unix epoch (the proposal clock written into log entries).
+/// The counters a process's Raft groups record under `prefix` ("raft", "catalog"), as (name,
+/// help), so the process can register them at start.
+pub fn counter_families(prefix: &str) -> Vec<(String, &'static str)> {
+    [
+        (
+            "leader_changes_total",
+            "leader changes seen by this process's groups",
+        ),
+        (
+            "snapshots_applied_total",
+            "snapshots applied to a state machine",
+        ),
+        ("log_compactions_total", "Raft log compactions"),
+        (
+            "messages_dropped_total",
+            "Raft messages dropped (peer unreachable or queue full)",
+        ),
+        (
+            "messages_invalid_total",
+            "Raft messages that could not be decoded or routed",
+        ),
+    ]
+    .into_iter()
+    .map(|(n, h)| (format!("{prefix}_{n}"), h))
+    .collect()
+}
+
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

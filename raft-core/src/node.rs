@@ -74,6 +74,8 @@ pub struct RaftNode<L: LogStore, M: StateMachine> {
     waiters: BTreeMap<u64, Waiter<M::Response>>,
     reads: HashMap<u64, Reply<u64>>,
     read_seq: u64,
+    /// Ticks since start (re-asks pending read indexes every heartbeat).
+    ticks: u64,
     /// Read-index answers waiting for the applied index to reach theirs.
     applied_reads: Vec<(u64, Reply<u64>)>,
     status: watch::Sender<Status>,
@@ -128,6 +130,7 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
             waiters: BTreeMap::new(),
             reads: HashMap::new(),
             read_seq: 0,
+            ticks: 0,
             applied_reads: Vec::new(),
             status,
             last_leader: 0,
@@ -167,6 +170,20 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
     pub fn tick(&mut self) {
         self.raw.tick();
         self.reads.retain(|_, r| !r.is_closed());
+        // raft-rs drops a read index it cannot serve yet (a new leader that has not committed
+        // in its term, a request forwarded while there was no leader, a lost message): ask
+        // again every heartbeat until the caller's deadline ends the wait.
+        self.ticks += 1;
+        if self
+            .ticks
+            .is_multiple_of(self.opts.heartbeat_ticks.max(1) as u64)
+            && self.raw.raft.leader_id != 0
+        {
+            let pending: Vec<u64> = self.reads.keys().copied().collect();
+            for seq in pending {
+                self.raw.read_index(seq.to_be_bytes().to_vec());
+            }
+        }
     }
 
     pub fn handle(&mut self, m: Msg<M::Response>) {

@@ -41,6 +41,7 @@ struct Cli {
     /// workers: `ragctl health`) of a cluster with mutual TLS.
     #[arg(long, global = true, env = "RAGCTL_TLS_CERT", requires = "tls_key")]
     tls_cert: Option<PathBuf>,
+    /// Private key of --tls-cert (PEM).
     #[arg(long, global = true, env = "RAGCTL_TLS_KEY", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
     #[command(subcommand)]
@@ -56,7 +57,9 @@ enum Cmd {
     },
     /// Ingest Markdown / text files (directories are walked).
     Ingest {
+        /// Files or directories to ingest.
         paths: Vec<PathBuf>,
+        /// Collection to write into (created with Markdown chunking when missing).
         #[arg(long, default_value = "docs")]
         collection: String,
         /// Documents per upsert call.
@@ -65,21 +68,27 @@ enum Cmd {
     },
     /// Search a collection and print a table.
     Search {
+        /// The query text.
         query: String,
+        /// Collection to search.
         #[arg(long, default_value = "docs")]
         collection: String,
+        /// Retriever: BM25, dense vectors, or both fused.
         #[arg(long, value_enum, default_value_t = Mode::Hybrid)]
         mode: Mode,
+        /// Hits to return.
         #[arg(long, default_value_t = 5)]
         top_k: u32,
         /// rrf, cc or dbsf.
         #[arg(long, default_value = "dbsf")]
         fusion: String,
+        /// Weight of the dense retriever in [0, 1] for cc/dbsf fusion.
         #[arg(long)]
         dense_weight: Option<f32>,
         /// Exact metadata filter key=value (repeatable).
         #[arg(long = "filter")]
         filters: Vec<String>,
+        /// Print the hits as JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -99,6 +108,7 @@ enum Cmd {
     },
     /// Nodes, collections and shards of the cluster.
     Status {
+        /// Print nodes, collections and shards as JSON instead of tables.
         #[arg(long)]
         json: bool,
     },
@@ -132,6 +142,7 @@ enum Cmd {
         /// The service to ask about; empty = the whole process.
         #[arg(long, default_value = "")]
         service: String,
+        /// Give up (exit 1) after this many milliseconds.
         #[arg(long, default_value_t = 2000)]
         timeout_ms: u64,
     },
@@ -139,7 +150,9 @@ enum Cmd {
 
 #[derive(clap::Args)]
 struct AskArgs {
+    /// The question.
     question: String,
+    /// Collection to answer from.
     #[arg(long, default_value = "docs")]
     collection: String,
     /// A flow of the coordinator's flow file (default: the collection's, else the file's).
@@ -154,11 +167,13 @@ struct AskArgs {
     /// New tokens per generation step.
     #[arg(long)]
     max_tokens: Option<u32>,
+    /// Deadline of the whole flow in milliseconds (at most 600000).
     #[arg(long)]
     timeout_ms: Option<u32>,
     /// Print every operator that ran.
     #[arg(long)]
     trace: bool,
+    /// Print the answer, citations and trace as JSON.
     #[arg(long)]
     json: bool,
 }
@@ -167,37 +182,49 @@ struct AskArgs {
 enum LocalCmd {
     /// Start the processes and wait until every one is healthy.
     Up {
+        /// Shard nodes to start.
         #[arg(long, default_value_t = 3)]
         shard_nodes: usize,
         /// Directory holding all-MiniLM-L6-v2/ (scripts/fetch-models.sh fills it).
         #[arg(long, default_value = "models", env = "RAGCLUSTER_MODELS")]
         models: PathBuf,
     },
-    /// Stop the processes (SIGTERM, graceful).
+    /// Stop the processes: SIGTERM, then SIGKILL (named) for any still running after 15 s.
     Down,
 }
 
 #[derive(Subcommand)]
 enum CollectionCmd {
+    /// Create a collection (every shard answers STRONG reads when this returns).
     Create {
+        /// Name: [a-z0-9_-], 1 to 64 characters.
         name: String,
+        /// Shards (each its own Raft group), 1 to 256.
         #[arg(long, default_value_t = 3)]
         shards: u32,
         /// Replicas per shard (Raft group size); at most the number of shard nodes.
         #[arg(long, default_value_t = 1)]
         replication_factor: u32,
-        #[arg(long, value_enum, default_value_t = Chunker::Markdown)]
+        /// How documents are cut into chunks (the API's default: sentence).
+        #[arg(long, value_enum, default_value_t = Chunker::Sentence)]
         chunking: Chunker,
+        /// Tokens per chunk, 16 to 512.
         #[arg(long, default_value_t = 200)]
         chunk_size: u32,
+        /// Tokens shared by consecutive fixed-size chunks.
         #[arg(long, default_value_t = 0)]
         chunk_overlap: u32,
     },
+    /// Drop a collection and all its shards.
     Drop {
+        /// Collection name.
         name: String,
     },
+    /// List the collections.
     List,
+    /// A collection's settings and per-shard figures.
     Describe {
+        /// Collection name.
         name: String,
     },
 }
@@ -214,6 +241,16 @@ enum Chunker {
     Fixed,
     Sentence,
     Markdown,
+}
+
+impl Chunker {
+    fn name(self) -> &'static str {
+        match self {
+            Chunker::Fixed => "fixed",
+            Chunker::Sentence => "sentence",
+            Chunker::Markdown => "markdown",
+        }
+    }
 }
 
 fn coordinator_addr(cli: &Cli) -> String {
@@ -353,5 +390,39 @@ async fn main() -> Result<()> {
             service,
             timeout_ms,
         } => local::health(addr, service, Duration::from_millis(*timeout_ms)).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every subcommand and every argument says what it is for in `--help`.
+    #[test]
+    fn every_command_and_argument_has_help() {
+        fn walk(c: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for a in c.get_arguments() {
+                let id = a.get_id().as_str();
+                if id == "help" || id == "version" || a.is_global_set() && path != "ragctl" {
+                    continue;
+                }
+                if a.get_help().is_none() && a.get_long_help().is_none() {
+                    missing.push(format!("{path} --{id}"));
+                }
+            }
+            for s in c.get_subcommands() {
+                let p = format!("{path} {}", s.get_name());
+                if s.get_name() != "help" && s.get_about().is_none() {
+                    missing.push(p.clone());
+                }
+                walk(s, &p, missing);
+            }
+        }
+        let cmd = Cli::command();
+        cmd.clone().debug_assert();
+        let mut missing = Vec::new();
+        walk(&cmd, "ragctl", &mut missing);
+        assert!(missing.is_empty(), "no help text: {missing:#?}");
     }
 }

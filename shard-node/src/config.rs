@@ -34,6 +34,10 @@ pub struct ShardNodeConfig {
     /// How long a write waits to be committed and applied before UNAVAILABLE.
     #[serde(with = "humantime_serde")]
     pub write_timeout: std::time::Duration,
+    /// SIGTERM to exit, at most: leaderships are handed to other replicas first (up to a
+    /// third of it), calls in flight drain, indexes flush; what is left then is cut off.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_timeout: std::time::Duration,
     /// Mutual TLS (`[shard_node.tls]`): with a certificate set, only callers presenting a
     /// member certificate of the cluster CA get through the handshake, and this node dials
     /// its Raft peers over TLS (their addresses are then `https://`).
@@ -55,6 +59,7 @@ impl Default for ShardNodeConfig {
             raft_heartbeat_ticks: 2,
             raft_log_gc_threshold: 10_000,
             write_timeout: std::time::Duration::from_secs(10),
+            shutdown_timeout: std::time::Duration::from_secs(10),
             tls: Default::default(),
         }
     }
@@ -72,6 +77,9 @@ impl ShardNodeConfig {
             return Err(
                 "shard_node.raft_election_ticks must exceed raft_heartbeat_ticks (>= 1)".into(),
             );
+        }
+        if self.shutdown_timeout < std::time::Duration::from_secs(1) {
+            return Err("shard_node.shutdown_timeout must be at least 1s".into());
         }
         if self.raft_tick.is_zero() || self.raft_log_gc_threshold < 2 {
             return Err("shard_node.raft_tick must be > 0 and raft_log_gc_threshold >= 2".into());

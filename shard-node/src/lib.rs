@@ -10,6 +10,7 @@
 
 pub mod config;
 pub mod error;
+pub mod families;
 pub mod index;
 pub mod node;
 pub mod raft;
@@ -25,9 +26,10 @@ use std::sync::Arc;
 use ragcluster_common::{server, telemetry};
 use ragcluster_proto::v1::shard_server::ShardServer;
 
-/// How long a shutting-down node waits for calls in flight (writes wait at most
-/// `write_timeout`, 10 s by default).
-const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(15);
+use std::time::{Duration, Instant};
+
+/// Kept for flushing the indexes at the end of a bounded shutdown.
+const FLUSH_RESERVE: Duration = Duration::from_secs(2);
 
 /// A started shard node: recovered, serving gRPC on `addr` and `/metrics` on `metrics_addr`.
 pub struct Running {
@@ -45,7 +47,12 @@ pub async fn run(
     metrics_listen: &str,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    start(cfg, metrics_listen, shutdown).await?.served.await?
+    let limit = cfg.shutdown_timeout;
+    let bounded = async move {
+        shutdown.await;
+        server::exit_after(limit);
+    };
+    start(cfg, metrics_listen, bounded).await?.served.await?
 }
 
 /// Opens every shard, binds the ports and serves in a task until `shutdown` resolves. The
@@ -57,6 +64,9 @@ pub async fn start(
 ) -> anyhow::Result<Running> {
     let started = std::time::Instant::now();
     let tls = ragcluster_common::tls::Tls::load(&cfg.tls)?;
+    // The recorder first: recovery elects leaders, and those are events too.
+    let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
+    ragcluster_common::families::register(&crate::families::all());
     let node = {
         let cfg = cfg.clone();
         let rt = tokio::runtime::Handle::current();
@@ -69,34 +79,20 @@ pub async fn start(
         recovery_ms = started.elapsed().as_millis() as u64,
         "shard node recovered"
     );
-    let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
-    // Every second: drop replicas that applied their own removal; every 10 s: index sizes
-    // and RocksDB figures for /metrics. Stops with the server.
-    let reaper = {
-        let node = node.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
-            for round in 0u64.. {
-                tick.tick().await;
-                let n = node.clone();
-                let _ = tokio::task::spawn_blocking(move || {
-                    n.reap_removed();
-                    if round % 10 == 0 {
-                        n.export_metrics();
-                    }
-                })
-                .await;
-            }
-        })
-    };
+    let reaper = spawn_reaper(node.clone());
     let (listener, addr) = server::bind(&cfg.listen).await?;
     if let Some(p) = &cfg.port_file {
         server::write_port_file(p, addr, metrics_addr, cfg.tls.enabled())?;
     }
     tracing::info!(%addr, %metrics_addr, data_dir = %cfg.data_dir.display(),
                    tls = cfg.tls.enabled(), "shard node listening");
-    let (reporter, health, reflection) =
-        server::health_and_reflection(&["ragcluster.v1.Shard"]).await;
+    let services: &[&str] = if cfg!(feature = "failpoints") {
+        &["ragcluster.v1.Shard", "ragcluster.v1.Failpoints"]
+    } else {
+        &["ragcluster.v1.Shard"]
+    };
+    let (reporter, health, reflection, reflection_alpha) =
+        server::health_and_reflection(services).await;
     let svc = ShardServer::new(service::ShardService::new(node.clone(), &cfg))
         .max_decoding_message_size(64 * 1024 * 1024)
         .max_encoding_message_size(64 * 1024 * 1024);
@@ -104,6 +100,7 @@ pub async fn start(
         .layer(server::GrpcMetricsLayer)
         .add_service(health)
         .add_service(reflection)
+        .add_service(reflection_alpha)
         .add_service(svc);
     #[cfg(feature = "failpoints")]
     let router = router.add_service(
@@ -111,30 +108,27 @@ pub async fn start(
             service::failpoints::FailpointService,
         ),
     );
+    let limit = cfg.shutdown_timeout;
     let served = {
         let node = node.clone();
         tokio::spawn(async move {
-            let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
-            let closing = {
-                let node = node.clone();
-                async move {
-                    shutdown.await;
-                    node.begin_close();
-                    let _ = drain_tx.send(());
-                }
-            };
+            let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<Instant>();
+            let closing = close(node.clone(), shutdown, limit, drain_tx);
             let serve = router.serve_with_incoming_shutdown(
                 ragcluster_common::tls::incoming(listener, tls),
                 closing,
             );
-            // Calls still running DRAIN_LIMIT after the signal are cut off.
+            // Calls still running when only the flush reserve of the limit is left are cut off.
             let served = tokio::select! {
                 r = serve => r,
                 () = async {
-                    let _ = drain_rx.await;
-                    tokio::time::sleep(DRAIN_LIMIT).await;
+                    let Ok(signalled) = drain_rx.await else {
+                        return std::future::pending().await;
+                    };
+                    let drain = limit.saturating_sub(FLUSH_RESERVE).max(Duration::from_secs(1));
+                    tokio::time::sleep_until((signalled + drain).into()).await;
                 } => {
-                    tracing::warn!(limit = ?DRAIN_LIMIT, "calls still running; stopping anyway");
+                    tracing::warn!(limit = ?limit, "calls still running; stopping anyway");
                     Ok(())
                 }
             };
@@ -152,4 +146,45 @@ pub async fn start(
         metrics_addr,
         served,
     })
+}
+
+/// Every second: drop replicas that applied their own removal; every 10 s: index sizes and
+/// RocksDB figures for /metrics. Aborted when the server stops.
+fn spawn_reaper(node: Arc<Node>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        for round in 0u64.. {
+            tick.tick().await;
+            let n = node.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                n.reap_removed();
+                if round % 10 == 0 {
+                    n.export_metrics();
+                }
+            })
+            .await;
+        }
+    })
+}
+
+/// After `shutdown`: leaderships first (while this node still serves Raft, the other replicas
+/// take over at once instead of after an election timeout), then the node closes its Raft
+/// streams and the server drains; `drain` learns when the signal came.
+async fn close(
+    node: Arc<Node>,
+    shutdown: impl std::future::Future<Output = ()>,
+    limit: Duration,
+    drain: tokio::sync::oneshot::Sender<Instant>,
+) {
+    shutdown.await;
+    let signalled = Instant::now();
+    let (held, moved) = node.hand_off_leaderships(limit / 3).await;
+    tracing::info!(
+        held,
+        moved,
+        took_ms = signalled.elapsed().as_millis() as u64,
+        "leaderships handed off"
+    );
+    node.begin_close();
+    let _ = drain.send(signalled);
 }

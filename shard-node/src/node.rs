@@ -102,6 +102,43 @@ impl Node {
         self.closing.send_replace(true);
     }
 
+    /// Moves every leadership this node holds to the most caught-up other voter, so a node
+    /// that is going away leaves no shard without a leader for an election timeout. Returns
+    /// (leaderships held, moved within `timeout`).
+    pub async fn hand_off_leaderships(&self, timeout: std::time::Duration) -> (usize, usize) {
+        let replicas: Vec<Arc<Replica>> = self.replicas.read().values().cloned().collect();
+        let moves: Vec<_> = replicas
+            .into_iter()
+            .filter_map(|r| {
+                let st = r.status();
+                if !st.is_leader() {
+                    return None;
+                }
+                let to = st
+                    .matched
+                    .iter()
+                    .filter(|(id, _)| *id != st.id && st.voters.contains(id))
+                    .max_by_key(|(_, m)| *m)
+                    .map(|(id, _)| *id)?;
+                Some(async move {
+                    let moved = r.transfer_leader(to, timeout).await;
+                    if let Err(e) = &moved {
+                        tracing::warn!(shard = %r.shard.key, to, error = %e,
+                                       "leadership not handed off");
+                    }
+                    moved.is_ok()
+                })
+            })
+            .collect();
+        let held = moves.len();
+        let moved = futures::future::join_all(moves)
+            .await
+            .into_iter()
+            .filter(|ok| *ok)
+            .count();
+        (held, moved)
+    }
+
     /// Resolves once `begin_close` was called.
     pub async fn closed(&self) {
         let mut rx = self.closing.subscribe();

@@ -69,5 +69,10 @@ async fn main() -> anyhow::Result<()> {
     cfg.resolve_node_id(std::env::var("HOSTNAME").ok().as_deref())
         .map_err(anyhow::Error::msg)?;
     cfg.validate().map_err(anyhow::Error::msg)?;
-    coordinator::run(cfg, &tel.metrics_listen, server::shutdown_signal()).await
+    let limit = cfg.shutdown_timeout;
+    let shutdown = async move {
+        server::shutdown_signal().await;
+        server::exit_after(limit);
+    };
+    coordinator::run(cfg, &tel.metrics_listen, shutdown).await
 }

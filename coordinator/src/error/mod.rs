@@ -46,6 +46,15 @@ pub enum CoordError {
     Shard { what: String, error: ShardCallError },
     #[error("{0}")]
     Upstream(Status),
+    /// A write that some shards applied and others did not: `details` (the status details)
+    /// say which documents were stored.
+    #[error("{reason}")]
+    Partial {
+        code: Code,
+        reason: String,
+        retry_after_ms: u64,
+        details: Vec<u8>,
+    },
 }
 
 impl CoordError {
@@ -87,9 +96,10 @@ impl CoordError {
     }
 }
 
-impl From<CoordError> for Status {
-    fn from(e: CoordError) -> Self {
-        let code = match &e {
+impl CoordError {
+    /// The gRPC code this error answers with.
+    pub fn to_status_code(&self) -> Code {
+        match self {
             CoordError::InvalidArgument { .. } => Code::InvalidArgument,
             CoordError::UnknownCollection(_) | CoordError::UnknownApiKey(_) => Code::NotFound,
             CoordError::Unauthenticated(_) => Code::Unauthenticated,
@@ -100,13 +110,18 @@ impl From<CoordError> for Status {
             CoordError::Unavailable { .. } => Code::Unavailable,
             CoordError::Deadline(_) => Code::DeadlineExceeded,
             CoordError::Catalog(_) | CoordError::Tokenizer(_) => Code::Internal,
-            CoordError::Upstream(s) => return s.clone(),
+            CoordError::Upstream(s) => s.code(),
             CoordError::Shard { error, .. } => error.code(),
-        };
-        let mut s = Status::new(code, e.to_string());
-        let retry_after_ms = match &e {
+            CoordError::Partial { code, .. } => *code,
+        }
+    }
+
+    /// The retry hint (`retry-after-ms`) of an error worth retrying later.
+    pub fn retry_after_ms(&self) -> Option<u64> {
+        match self {
             CoordError::Unavailable { retry_after_ms, .. }
-            | CoordError::Overloaded { retry_after_ms, .. } => Some(*retry_after_ms),
+            | CoordError::Overloaded { retry_after_ms, .. }
+            | CoordError::Partial { retry_after_ms, .. } => Some(*retry_after_ms),
             CoordError::Shard {
                 error: ShardCallError::Unavailable { retry_after, .. },
                 ..
@@ -116,6 +131,49 @@ impl From<CoordError> for Status {
                 ..
             } => Some(shard::DEFAULT_RETRY_AFTER.as_millis() as u64),
             _ => None,
+        }
+    }
+}
+
+/// A message for clients: node addresses (`http://host:port`, `1.2.3.4:5`) become "a node".
+/// Errors of shard nodes and the model worker may name them; clients never dial those.
+pub fn redact_addresses(msg: &str) -> String {
+    let mut out = String::with_capacity(msg.len());
+    for (i, word) in msg.split(' ').enumerate() {
+        if i > 0 {
+            out.push(' ');
+        }
+        let core = word.trim_end_matches([',', ')', ':', ';', '.', '"', '\'']);
+        let bare = core.trim_start_matches(['(', '"', '\'']);
+        let is_addr = bare.starts_with("http://")
+            || bare.starts_with("https://")
+            || bare.rsplit_once(':').is_some_and(|(host, port)| {
+                !port.is_empty()
+                    && port.bytes().all(|b| b.is_ascii_digit())
+                    && host.parse::<std::net::IpAddr>().is_ok()
+            });
+        if is_addr && !bare.is_empty() {
+            out.push_str(&word.replace(bare, "a node"));
+        } else {
+            out.push_str(word);
+        }
+    }
+    out
+}
+
+impl From<CoordError> for Status {
+    fn from(e: CoordError) -> Self {
+        let code = e.to_status_code();
+        let retry_after_ms = e.retry_after_ms();
+        let mut s = match e {
+            CoordError::Upstream(s) => Status::new(s.code(), redact_addresses(s.message())),
+            CoordError::Partial {
+                code,
+                reason,
+                details,
+                ..
+            } => Status::with_details(code, redact_addresses(&reason), details.into()),
+            e => Status::new(code, redact_addresses(&e.to_string())),
         };
         if let Some(ms) = retry_after_ms
             && let Ok(v) = ms.to_string().parse()
@@ -123,5 +181,23 @@ impl From<CoordError> for Status {
             s.metadata_mut().insert("retry-after-ms", v);
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_messages_name_no_node_address() {
+        assert_eq!(
+            redact_addresses("shard 1 on http://127.0.0.1:4100: unavailable"),
+            "shard 1 on a node: unavailable"
+        );
+        assert_eq!(
+            redact_addresses("dial (10.0.0.7:50051) failed"),
+            "dial (a node) failed"
+        );
+        assert_eq!(redact_addresses("ratio 1:2 at 12:30"), "ratio 1:2 at 12:30");
     }
 }

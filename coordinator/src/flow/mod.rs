@@ -153,6 +153,7 @@ impl Engine {
             self.opts.max_generated_tokens,
         )?;
         let limits = self.limits(&r)?;
+        self.check_models(&o).await?;
         let timeout = match r.timeout_ms {
             0 => self.opts.timeout,
             ms => Duration::from_millis(u64::from(ms)),
@@ -249,15 +250,54 @@ impl Engine {
         };
         Ok(Limits {
             max_generated_tokens,
-            max_branches: match r.max_branches {
-                0 => cfg.max_branches,
-                n => (n as usize).min(cfg.max_branches),
-            },
-            max_iterations: match r.max_iterations {
-                0 => cfg.max_iterations,
-                n => (n as usize).min(cfg.max_iterations),
-            },
+            max_branches: cap("max_branches", r.max_branches, cfg.max_branches)?,
+            max_iterations: cap("max_iterations", r.max_iterations, cfg.max_iterations)?,
         })
+    }
+
+    /// Model overrides must name a model the worker serves for that kind of step.
+    async fn check_models(&self, o: &Overrides) -> Result<()> {
+        let wanted = [
+            ("overrides.generate_model", "generate", &o.generate_model),
+            ("overrides.rerank_model", "rerank", &o.rerank_model),
+        ];
+        if wanted.iter().all(|(_, _, m)| m.is_none()) {
+            return Ok(());
+        }
+        let served = self.services.models.list(MODEL_LIST_TIMEOUT).await?;
+        for (field, kind, model) in wanted {
+            if let Some(m) = model
+                && !served.iter().any(|s| s.kind == kind && s.name == *m)
+            {
+                let names: Vec<&str> = served
+                    .iter()
+                    .filter(|s| s.kind == kind)
+                    .map(|s| s.name.as_str())
+                    .collect();
+                return Err(CoordError::invalid(
+                    field,
+                    format!(
+                        "{m:?} is not a {kind} model of the model worker (it serves {names:?})"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How long Ask waits for the model worker's model list when a request overrides a model.
+const MODEL_LIST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A per-request cap: 0 takes the configured one, more than it is refused.
+fn cap(field: &str, asked: u32, configured: usize) -> Result<usize> {
+    match asked as usize {
+        0 => Ok(configured),
+        n if n <= configured => Ok(n),
+        n => Err(CoordError::invalid(
+            field,
+            format!("{n} is above the coordinator's cap of {configured}"),
+        )),
     }
 }
 

@@ -65,6 +65,17 @@ fn consistency(r: &SearchRequest) -> Result<Consistency> {
 }
 
 /// Checks a Search request against the collection's `dimension` and the limits.
+/// `timeout_ms` of a Search or Ask: 0 (the default) up to `max`.
+pub fn check_timeout(ms: u32, max: u32) -> Result<()> {
+    if ms > max {
+        return Err(CoordError::invalid(
+            "timeout_ms",
+            format!("{ms} is above the limit of {max}"),
+        ));
+    }
+    Ok(())
+}
+
 pub fn search_query(
     r: &SearchRequest,
     dimension: u32,
@@ -116,15 +127,12 @@ pub fn search_query(
             ),
         ));
     }
-    if r.query_vector.iter().any(|x| !x.is_finite()) {
-        return Err(CoordError::invalid("query_vector", "has non-finite values"));
+    if !r.query_vector.is_empty()
+        && let Some(why) = crate::ingest::vector_problem(&r.query_vector)
+    {
+        return Err(CoordError::invalid("query_vector", why));
     }
-    if r.timeout_ms > MAX_SEARCH_TIMEOUT_MS {
-        return Err(CoordError::invalid(
-            "timeout_ms",
-            format!("must be at most {MAX_SEARCH_TIMEOUT_MS}"),
-        ));
-    }
+    check_timeout(r.timeout_ms, MAX_SEARCH_TIMEOUT_MS)?;
     if r.filter.keys().any(String::is_empty) {
         return Err(CoordError::invalid("filter", "has an empty key"));
     }

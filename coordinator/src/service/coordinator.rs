@@ -13,7 +13,7 @@ use crate::auth::{Caller, check};
 use crate::collections::Collections;
 use crate::flow::Engine;
 use crate::handles::Handles;
-use crate::ingest::Ingestor;
+use crate::ingest::{Ingestor, check_collection};
 use crate::limits::{MAX_ASK_TIMEOUT_MS, MAX_SEARCH_TIMEOUT_MS};
 use crate::search::Searcher;
 
@@ -69,6 +69,7 @@ impl Coordinator for CoordinatorService {
         let h = &self.handles;
         let name = req.get_ref().name.clone();
         let (caller, _p) = gate(h, &req, "DropCollection", Role::Admin, Some(&name))?;
+        check_collection("name", &name)?;
         match h
             .catalog
             .change_target(is_forwarded(req.metadata()))
@@ -117,6 +118,7 @@ impl Coordinator for CoordinatorService {
             Role::Reader,
             Some(&name),
         )?;
+        check_collection("name", &name)?;
         let info = self.handles.catalog.get(&name)?;
         let shards = self.collections.stats(&info).await;
         Ok(Response::new(DescribeCollectionResponse {
@@ -137,7 +139,10 @@ impl Coordinator for CoordinatorService {
             Role::Writer,
             Some(&coll),
         )?;
-        Ok(Response::new(self.ingestor.upsert(req.into_inner()).await?))
+        let client = ragcluster_common::server::grpc_timeout(req.metadata());
+        Ok(Response::new(
+            self.ingestor.upsert(req.into_inner(), client).await?,
+        ))
     }
 
     async fn delete_documents(
@@ -152,7 +157,10 @@ impl Coordinator for CoordinatorService {
             Role::Writer,
             Some(&coll),
         )?;
-        Ok(Response::new(self.ingestor.delete(req.into_inner()).await?))
+        let client = ragcluster_common::server::grpc_timeout(req.metadata());
+        Ok(Response::new(
+            self.ingestor.delete(req.into_inner(), client).await?,
+        ))
     }
 
     async fn search(
@@ -163,6 +171,9 @@ impl Coordinator for CoordinatorService {
         let _g = gate(&self.handles, &req, "Search", Role::Reader, Some(&coll))?;
         let md = req.metadata().clone();
         let mut r = req.into_inner();
+        check_collection("collection", &r.collection)?;
+        // The request's own value is checked before a client deadline can lower it.
+        convert::check_timeout(r.timeout_ms, MAX_SEARCH_TIMEOUT_MS)?;
         r.timeout_ms = tighter_timeout(r.timeout_ms, &md, MAX_SEARCH_TIMEOUT_MS);
         let info = self.handles.catalog.get(&r.collection)?;
         let q = convert::search_query(&r, info.dimension, self.search_timeout, self.max_top_k)?;
@@ -177,6 +188,8 @@ impl Coordinator for CoordinatorService {
         let (_caller, permit) = gate(&self.handles, &req, "Ask", Role::Reader, Some(&coll))?;
         let md = req.metadata().clone();
         let mut r = req.into_inner();
+        check_collection("collection", &r.collection)?;
+        convert::check_timeout(r.timeout_ms, MAX_ASK_TIMEOUT_MS)?;
         r.timeout_ms = tighter_timeout(r.timeout_ms, &md, MAX_ASK_TIMEOUT_MS);
         let rx = self.engine.ask(r).await?;
         Ok(Response::new(Admitted {

@@ -277,7 +277,9 @@ impl Shards {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 metrics::counter!("coordinator_write_failures_total").increment(1);
-                tracing::warn!(collection, shard, error = %last, "write not committed in time");
+                tracing::warn!(collection, shard, leader = %target, error = %last,
+                               timeout_ms = timeout.as_millis() as u64,
+                               "write not committed in time");
                 return Err(CoordError::Unavailable {
                     what: format!("shard {shard} of {collection}"),
                     reason: format!(
@@ -307,6 +309,8 @@ impl Shards {
                 Err(e) => e,
             };
             metrics::counter!("coordinator_write_retries_total").increment(1);
+            tracing::info!(collection, shard, node = %target, error = %e,
+                           left_ms = left.as_millis() as u64, "write retry");
             match &e {
                 ShardCallError::NotLeader {
                     leader: Some((_, addr)),
@@ -329,6 +333,52 @@ impl Shards {
                 }
             }
             last = e;
+        }
+    }
+
+    /// Waits until `shard` answers a STRONG read: a leader that serves read indexes (a fresh
+    /// group has none until its election and first commit). Tries the replicas in turn.
+    pub async fn wait_readable(
+        &self,
+        collection: &str,
+        shard: u32,
+        replicas: &[ShardPlacement],
+        deadline: Instant,
+    ) -> Result<()> {
+        let nodes = replicas
+            .get(shard as usize)
+            .map_or(&[][..], |p| &p.nodes[..]);
+        let mut target = self
+            .routing
+            .read_target(collection, shard, nodes, Consistency::Strong);
+        loop {
+            let plan = ReadPlan {
+                collection,
+                replicas,
+                consistency: Consistency::Strong,
+                deadline: deadline.min(Instant::now() + Duration::from_secs(1)),
+            };
+            let e = match self.chunks(&plan, shard, &target, Vec::new(), false).await {
+                Ok(_) => {
+                    self.routing.set_leader(collection, shard, &target);
+                    return Ok(());
+                }
+                Err(e) => e,
+            };
+            if Instant::now() >= deadline || !e.is_retryable() {
+                return Err(e);
+            }
+            target = match &e {
+                CoordError::Shard {
+                    error:
+                        ShardCallError::NotLeader {
+                            leader: Some((_, addr)),
+                        },
+                    ..
+                } if !addr.is_empty() => addr.clone(),
+                _ => self.routing.next_replica(nodes, &target),
+            };
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 

@@ -193,7 +193,16 @@ pub async fn collection(cli: &Cli, cmd: &CollectionCmd) -> Result<()> {
                     ..Default::default()
                 })
                 .await?;
-            println!("created {:?}", r.into_inner().collection.map(|c| c.name));
+            let c = r.into_inner().collection.unwrap_or_default();
+            println!(
+                "created collection {} ({} shards, replication factor {}, {} chunking, \
+                 dimension {})",
+                c.name,
+                c.shard_count,
+                c.replication_factor,
+                chunking.name(),
+                c.dimension
+            );
         }
         CollectionCmd::Drop { name } => {
             c.drop_collection(DropCollectionRequest { name: name.clone() })

@@ -35,8 +35,10 @@ pub enum EvalCmd {
 
 #[derive(clap::Args)]
 pub struct AnswersArgs {
+    /// QA file: JSON lines with question, gold answers and gold_doc_ids.
     #[arg(long)]
     qa: PathBuf,
+    /// Collection the questions are asked against.
     #[arg(long, default_value = "docs")]
     collection: String,
     /// The flow answering (default: the collection's).
@@ -48,24 +50,29 @@ pub struct AnswersArgs {
     /// Model worker for SemScore embeddings and the judge (default: the local cluster's).
     #[arg(long)]
     pub model_worker: Option<String>,
+    /// Only the first N questions.
     #[arg(long)]
     limit: Option<usize>,
+    /// Directory for the report (JSON, HTML and TREC run files).
     #[arg(long, default_value = "eval-out")]
     out: PathBuf,
 }
 
 #[derive(clap::Args)]
 pub struct RetrievalArgs {
+    /// Collection holding (or to be loaded with, --ingest) the corpus.
     #[arg(long, default_value = "docs")]
     collection: String,
     /// BEIR directory: corpus.jsonl, queries.jsonl, qrels/SPLIT.tsv.
     #[arg(long)]
     dataset: PathBuf,
+    /// qrels split to judge with (qrels/SPLIT.tsv).
     #[arg(long, default_value = "test")]
     split: String,
     /// Create the collection (markdown-free sentence chunking) and load the corpus first.
     #[arg(long)]
     ingest: bool,
+    /// Shards of the collection --ingest creates.
     #[arg(long, default_value_t = 3)]
     shards: u32,
     /// With --ingest: load only the documents judged for the evaluated queries plus this many
@@ -96,8 +103,10 @@ pub struct RetrievalArgs {
     /// K of context precision@K (the AutoRAG seed uses 10 for retrieval).
     #[arg(long, default_value_t = 10)]
     context_precision_k: usize,
+    /// Queries in flight.
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
+    /// Directory for the report (JSON, HTML and TREC run files).
     #[arg(long, default_value = "eval-out")]
     out: PathBuf,
 }

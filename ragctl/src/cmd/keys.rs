@@ -29,11 +29,15 @@ pub enum KeyCmd {
     },
     /// Every key (never the secrets).
     List {
+        /// Print the keys as JSON.
         #[arg(long)]
         json: bool,
     },
     /// Refuse a key from now on.
-    Revoke { id: String },
+    Revoke {
+        /// The key's id (as `key list` shows it).
+        id: String,
+    },
 }
 
 fn time(ms: u64) -> String {

@@ -22,7 +22,22 @@ pub struct LocalCluster {
     pub model_worker: String,
     pub shard_nodes: Vec<String>,
     pub pids: Vec<u32>,
+    /// Every process: its name, pid, gRPC and metrics addresses.
+    #[serde(default)]
+    pub processes: Vec<LocalProcess>,
 }
+
+#[derive(Serialize, Deserialize, Clone)]
+pub struct LocalProcess {
+    pub name: String,
+    pub pid: u32,
+    pub grpc: String,
+    pub metrics: String,
+}
+
+/// How long `local down` waits for SIGTERM before SIGKILL (every process bounds its own
+/// shutdown at `shutdown_timeout`, 10 s by default).
+const DOWN_GRACE: Duration = Duration::from_secs(15);
 
 #[derive(Deserialize)]
 struct PortFile {
@@ -183,6 +198,7 @@ async fn launch_rest(
     let pf = |name: &str| dir.join(name).join("port.json");
     let mw = wait_port_file(&pf("model-worker"), mw_log, Duration::from_secs(120)).await?;
     let mut shard_addrs = Vec::new();
+    let mut processes = vec![process("model-worker", &mw)];
     for i in 0..n {
         let name = format!("shard-{i}");
         let p = wait_port_file(
@@ -192,6 +208,7 @@ async fn launch_rest(
         )
         .await?;
         shard_addrs.push(format!("http://{}", p.grpc));
+        processes.push(process(&name, &p));
     }
     let co_log = dir.join("coordinator/log");
     pids.push(spawn(
@@ -213,19 +230,29 @@ async fn launch_rest(
         &co_log,
     )?);
     let co = wait_port_file(&pf("coordinator"), &co_log, Duration::from_secs(60)).await?;
+    processes.push(process("coordinator", &co));
     let cluster = LocalCluster {
         coordinator: format!("http://{}", co.grpc),
         coordinator_metrics: format!("http://{}/metrics", co.metrics),
         model_worker: format!("http://{}", mw.grpc),
         shard_nodes: shard_addrs,
         pids: pids.clone(),
+        processes,
     };
     std::fs::write(
         dir.join("cluster.json"),
         serde_json::to_string_pretty(&cluster)?,
     )?;
-    let _ = (co.pid, co.metrics);
     print_health(&cluster, dir).await
+}
+
+fn process(name: &str, p: &PortFile) -> LocalProcess {
+    LocalProcess {
+        name: name.to_owned(),
+        pid: p.pid,
+        grpc: format!("http://{}", p.grpc),
+        metrics: format!("http://{}/metrics", p.metrics),
+    }
 }
 
 /// Health through the coordinator's Admin API: every node must answer SERVING.
@@ -251,11 +278,10 @@ async fn print_health(cluster: &LocalCluster, dir: &Path) -> Result<()> {
         ]);
     }
     println!("{t}");
-    println!(
-        "metrics: {} ; logs and data under {}",
-        cluster.coordinator_metrics,
-        dir.display()
-    );
+    for p in &cluster.processes {
+        println!("metrics of {}: {}", p.name, p.metrics);
+    }
+    println!("logs and data under {}", dir.display());
     if let Some(bad) = st.nodes.iter().find(|x| x.health != "SERVING") {
         bail!(
             "{} {} is {}",
@@ -267,26 +293,51 @@ async fn print_health(cluster: &LocalCluster, dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// SIGTERM to every process, then waits; what is still running after `DOWN_GRACE` gets
+/// SIGKILL, and is named.
 pub fn local_down(dir: &Path) -> Result<()> {
     let s = std::fs::read_to_string(dir.join("cluster.json"))
         .context("no local cluster (cluster.json missing)")?;
     let c: LocalCluster = serde_json::from_str(&s)?;
-    for pid in c.pids.iter().rev() {
+    let name_of = |pid: u32| {
+        c.processes.iter().find(|p| p.pid == pid).map_or_else(
+            || format!("pid {pid}"),
+            |p| format!("{} (pid {pid})", p.name),
+        )
+    };
+    let alive = |pid: &u32| Path::new(&format!("/proc/{pid}")).exists();
+    let signal = |sig: &str, pid: u32| {
         let _ = Command::new("kill")
-            .arg("-TERM")
+            .arg(sig)
             .arg(pid.to_string())
+            .stderr(Stdio::null())
             .status();
+    };
+    for pid in c.pids.iter().rev() {
+        signal("-TERM", *pid);
     }
     let start = Instant::now();
-    while c
-        .pids
-        .iter()
-        .any(|p| Path::new(&format!("/proc/{p}")).exists())
-        && start.elapsed() < Duration::from_secs(20)
-    {
+    while c.pids.iter().any(alive) && start.elapsed() < DOWN_GRACE {
         std::thread::sleep(Duration::from_millis(100));
     }
+    let stuck: Vec<u32> = c.pids.iter().copied().filter(alive).collect();
+    for pid in &stuck {
+        signal("-KILL", *pid);
+    }
     std::fs::remove_file(dir.join("cluster.json"))?;
-    println!("local cluster stopped");
+    if stuck.is_empty() {
+        println!(
+            "local cluster stopped ({} processes exited in {:.1} s)",
+            c.pids.len(),
+            start.elapsed().as_secs_f64()
+        );
+    } else {
+        let names: Vec<String> = stuck.iter().map(|p| name_of(*p)).collect();
+        println!(
+            "local cluster stopped; killed after {} s without exiting: {}",
+            DOWN_GRACE.as_secs(),
+            names.join(", ")
+        );
+    }
     Ok(())
 }

@@ -18,8 +18,10 @@ pub enum ShardCmd {
     Move {
         /// COLLECTION/SHARD, e.g. docs/0.
         shard: String,
+        /// Shard node that gives up its replica (address).
         #[arg(long)]
         from: String,
+        /// Shard node that gets the replica (address).
         #[arg(long)]
         to: String,
     },
@@ -29,6 +31,7 @@ pub enum ShardCmd {
 pub enum NodeCmd {
     /// Move every replica off a shard node (before taking it out of service).
     Drain {
+        /// Address of the shard node to empty.
         node: String,
         /// Show the plan only.
         #[arg(long)]

@@ -160,9 +160,13 @@ impl ShardRpc for ShardService {
         let replica = self.replica(req.get_ref().shard.as_ref())?;
         let timeout = deadline(&req).map_or(self.write_timeout, |d| d.min(self.write_timeout));
         let started = std::time::Instant::now();
-        let r = replica.write(req.into_inner(), timeout).await?;
+        let r = replica.write(req.into_inner(), timeout).await;
+        let took = started.elapsed().as_secs_f64();
+        // Every call, refused or failed ones included: what callers wait.
+        metrics::histogram!("shard_write_batch_seconds").record(took);
+        let r = r?;
         // Proposal to applied-on-leader: the commit latency clients see.
-        metrics::histogram!("raft_proposal_seconds").record(started.elapsed().as_secs_f64());
+        metrics::histogram!("raft_proposal_seconds").record(took);
         Ok(Response::new(r))
     }
 

@@ -36,12 +36,14 @@ use trials::{Judged, Trial, TrialCache, flow_text, load_judged, run_trial, score
 
 #[derive(clap::Args)]
 pub struct OptimizeArgs {
+    /// Collection the trials search.
     #[arg(long, default_value = "docs")]
     collection: String,
     /// BEIR directory with the (already ingested) corpus's queries and qrels: judges nodes
     /// with retrieval metrics.
     #[arg(long)]
     dataset: Option<PathBuf>,
+    /// qrels split to judge with (qrels/SPLIT.tsv).
     #[arg(long, default_value = "test")]
     split: String,
     /// QA file (JSON lines, as for `ragctl eval answers`): judges nodes with answer metrics,
@@ -58,13 +60,16 @@ pub struct OptimizeArgs {
     /// Queries sampled (seeded) from the judged ones; 0 = all.
     #[arg(long, default_value_t = 0)]
     queries: usize,
+    /// Seed of the query sample.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Queries in flight.
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
     /// Model worker for answer metrics (SemScore, the judge); default: the local cluster's.
     #[arg(long)]
     pub model_worker: Option<String>,
+    /// Directory for the trials, the winners and the report.
     #[arg(long, default_value = "optimize-out")]
     out: PathBuf,
 }

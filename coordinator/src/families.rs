@@ -1,0 +1,100 @@
+//! The coordinator's metric families, registered at start (`families::register`) so each is on
+//! `/metrics` before its first event. Names are the README's.
+
+use ragcluster_common::families::{self, Family, Kind};
+
+pub fn all() -> Vec<Family> {
+    use Kind::*;
+    let mut f = families::grpc_server();
+    f.extend(families::table(&[
+        (
+            "coordinator_search_seconds",
+            Histogram,
+            "Search latency by mode",
+        ),
+        (
+            "coordinator_query_embed_seconds",
+            Histogram,
+            "query embedding time of dense and hybrid searches",
+        ),
+        (
+            "coordinator_ingested_documents_total",
+            Counter,
+            "documents acknowledged by UpsertDocuments",
+        ),
+        (
+            "coordinator_ingested_chunks_total",
+            Counter,
+            "chunks acknowledged by UpsertDocuments",
+        ),
+        (
+            "coordinator_ask_seconds",
+            Histogram,
+            "Ask latency by flow and status",
+        ),
+        (
+            "coordinator_ask_operator_seconds",
+            Histogram,
+            "time per flow operator",
+        ),
+        (
+            "coordinator_ask_generated_tokens_total",
+            Counter,
+            "tokens generated for Ask",
+        ),
+        (
+            "coordinator_ask_citations_dropped_total",
+            Counter,
+            "citations of chunks that were not in the prompt",
+        ),
+        (
+            "coordinator_read_failovers_total",
+            Counter,
+            "shard reads retried on another replica",
+        ),
+        (
+            "coordinator_write_retries_total",
+            Counter,
+            "shard write attempts retried (leader moved, node down)",
+        ),
+        (
+            "coordinator_write_failures_total",
+            Counter,
+            "shard writes not committed within write_timeout",
+        ),
+        (
+            "coordinator_requests_shed_total",
+            Counter,
+            "requests refused by admission control",
+        ),
+        (
+            "coordinator_auth_refusals_total",
+            Counter,
+            "calls refused for credentials or role",
+        ),
+        (
+            "coordinator_replica_moves_total",
+            Counter,
+            "replicas moved by rebalancing",
+        ),
+        ("catalog_term", Gauge, "catalog Raft term"),
+        ("catalog_commit_index", Gauge, "catalog Raft commit index"),
+        ("catalog_applied_index", Gauge, "catalog Raft applied index"),
+        (
+            "catalog_is_leader",
+            Gauge,
+            "1 where this coordinator leads the catalog",
+        ),
+        (
+            "catalog_proposal_seconds",
+            Histogram,
+            "catalog proposal to apply",
+        ),
+    ]));
+    f.extend(
+        ragcluster_raft::counter_families("catalog")
+            .into_iter()
+            .map(|(n, h)| Family::new(n, Kind::Counter, h)),
+    );
+    f
+}

@@ -1,0 +1,32 @@
+//! The model worker's metric families, registered at start (`families::register`) so each is
+//! on `/metrics` before its first batch. Names are the README's.
+
+use ragcluster_common::families::{self, Family, Kind};
+
+pub fn all() -> Vec<Family> {
+    use Kind::*;
+    let mut f = families::grpc_server();
+    f.extend(families::table(&[
+        ("model_queue_depth", Gauge, "requests waiting per model"),
+        ("model_batch_size", Histogram, "requests per device batch"),
+        ("model_batch_tokens", Histogram, "tokens per device batch"),
+        (
+            "model_tokens_total",
+            Counter,
+            "tokens processed (rate = tokens/s)",
+        ),
+        (
+            "model_queue_seconds",
+            Histogram,
+            "time a request waited for its batch",
+        ),
+        ("model_device_seconds", Histogram, "device time per batch"),
+        ("model_generated_tokens_total", Counter, "tokens generated"),
+        (
+            "model_time_to_first_token_seconds",
+            Histogram,
+            "generation: request to first token",
+        ),
+    ]));
+    f
+}

@@ -1,0 +1,135 @@
+//! The shard node's metric families, registered at start (`families::register`) so each is on
+//! `/metrics` before its first event. Names are the README's.
+
+use ragcluster_common::families::{self, Family, Kind};
+
+pub fn all() -> Vec<Family> {
+    use Kind::*;
+    let mut f = families::grpc_server();
+    f.extend(families::table(&[
+        (
+            "shard_write_batch_seconds",
+            Histogram,
+            "WriteBatch calls: validation, Raft commit and index visibility",
+        ),
+        (
+            "shard_write_batches_total",
+            Counter,
+            "write batches applied",
+        ),
+        (
+            "shard_duplicate_requests_total",
+            Counter,
+            "write batches recognised by request id and not applied again",
+        ),
+        (
+            "shard_documents",
+            Gauge,
+            "documents per shard (refreshed every 10 s)",
+        ),
+        ("shard_chunks", Gauge, "chunks per shard"),
+        (
+            "shard_applied_seq",
+            Gauge,
+            "highest sequence number visible to searches, per shard",
+        ),
+        (
+            "shard_bm25_index_bytes",
+            Gauge,
+            "tantivy index size per shard",
+        ),
+        (
+            "shard_hnsw_points",
+            Gauge,
+            "points in the HNSW graph per shard",
+        ),
+        (
+            "shard_hnsw_tombstones",
+            Gauge,
+            "deleted points still in the HNSW graph per shard",
+        ),
+        ("shard_node_shards", Gauge, "replicas hosted by this node"),
+        (
+            "shard_index_group_seconds",
+            Histogram,
+            "index worker: time per tantivy commit group",
+        ),
+        (
+            "shard_index_group_entries",
+            Histogram,
+            "index worker: write batches per tantivy commit",
+        ),
+        ("rocksdb_live_sst_bytes", Gauge, "RocksDB live SST bytes"),
+        ("rocksdb_memtable_bytes", Gauge, "RocksDB memtable bytes"),
+        ("rocksdb_estimated_keys", Gauge, "RocksDB estimated keys"),
+        (
+            "rocksdb_pending_compaction_bytes",
+            Gauge,
+            "RocksDB estimated pending compaction bytes",
+        ),
+    ]));
+    f.extend(raft());
+    f
+}
+
+/// The Raft side: per-shard gauges, snapshots, and the core's counters.
+fn raft() -> Vec<Family> {
+    use Kind::*;
+    let mut f = families::table(&[
+        ("raft_term", Gauge, "Raft term per shard"),
+        ("raft_commit_index", Gauge, "Raft commit index per shard"),
+        ("raft_applied_index", Gauge, "Raft applied index per shard"),
+        (
+            "raft_is_leader",
+            Gauge,
+            "1 where this replica leads its shard",
+        ),
+        ("raft_leaders", Gauge, "shards this node leads"),
+        (
+            "raft_proposal_seconds",
+            Histogram,
+            "proposal to apply, on the leader",
+        ),
+        (
+            "raft_snapshots_sent_total",
+            Counter,
+            "snapshots streamed to followers",
+        ),
+        (
+            "raft_snapshots_received_total",
+            Counter,
+            "snapshots received from leaders",
+        ),
+        (
+            "raft_snapshots_rejected_total",
+            Counter,
+            "snapshots refused (checksum, size, stale)",
+        ),
+        (
+            "raft_snapshot_sent_bytes_total",
+            Counter,
+            "snapshot bytes streamed",
+        ),
+        (
+            "raft_snapshot_send_seconds",
+            Histogram,
+            "time to stream one snapshot",
+        ),
+        (
+            "raft_snapshot_failures_total",
+            Counter,
+            "snapshot sends that failed",
+        ),
+        (
+            "raft_snapshots_installed_total",
+            Counter,
+            "snapshots installed into a replica",
+        ),
+    ]);
+    f.extend(
+        ragcluster_raft::counter_families("raft")
+            .into_iter()
+            .map(|(n, h)| Family::new(n, Kind::Counter, h)),
+    );
+    f
+}
