@@ -668,3 +668,26 @@ pub async fn set_failpoint(addr: &str, name: &str, actions: &str) -> Result<()> 
         })?;
     Ok(())
 }
+
+/// Runs this build's `ragctl --dir DIR ARGS...`: whether it succeeded and what it printed
+/// (stdout, then stderr).
+pub fn ragctl(dir: &Path, args: &[&str]) -> Result<(bool, String)> {
+    let out = Command::new(bin_dir().join("ragctl"))
+        .arg("--dir")
+        .arg(dir)
+        .args(args)
+        .output()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok((out.status.success(), text))
+}
+
+/// As `ragctl`, failing unless the command succeeds.
+pub fn ragctl_ok(dir: &Path, args: &[&str]) -> Result<String> {
+    let (success, text) = ragctl(dir, args)?;
+    anyhow::ensure!(success, "ragctl {args:?}: {text}");
+    Ok(text)
+}

@@ -681,20 +681,7 @@ fn ragctl_local_cluster_names_and_stops_every_process() -> Result<()> {
     let dir = tempfile::Builder::new()
         .prefix("ragcluster-test-ragctl-")
         .tempdir()?;
-    let ragctl = |args: &[&str]| -> Result<String> {
-        let out = std::process::Command::new(ragcluster_tests::bin_dir().join("ragctl"))
-            .arg("--dir")
-            .arg(dir.path())
-            .args(args)
-            .output()?;
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        ensure!(out.status.success(), "ragctl {args:?}: {text}");
-        Ok(text)
-    };
+    let ragctl = |args: &[&str]| ragcluster_tests::ragctl_ok(dir.path(), args);
     let models = ragcluster_tests::models_dir();
     let up = ragctl(&[
         "local",

@@ -115,18 +115,60 @@ async fn wait_port_file(path: &Path, log: &Path, timeout: Duration) -> Result<Po
     }
 }
 
+/// Whether process `pid` is running: it exists and is not a zombie (our processes outlive
+/// the `ragctl` that started them, and whoever inherits them may reap late).
+fn alive(pid: &u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|state| state != 'Z' && state != 'X'),
+        Err(_) => false,
+    }
+}
+
+/// The loopback address a process of the cluster listens on: the port it bound last time (its
+/// port.json outlives `local down`), so a restarted cluster comes back on the addresses its
+/// catalog holds; port 0 (any) the first time.
+fn listen_addr(port_file: &Path) -> String {
+    let port = std::fs::read_to_string(port_file)
+        .ok()
+        .and_then(|s| serde_json::from_str::<PortFile>(&s).ok())
+        .and_then(|p| p.grpc.rsplit(':').next()?.parse::<u16>().ok())
+        .unwrap_or(0);
+    format!("127.0.0.1:{port}")
+}
+
+/// Starts the cluster of `dir`, on its data and previous ports when it ran before. Refuses
+/// while part of it still runs (a second copy would fail on the RocksDB locks).
 pub async fn local_up(dir: &Path, n: usize, models: &Path) -> Result<()> {
     if let Ok(s) = std::fs::read_to_string(dir.join("cluster.json"))
         && let Ok(c) = serde_json::from_str::<LocalCluster>(&s)
-        && c.pids
-            .iter()
-            .all(|p| Path::new(&format!("/proc/{p}")).exists())
     {
-        println!(
-            "local cluster already running; coordinator at {}",
-            c.coordinator
-        );
-        return Ok(());
+        let running: Vec<u32> = c.pids.iter().copied().filter(alive).collect();
+        if running.len() == c.pids.len() {
+            println!(
+                "local cluster already running; coordinator at {}",
+                c.coordinator
+            );
+            return Ok(());
+        }
+        if !running.is_empty() {
+            let stopped: Vec<String> = c
+                .processes
+                .iter()
+                .filter(|p| !alive(&p.pid))
+                .map(|p| p.name.clone())
+                .collect();
+            bail!(
+                "part of the local cluster is still running ({} of {} processes; stopped: {}); \
+                 `ragctl local down` stops the rest, then `ragctl local up` brings the whole \
+                 cluster back on its data",
+                running.len(),
+                c.pids.len(),
+                stopped.join(", ")
+            );
+        }
     }
     let bin_dir = std::env::current_exe()?
         .parent()
@@ -143,17 +185,19 @@ pub async fn local_up(dir: &Path, n: usize, models: &Path) -> Result<()> {
     let dir = dir.canonicalize()?;
     let mut pids = Vec::new();
     let pf = |name: &str| dir.join(name).join("port.json");
+    let mut listen = std::collections::HashMap::new();
     for name in std::iter::once("model-worker".to_string())
         .chain((0..n).map(|i| format!("shard-{i}")))
         .chain(["coordinator".into()])
     {
         std::fs::create_dir_all(dir.join(&name))?;
+        listen.insert(name.clone(), listen_addr(&pf(&name)));
         let _ = std::fs::remove_file(pf(&name));
     }
     let mw_log = dir.join("model-worker/log");
     let mut mw_args = vec![
         "--listen".into(),
-        "127.0.0.1:0".into(),
+        listen["model-worker"].clone(),
         "--embed-model".into(),
         model_dir.display().to_string(),
         // MaxSim reranking over the same MiniLM weights.
@@ -174,7 +218,7 @@ pub async fn local_up(dir: &Path, n: usize, models: &Path) -> Result<()> {
             &bin_dir.join("shard-node"),
             &[
                 "--listen".into(),
-                "127.0.0.1:0".into(),
+                listen[&name].clone(),
                 "--data-dir".into(),
                 dir.join(&name).join("data").display().to_string(),
                 "--port-file".into(),
@@ -183,7 +227,8 @@ pub async fn local_up(dir: &Path, n: usize, models: &Path) -> Result<()> {
             &dir.join(&name).join("log"),
         )?);
     }
-    launch_rest(&dir, n, &bin_dir, &model_dir, &mw_log, pids).await
+    let co_listen = listen["coordinator"].clone();
+    launch_rest(&dir, n, &bin_dir, &model_dir, &mw_log, pids, co_listen).await
 }
 
 /// Waits for the model worker and the shard nodes, then starts the coordinator over them.
@@ -194,6 +239,7 @@ async fn launch_rest(
     model_dir: &Path,
     mw_log: &Path,
     mut pids: Vec<u32>,
+    co_listen: String,
 ) -> Result<()> {
     let pf = |name: &str| dir.join(name).join("port.json");
     let mw = wait_port_file(&pf("model-worker"), mw_log, Duration::from_secs(120)).await?;
@@ -215,7 +261,7 @@ async fn launch_rest(
         &bin_dir.join("coordinator"),
         &[
             "--listen".into(),
-            "127.0.0.1:0".into(),
+            co_listen,
             "--data-dir".into(),
             dir.join("coordinator/data").display().to_string(),
             "--shard-nodes".into(),
@@ -305,7 +351,6 @@ pub fn local_down(dir: &Path) -> Result<()> {
             |p| format!("{} (pid {pid})", p.name),
         )
     };
-    let alive = |pid: &u32| Path::new(&format!("/proc/{pid}")).exists();
     let signal = |sig: &str, pid: u32| {
         let _ = Command::new("kill")
             .arg(sig)
