@@ -106,22 +106,19 @@ fn reflection_builder(services: &[&str]) -> tonic_reflection::server::Builder<'s
     b
 }
 
-/// Health service (all given services SERVING) and reflection (v1, v1alpha) listing exactly
-/// those.
-pub async fn health_and_reflection(
-    serving: &[&str],
+/// The router every process starts from: per-RPC metrics, the health service (`services` and
+/// the whole process SERVING) and reflection (v1 and v1alpha) listing exactly `services`. The
+/// caller adds its own services; the reporter keeps health SERVING while it lives.
+pub async fn router(
+    services: &[&str],
 ) -> (
     tonic_health::server::HealthReporter,
-    tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
-    tonic_reflection::server::v1::ServerReflectionServer<
-        impl tonic_reflection::server::v1::ServerReflection,
-    >,
-    tonic_reflection::server::v1alpha::ServerReflectionServer<
-        impl tonic_reflection::server::v1alpha::ServerReflection,
+    tonic::transport::server::Router<
+        tower::layer::util::Stack<GrpcMetricsLayer, tower::layer::util::Identity>,
     >,
 ) {
     let (reporter, health) = tonic_health::server::health_reporter();
-    for name in serving {
+    for name in services {
         reporter
             .set_service_status(*name, tonic_health::ServingStatus::Serving)
             .await;
@@ -129,13 +126,18 @@ pub async fn health_and_reflection(
     reporter
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
-    let v1 = reflection_builder(serving)
+    let v1 = reflection_builder(services)
         .build_v1()
         .expect("embedded descriptor sets are valid");
-    let v1alpha = reflection_builder(serving)
+    let v1alpha = reflection_builder(services)
         .build_v1alpha()
         .expect("embedded descriptor sets are valid");
-    (reporter, health, v1, v1alpha)
+    let router = tonic::transport::Server::builder()
+        .layer(GrpcMetricsLayer)
+        .add_service(health)
+        .add_service(v1)
+        .add_service(v1alpha);
+    (reporter, router)
 }
 
 /// Tower layer that counts requests and records latency per gRPC method and status code:

@@ -74,18 +74,14 @@ pub async fn run_with(
     }
     tracing::info!(%addr, %metrics_addr, shard_nodes = cfg.shard_nodes.len(),
                    tls = cfg.tls.enabled(), auth = cfg.auth.enabled, "coordinator listening");
-    let (_reporter, health, reflection, reflection_alpha) = server::health_and_reflection(&[
+    let (_reporter, router) = server::router(&[
         "ragcluster.v1.Coordinator",
         "ragcluster.v1.Admin",
         "ragcluster.v1.CatalogPeer",
     ])
     .await;
     let incoming = ragcluster_common::tls::incoming(listener, tls);
-    tonic::transport::Server::builder()
-        .layer(server::GrpcMetricsLayer)
-        .add_service(health)
-        .add_service(reflection)
-        .add_service(reflection_alpha)
+    router
         .add_service(
             CoordinatorServer::new(coordinator)
                 .max_decoding_message_size(cfg.limits.max_request_bytes)

@@ -61,18 +61,13 @@ pub async fn run(
     }
     tracing::info!(%addr, %metrics_addr, http = ?http_addr, models = cfg.models.len(),
                    tls = cfg.tls.enabled(), "model worker listening");
-    let (_reporter, health, reflection, reflection_alpha) =
-        server::health_and_reflection(&["ragcluster.v1.ModelWorker"]).await;
+    let (_reporter, router) = server::router(&["ragcluster.v1.ModelWorker"]).await;
     let incoming = ragcluster_common::tls::incoming(listener, tls);
     let grpc_shutdown = async move {
         shutdown.await;
         let _ = stop_tx.send(true);
     };
-    tonic::transport::Server::builder()
-        .layer(server::GrpcMetricsLayer)
-        .add_service(health)
-        .add_service(reflection)
-        .add_service(reflection_alpha)
+    router
         .add_service(
             ModelWorkerServer::new(service::ModelWorkerService::new(reg))
                 .max_decoding_message_size(32 * 1024 * 1024)

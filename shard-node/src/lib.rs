@@ -91,17 +91,11 @@ pub async fn start(
     } else {
         &["ragcluster.v1.Shard"]
     };
-    let (reporter, health, reflection, reflection_alpha) =
-        server::health_and_reflection(services).await;
+    let (reporter, router) = server::router(services).await;
     let svc = ShardServer::new(service::ShardService::new(node.clone(), &cfg))
         .max_decoding_message_size(64 * 1024 * 1024)
         .max_encoding_message_size(64 * 1024 * 1024);
-    let router = tonic::transport::Server::builder()
-        .layer(server::GrpcMetricsLayer)
-        .add_service(health)
-        .add_service(reflection)
-        .add_service(reflection_alpha)
-        .add_service(svc);
+    let router = router.add_service(svc);
     #[cfg(feature = "failpoints")]
     let router = router.add_service(
         ragcluster_proto::v1::failpoints_server::FailpointsServer::new(

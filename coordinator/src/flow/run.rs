@@ -57,6 +57,18 @@ pub struct Passage {
     pub position: u32,
 }
 
+#[cfg(test)]
+impl Passage {
+    /// A passage with only an id and a score (operator tests).
+    pub fn scored(id: &str, score: f32) -> Self {
+        Self {
+            chunk_id: id.into(),
+            score,
+            ..Default::default()
+        }
+    }
+}
+
 impl From<search::Hit> for Passage {
     fn from(h: search::Hit) -> Self {
         Self {

@@ -246,11 +246,7 @@ mod tests {
     use super::*;
 
     fn p(id: &str, score: f32) -> Passage {
-        Passage {
-            chunk_id: id.into(),
-            score,
-            ..Default::default()
-        }
+        Passage::scored(id, score)
     }
 
     #[test]
