@@ -12,6 +12,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "ragcluster/v1/admin.proto",
         "ragcluster/v1/catalog.proto",
         "ragcluster/v1/failpoints.proto",
+        "ragcluster/v1/membership.proto",
     ];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");

@@ -138,12 +138,26 @@ def check(name, out_dir):
     cm = one(objects, "ConfigMap", "-config")
     toml_text = cm["data"]["ragcluster.toml"]
     cfg = tomllib.loads(toml_text)
-    if len(cfg["coordinator"]["shard_nodes"]) != n_shards:
-        fail(f"{name}: shard_nodes list")
+    # Members register themselves: no member list in the config, which therefore does not
+    # change (nor roll the coordinators) when the shard-node StatefulSet is scaled.
+    if cfg["coordinator"]["shard_nodes"] or cfg["coordinator"]["model_worker"]:
+        fail(f"{name}: the coordinator config lists members")
+    scaled = dict(values, shardNode={**values.get("shardNode", {}), "replicas": n_shards + 2})
+    cm2 = one(render(scaled), "ConfigMap", "-config")
+    if cm2["data"] != cm["data"]:
+        fail(f"{name}: scaling shard nodes changes the config (coordinators would restart)")
+    coord_svc = f"rag-ragcluster-coordinator:7000"
+    for section in ("shard_node", "model_worker"):
+        if not all(a.endswith(coord_svc) for a in cfg[section]["coordinators"]) or not cfg[section]["coordinators"]:
+            fail(f"{name}: [{section}] coordinators {cfg[section].get('coordinators')}")
+    env = {e["name"]: e for e in shards["spec"]["template"]["spec"]["containers"][0].get("env", [])}
+    adv = env.get("RAGCLUSTER__SHARD_NODE__ADVERTISE_ADDRESS", {}).get("value", "")
+    if "$(POD_NAME).rag-ragcluster-shard-node-headless." not in adv:
+        fail(f"{name}: shard nodes must advertise their stable pod name ({adv!r})")
     if len(cfg["coordinator"].get("peers", [])) != (n_coords if n_coords > 1 else 0):
         fail(f"{name}: peers list")
     scheme = "https://" if merged["tls"]["enabled"] else "http://"
-    addrs = cfg["coordinator"]["shard_nodes"] + [cfg["coordinator"]["model_worker"]]
+    addrs = cfg["shard_node"]["coordinators"] + cfg["model_worker"]["coordinators"] + [adv]
     addrs += [p.split("=", 1)[1] for p in cfg["coordinator"].get("peers", [])]
     if not all(a.startswith(scheme) for a in addrs):
         fail(f"{name}: addresses must be {scheme} ({addrs})")

@@ -2,12 +2,14 @@
 //! (`config`), logs and Prometheus metrics (`telemetry`, families registered at start in
 //! `families`), and the gRPC server shell with
 //! health, reflection, per-RPC metrics and graceful shutdown (`server`), TLS with reload and
-//! member certificates (`tls`), and API-key channels for clients (`client`).
+//! member certificates (`tls`), API-key channels for clients (`client`), and the member side of
+//! cluster membership (`membership`: stable node ids and heartbeats).
 //! It must not depend on any process crate.
 
 pub mod client;
 pub mod config;
 pub mod families;
+pub mod membership;
 pub mod names;
 pub mod server;
 pub mod telemetry;

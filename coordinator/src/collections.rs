@@ -11,6 +11,7 @@ use ragcluster_proto::v1::*;
 use crate::catalog::{Catalog, valid_name};
 use crate::error::{CoordError, Result};
 use crate::limits::{MAX_REPLICATION_FACTOR, MAX_SHARDS};
+use crate::membership::Membership;
 use crate::models::Models;
 use crate::placement;
 use crate::shards::Shards;
@@ -129,8 +130,8 @@ pub struct Collections {
     catalog: Arc<Catalog>,
     shards: Arc<Shards>,
     models: Arc<Models>,
-    /// Shard nodes new collections are placed on.
-    shard_nodes: Vec<String>,
+    /// Where new collections are placed (UP shard nodes).
+    membership: Arc<Membership>,
     /// Serialises creates and drops, so two creates of one name cannot both open (and drop
     /// each other's) shards.
     changes: tokio::sync::Mutex<()>,
@@ -141,32 +142,28 @@ impl Collections {
         catalog: Arc<Catalog>,
         shards: Arc<Shards>,
         models: Arc<Models>,
-        shard_nodes: Vec<String>,
+        membership: Arc<Membership>,
     ) -> Self {
         Self {
             catalog,
             shards,
             models,
-            shard_nodes,
+            membership,
             changes: Default::default(),
         }
     }
 
     /// Creates a collection (on the catalog leader): every replica opened, then recorded.
     pub async fn create(&self, r: CreateCollectionRequest) -> Result<CollectionInfo> {
-        let l = layout(&r, self.shard_nodes.len())?;
+        let nodes = self.membership.placeable().await;
+        let l = layout(&r, nodes.len())?;
         let _serial = self.changes.lock().await;
         if self.catalog.contains(&r.name) {
             return Err(CoordError::CollectionExists(r.name));
         }
         let model = self.embedding_model(&r.embedding_model).await?;
         let chunking = normalize_chunking(r.chunking, model.max_sequence_length)?;
-        let placed = placement::place_shards(
-            &r.name,
-            l.shard_count,
-            l.replication_factor,
-            &self.shard_nodes,
-        );
+        let placed = placement::place_shards(&r.name, l.shard_count, l.replication_factor, &nodes);
         let info = CollectionInfo {
             name: r.name.clone(),
             shard_count: l.shard_count,
@@ -177,8 +174,9 @@ impl Collections {
             hnsw: Some(l.hnsw),
             shards: placed
                 .iter()
-                .map(|nodes| ShardPlacement {
-                    nodes: nodes.clone(),
+                .map(|replicas| ShardPlacement {
+                    nodes: replicas.iter().map(|(_, a)| a.clone()).collect(),
+                    node_ids: replicas.iter().map(|(id, _)| *id).collect(),
                 })
                 .collect(),
             created_at_ms: SystemTime::now()
@@ -217,21 +215,13 @@ impl Collections {
     /// that crashed before the catalog write (the name is not in the catalog, so they hold
     /// nothing acknowledged): they are dropped first.
     async fn open_shards(&self, info: &CollectionInfo) -> Result<()> {
-        // Raft ids of every node involved, asked before anything is created.
-        let mut ids = std::collections::HashMap::new();
-        for p in &info.shards {
-            for n in &p.nodes {
-                if !ids.contains_key(n) {
-                    ids.insert(n.clone(), self.shards.node_id(n).await?);
-                }
-            }
-        }
         let opens = info.shards.iter().enumerate().flat_map(|(i, p)| {
             let peers: Vec<Peer> = p
-                .nodes
+                .node_ids
                 .iter()
-                .map(|n| Peer {
-                    node_id: ids[n],
+                .zip(&p.nodes)
+                .map(|(id, n)| Peer {
+                    node_id: *id,
                     address: n.clone(),
                 })
                 .collect();

@@ -14,11 +14,21 @@ pub struct CoordinatorConfig {
     pub listen: String,
     /// The catalog's Raft log and applied state are persisted here (`catalog/`).
     pub data_dir: PathBuf,
-    /// Shard node addresses ("http://host:port"). Static placement in this version: shard i of
-    /// a collection goes to node (hash(collection) + i) mod N.
+    /// Seed shard node addresses ("http://host:port"), optional: the catalog leader registers
+    /// them from their NodeInfo. Membership is the catalog's member table: shard nodes started
+    /// with `shard_node.coordinators` register and heartbeat themselves, from any address.
+    /// New collections go to the UP shard nodes: shard i to node (hash(collection) + i) mod N.
     pub shard_nodes: Vec<String>,
-    /// Model worker address.
+    /// Seed model worker address, optional: calls go to the registered workers serving the
+    /// model (least outstanding tokens first), and here while no worker holds this address.
     pub model_worker: String,
+    /// How often shard nodes and model workers heartbeat (told to them in each answer).
+    #[serde(with = "humantime_serde")]
+    pub heartbeat_interval: Duration,
+    /// A member silent (no heartbeat, no answered probe) this long is marked DOWN: searches
+    /// avoid it at once, placement skips it.
+    #[serde(with = "humantime_serde")]
+    pub down_after: Duration,
     /// tokenizer.json of the embedding model; chunk sizes are counted in its tokens.
     pub embedding_tokenizer: PathBuf,
     /// Deadline for one search when the request gives none.
@@ -129,6 +139,8 @@ impl Default for CoordinatorConfig {
             data_dir: PathBuf::from("data/coordinator"),
             shard_nodes: vec!["http://127.0.0.1:7100".into()],
             model_worker: "http://127.0.0.1:7200".into(),
+            heartbeat_interval: Duration::from_secs(1),
+            down_after: Duration::from_secs(10),
             embedding_tokenizer: PathBuf::from("models/all-MiniLM-L6-v2/tokenizer.json"),
             search_timeout: Duration::from_secs(5),
             write_timeout: Duration::from_secs(8),
@@ -157,9 +169,6 @@ impl Default for CoordinatorConfig {
 
 impl CoordinatorConfig {
     pub fn validate(&self) -> Result<(), String> {
-        if self.shard_nodes.is_empty() {
-            return Err("coordinator.shard_nodes is empty".into());
-        }
         for (i, a) in self.shard_nodes.iter().enumerate() {
             if !(a.starts_with("http://") || a.starts_with("https://")) {
                 return Err(format!(
@@ -222,7 +231,14 @@ impl CoordinatorConfig {
         for a in &self.shard_nodes {
             check_scheme("coordinator", "shard_nodes", a, &self.tls)?;
         }
-        check_scheme("coordinator", "model_worker", &self.model_worker, &self.tls)?;
+        if !self.model_worker.is_empty() {
+            check_scheme("coordinator", "model_worker", &self.model_worker, &self.tls)?;
+        }
+        if self.heartbeat_interval.is_zero() || self.down_after < self.heartbeat_interval * 3 {
+            return Err(
+                "coordinator.down_after must be at least 3 x heartbeat_interval (> 0)".into(),
+            );
+        }
         if self.auth.enabled && self.auth.admin_key_file.is_none() {
             return Err(
                 "coordinator.auth.admin_key_file is needed when auth.enabled (the bootstrap \

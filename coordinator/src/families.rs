@@ -77,6 +77,21 @@ pub fn all() -> Vec<Family> {
             Counter,
             "replicas moved by rebalancing",
         ),
+        (
+            "coordinator_replica_move_seconds",
+            Histogram,
+            "time of one replica move, learner added to catalog updated",
+        ),
+        (
+            "coordinator_member_state_changes_total",
+            Counter,
+            "member table state changes made by this coordinator, by new state",
+        ),
+        (
+            "coordinator_model_worker_failovers_total",
+            Counter,
+            "model calls moved to another worker after one failed",
+        ),
         ("catalog_term", Gauge, "catalog Raft term"),
         ("catalog_commit_index", Gauge, "catalog Raft commit index"),
         ("catalog_applied_index", Gauge, "catalog Raft applied index"),

@@ -28,6 +28,7 @@ pub mod fuzzing;
 pub mod handles;
 pub mod ingest;
 pub mod limits;
+pub mod membership;
 pub mod models;
 pub mod placement;
 pub mod rebalance;

@@ -1,5 +1,6 @@
 //! Where things live: documents to shards by a stable hash of the document id (all chunks of
-//! a document on one shard, so prev/next neighbours are local), shards to nodes statically.
+//! a document on one shard, so prev/next neighbours are local), shards of a new collection to
+//! the UP shard nodes of the member table (later moves change it).
 
 /// FNV-1a, 64 bit: stable across Rust versions and platforms (unlike `DefaultHasher`), which
 /// matters because it decides where stored documents live.
@@ -19,12 +20,12 @@ pub fn shard_for_doc(doc_id: &str, shard_count: u32) -> u32 {
 /// Replicas of each shard: shard i on `rf` consecutive nodes starting at node (offset + i),
 /// the offset derived from the collection name so small collections do not all start on node
 /// 0. The first replica is the preferred leader, so leaders spread like shards do.
-pub fn place_shards(
+pub fn place_shards<N: Clone>(
     collection: &str,
     shard_count: u32,
     rf: u32,
-    nodes: &[String],
-) -> Vec<Vec<String>> {
+    nodes: &[N],
+) -> Vec<Vec<N>> {
     let n = nodes.len() as u64;
     let start = stable_hash(collection) % n;
     (0..u64::from(shard_count))

@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 
 use crate::catalog::Catalog;
 use crate::error::{CoordError, Result};
+use crate::membership::Membership;
 use crate::shards::Shards;
 
 const STEP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -37,20 +38,27 @@ fn step(name: &str, detail: impl Into<String>) -> MoveReplicaProgress {
 pub struct Rebalancer {
     catalog: Arc<Catalog>,
     shards: Arc<Shards>,
-    /// The cluster's shard nodes (a move's source and target must be among them).
-    shard_nodes: Vec<String>,
+    /// The member table (a move's source and target must be shard nodes of it).
+    membership: Arc<Membership>,
 }
 
 /// One move, as validated: the shard, its replicas before the move, source and target.
 struct Move<'a> {
     sref: ShardRef,
     info: CollectionInfo,
-    placement: Vec<String>,
-    /// Everyone who may lead during the move: the old replicas and the newcomer.
+    /// (node id, current address) of each replica before the move.
+    placement: Vec<(u64, String)>,
+    /// Addresses of everyone who may lead during the move: the old replicas and the newcomer.
     members: Vec<String>,
-    from: &'a str,
-    to: &'a str,
+    from: (u64, String),
+    to: (u64, String),
     progress: &'a Progress,
+}
+
+impl Move<'_> {
+    fn addresses(&self) -> Vec<String> {
+        self.placement.iter().map(|(_, a)| a.clone()).collect()
+    }
 }
 
 impl Move<'_> {
@@ -60,11 +68,11 @@ impl Move<'_> {
 }
 
 impl Rebalancer {
-    pub fn new(catalog: Arc<Catalog>, shards: Arc<Shards>, shard_nodes: Vec<String>) -> Self {
+    pub fn new(catalog: Arc<Catalog>, shards: Arc<Shards>, membership: Arc<Membership>) -> Self {
         Self {
             catalog,
             shards,
-            shard_nodes,
+            membership,
         }
     }
 
@@ -81,8 +89,9 @@ impl Rebalancer {
         let Some(m) = self.check(collection, shard, from, to, progress).await? else {
             return Ok(());
         };
-        let from_id = self.shards.node_id(from).await?;
-        let to_id = self.shards.node_id(to).await?;
+        let started = Instant::now();
+        let (from_id, from) = (m.from.0, m.from.1.as_str());
+        let (to_id, to) = (m.to.0, m.to.1.as_str());
         let to_peer = Peer {
             node_id: to_id,
             address: to.to_owned(),
@@ -118,61 +127,80 @@ impl Rebalancer {
             .drop_shard(from, m.sref.clone(), STEP_TIMEOUT)
             .await;
         metrics::counter!("coordinator_replica_moves_total").increment(1);
+        metrics::histogram!("coordinator_replica_move_seconds")
+            .record(started.elapsed().as_secs_f64());
+        tracing::info!(
+            collection,
+            shard,
+            from,
+            to,
+            ms = started.elapsed().as_millis() as u64,
+            "replica moved"
+        );
         m.say(step("done", format!("{from} -> {to}"))).await;
         Ok(())
     }
 
-    /// Checks a move; `None` when it was done already.
+    /// Checks a move; `None` when it was done already. `from` and `to` name shard nodes by
+    /// address or node id.
     async fn check<'a>(
         &self,
         collection: &str,
         shard: u32,
-        from: &'a str,
-        to: &'a str,
+        from: &str,
+        to: &str,
         progress: &'a Progress,
     ) -> Result<Option<Move<'a>>> {
         let info = self.catalog.get(collection)?;
-        let placement = info
-            .shards
-            .get(shard as usize)
-            .ok_or_else(|| {
+        let p = info.shards.get(shard as usize).ok_or_else(|| {
+            CoordError::invalid(
+                "shard",
+                format!("{collection} has {} shards", info.shards.len()),
+            )
+        })?;
+        let placement = self.resolve(p)?;
+        let node = |field: &str, name: &str| {
+            self.membership.shard_node(name).ok_or_else(|| {
                 CoordError::invalid(
-                    "shard",
-                    format!("{collection} has {} shards", info.shards.len()),
-                )
-            })?
-            .nodes
-            .clone();
-        for (field, node) in [("from", from), ("to", to)] {
-            if !self.shard_nodes.iter().any(|n| n == node) {
-                return Err(CoordError::invalid(
                     field,
-                    format!("{node} is not a shard node of this cluster"),
-                ));
-            }
-        }
-        if from == to {
+                    format!("{name} is not a shard node of this cluster (ragctl node list)"),
+                )
+            })
+        };
+        let (from, to) = (node("from", from)?, node("to", to)?);
+        if from.0 == to.0 {
             return Err(CoordError::invalid("to", "the same node as from"));
         }
-        let holds = |n: &str| placement.iter().any(|p| p == n);
-        if !holds(from) {
-            if holds(to) {
+        let holds = |id: u64| placement.iter().any(|(n, _)| *n == id);
+        let listed = || {
+            placement
+                .iter()
+                .map(|(id, a)| format!("{id} at {a}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        if !holds(from.0) {
+            if holds(to.0) {
                 let _ = progress.send(Ok(step("done", "already moved"))).await;
                 return Ok(None);
             }
             return Err(CoordError::invalid(
                 "from",
-                format!("{from} holds no replica of shard {shard} ({placement:?})"),
+                format!(
+                    "node {} holds no replica of shard {shard} ({})",
+                    from.0,
+                    listed()
+                ),
             ));
         }
-        if holds(to) {
+        if holds(to.0) {
             return Err(CoordError::invalid(
                 "to",
-                format!("{to} already holds a replica of shard {shard}"),
+                format!("node {} already holds a replica of shard {shard}", to.0),
             ));
         }
-        let mut members = placement.clone();
-        members.push(to.to_owned());
+        let mut members: Vec<String> = placement.iter().map(|(_, a)| a.clone()).collect();
+        members.push(to.1.clone());
         Ok(Some(Move {
             sref: ShardRef {
                 collection: collection.to_owned(),
@@ -187,19 +215,40 @@ impl Rebalancer {
         }))
     }
 
+    /// A placement's (node id, address) pairs; catalogs written before node ids existed get
+    /// them from the member table.
+    fn resolve(&self, p: &ShardPlacement) -> Result<Vec<(u64, String)>> {
+        if p.node_ids.len() == p.nodes.len() {
+            return Ok(p.node_ids.iter().copied().zip(p.nodes.clone()).collect());
+        }
+        p.nodes
+            .iter()
+            .map(|a| {
+                let m = self.catalog.member_at(a).ok_or_else(|| {
+                    CoordError::FailedPrecondition(format!(
+                        "shard node {a} has not registered yet (no node id); retry shortly"
+                    ))
+                })?;
+                Ok((m.node_id, a.clone()))
+            })
+            .collect()
+    }
+
     /// Step 1: the newcomer opens an empty replica and joins as a learner.
     async fn join(&self, m: &Move<'_>, to_id: u64, to_peer: &Peer) -> Result<()> {
-        let (_, view) = self.shards.leader(&m.sref, &m.placement).await?;
+        let old = m.addresses();
+        let (_, view) = self.shards.leader(&m.sref, &old).await?;
         if view.voters.contains(&to_id) || view.learners.contains(&to_id) {
             return Ok(());
         }
-        let mut peers = Vec::new();
-        for n in &m.placement {
-            peers.push(Peer {
-                node_id: self.shards.node_id(n).await?,
-                address: n.clone(),
-            });
-        }
+        let peers = m
+            .placement
+            .iter()
+            .map(|(id, a)| Peer {
+                node_id: *id,
+                address: a.clone(),
+            })
+            .collect();
         let open = OpenShardRequest {
             shard: Some(m.sref.clone()),
             dimension: m.info.dimension,
@@ -208,16 +257,11 @@ impl Rebalancer {
             join: true,
         };
         // Opening again after an interrupted attempt is a no-op on the node.
-        self.shards.open(m.to, open, STEP_TIMEOUT).await?;
+        self.shards.open(&m.to.1, open, STEP_TIMEOUT).await?;
         self.shards
-            .change_replicas(
-                &m.sref,
-                &m.placement,
-                ReplicaChange::AddLearner,
-                to_peer.clone(),
-            )
+            .change_replicas(&m.sref, &old, ReplicaChange::AddLearner, to_peer.clone())
             .await?;
-        m.say(step("learner-added", m.to)).await;
+        m.say(step("learner-added", &m.to.1)).await;
         Ok(())
     }
 
@@ -232,7 +276,10 @@ impl Rebalancer {
             if target == 0 {
                 target = lv.commit_index;
             }
-            let mine = self.shards.views(&m.sref, &[m.to.to_owned()]).await;
+            let mine = self
+                .shards
+                .views(&m.sref, std::slice::from_ref(&m.to.1))
+                .await;
             let applied = mine
                 .first()
                 .cloned()
@@ -251,7 +298,7 @@ impl Rebalancer {
             if Instant::now() >= until {
                 return Err(CoordError::Deadline(format!(
                     "{} catching up on shard {} ({applied} of {target})",
-                    m.to, m.sref.shard
+                    m.to.1, m.sref.shard
                 )));
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -262,15 +309,14 @@ impl Rebalancer {
     /// lists throughout), else the newcomer.
     async fn lead_away(&self, m: &Move<'_>) -> Result<()> {
         let (leader, _) = self.shards.leader(&m.sref, &m.members).await?;
-        if leader != m.from {
+        if leader != m.from.1 {
             return Ok(());
         }
         let target = m
             .placement
             .iter()
-            .find(|n| n.as_str() != m.from)
-            .cloned()
-            .unwrap_or_else(|| m.to.to_owned());
+            .find(|(id, _)| *id != m.from.0)
+            .map_or_else(|| m.to.1.clone(), |(_, a)| a.clone());
         self.shards
             .transfer_leader(&m.sref, &m.members, &target)
             .await?;
@@ -281,20 +327,26 @@ impl Rebalancer {
     /// Step 6: the catalog records the new placement (the newcomer takes the source's place, so the
     /// preferred-leader order is kept).
     async fn record(&self, m: &Move<'_>) -> Result<()> {
-        let new: Vec<String> = m
+        let new: Vec<(u64, String)> = m
             .placement
             .iter()
             .map(|n| {
-                if n == m.from {
-                    m.to.to_owned()
+                if n.0 == m.from.0 {
+                    m.to.clone()
                 } else {
                     n.clone()
                 }
             })
             .collect();
+        let ids: Vec<u64> = new.iter().map(|(id, _)| *id).collect();
+        let shown = new
+            .iter()
+            .map(|(_, a)| a.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
         let (collection, shard) = (&m.sref.collection, m.sref.shard);
         self.catalog
-            .set_placement(collection, shard, new.clone(), CATALOG_TIMEOUT)
+            .set_placement(collection, shard, new, CATALOG_TIMEOUT)
             .await?;
         self.catalog
             .wait_for(
@@ -302,12 +354,12 @@ impl Rebalancer {
                     v.collections
                         .get(collection)
                         .and_then(|c| c.shards.get(shard as usize))
-                        .is_some_and(|p| p.nodes == new)
+                        .is_some_and(|p| p.node_ids == ids)
                 },
                 CATALOG_TIMEOUT,
             )
             .await;
-        m.say(step("placed", new.join(","))).await;
+        m.say(step("placed", shown)).await;
         Ok(())
     }
 
@@ -318,6 +370,11 @@ impl Rebalancer {
         shard: u32,
         to: &str,
     ) -> Result<()> {
+        let to = self
+            .membership
+            .shard_node(to)
+            .map_or_else(|| to.to_owned(), |(_, a)| a);
+        let to = to.as_str();
         let info = self.catalog.get(collection)?;
         let nodes = info
             .shards

@@ -7,6 +7,7 @@ use ragcluster_common::{server, telemetry};
 use ragcluster_proto::v1::admin_server::AdminServer;
 use ragcluster_proto::v1::catalog_peer_server::CatalogPeerServer;
 use ragcluster_proto::v1::coordinator_server::CoordinatorServer;
+use ragcluster_proto::v1::membership_server::MembershipServer;
 
 use crate::auth::Auth;
 use crate::catalog::{Catalog, CatalogOptions};
@@ -18,11 +19,12 @@ use crate::flow::run::Services;
 use crate::flow::{AskOptions, Engine, Flows};
 use crate::handles::Handles;
 use crate::ingest::Ingestor;
+use crate::membership::{Membership, MembershipOptions};
 use crate::models::{EmbedOptions, Models};
 use crate::rebalance::Rebalancer;
 use crate::search::Searcher;
 use crate::service::forward::Forwarder;
-use crate::service::{AdminService, CatalogPeerService, CoordinatorService};
+use crate::service::{AdminService, CatalogPeerService, CoordinatorService, MembershipService};
 use crate::shards::{Connector, GrpcConnector, Shards};
 
 /// Serves the Coordinator and Admin services until `shutdown` resolves, reaching shard nodes
@@ -63,6 +65,13 @@ pub async fn run_with(
     )?);
     let connector = connector.unwrap_or_else(|| Arc::new(GrpcConnector::new(channels.clone())));
     let (coordinator, admin) = services(&cfg, catalog.clone(), channels, connector)?;
+    admin.membership.spawn();
+    let members = MembershipService {
+        membership: admin.membership.clone(),
+        catalog: catalog.clone(),
+        forward: admin.forward.clone(),
+        tls: tls.clone(),
+    };
     let peer = CatalogPeerService {
         catalog: catalog.clone(),
         tls: tls.clone(),
@@ -78,6 +87,7 @@ pub async fn run_with(
         "ragcluster.v1.Coordinator",
         "ragcluster.v1.Admin",
         "ragcluster.v1.CatalogPeer",
+        "ragcluster.v1.Membership",
     ])
     .await;
     let incoming = ragcluster_common::tls::incoming(listener, tls);
@@ -89,6 +99,7 @@ pub async fn run_with(
         )
         .add_service(AdminServer::new(admin).max_decoding_message_size(1024 * 1024))
         .add_service(CatalogPeerServer::new(peer).max_decoding_message_size(64 * 1024 * 1024))
+        .add_service(MembershipServer::new(members).max_decoding_message_size(1024 * 1024))
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await?;
     catalog.stop();
@@ -122,6 +133,17 @@ fn services(
             limits.max_concurrent_requests_per_key,
         )?),
     });
+    let membership = Membership::new(
+        catalog.clone(),
+        h.shards.clone(),
+        h.models.clone(),
+        channels.clone(),
+        MembershipOptions {
+            interval: cfg.heartbeat_interval,
+            down_after: cfg.down_after,
+            shard_seeds: cfg.shard_nodes.clone(),
+        },
+    );
     let tokens: Arc<dyn Tokens> = Arc::new(HfTokens::load(&cfg.embedding_tokenizer)?);
     let flows = Flows::load(cfg.flows_file.as_deref()).map_err(anyhow::Error::msg)?;
     tracing::info!(collections = catalog.list().len(), "catalog loaded");
@@ -135,7 +157,7 @@ fn services(
         catalog.clone(),
         h.shards.clone(),
         h.models.clone(),
-        cfg.shard_nodes.clone(),
+        membership.clone(),
     ));
     let ingestor = Ingestor::new(
         catalog.clone(),
@@ -172,13 +194,14 @@ fn services(
         search_timeout: cfg.search_timeout,
         max_top_k: limits.max_top_k,
     };
-    let rebalancer = Rebalancer::new(catalog, h.shards.clone(), cfg.shard_nodes.clone());
+    let rebalancer = Rebalancer::new(catalog, h.shards.clone(), membership.clone());
     let admin = AdminService {
         handles: h,
         collections,
         rebalancer: Arc::new(rebalancer),
         forward,
         channels,
+        membership,
         shard_nodes: cfg.shard_nodes.clone(),
     };
     Ok((coordinator, admin))

@@ -40,6 +40,17 @@ pub struct ModelWorkerConfig {
     /// Mutual TLS (`[model_worker.tls]`) for the gRPC port and `http_listen`: with a
     /// certificate set, only callers presenting a member certificate get through.
     pub tls: ragcluster_common::tls::TlsConfig,
+    /// Coordinators to register with and heartbeat to (any one answers). Empty: the worker
+    /// is only reached through a coordinator's `model_worker` address.
+    pub coordinators: Vec<String>,
+    /// The address coordinators reach this worker at. Empty: `http(s)://` plus the bound
+    /// listen address; needed when listening on 0.0.0.0.
+    pub advertise_address: String,
+    /// Between two heartbeats until the coordinators say otherwise.
+    #[serde(with = "humantime_serde")]
+    pub heartbeat_interval: std::time::Duration,
+    /// The worker's stable node id is kept in `<data_dir>/node_id` (created at first start).
+    pub data_dir: PathBuf,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -129,6 +140,10 @@ impl Default for ModelWorkerConfig {
             dequantize: "f16".into(),
             port_file: None,
             tls: Default::default(),
+            coordinators: Vec::new(),
+            advertise_address: String::new(),
+            heartbeat_interval: std::time::Duration::from_secs(1),
+            data_dir: PathBuf::from("data/model-worker"),
         }
     }
 }
@@ -189,6 +204,12 @@ impl ModelWorkerConfig {
             );
         }
         self.tls.validate("model_worker")?;
+        for a in &self.coordinators {
+            ragcluster_common::tls::check_scheme("model_worker", "coordinators", a, &self.tls)?;
+        }
+        if self.heartbeat_interval.is_zero() {
+            return Err("model_worker.heartbeat_interval must be positive".into());
+        }
         if self.tls.client_auth != ragcluster_common::tls::ClientAuth::Required {
             return Err(
                 "model_worker.tls.client_auth must be \"required\": model workers serve members \

@@ -6,6 +6,7 @@ use ragcluster_common::families::{self, Family, Kind};
 pub fn all() -> Vec<Family> {
     use Kind::*;
     let mut f = families::grpc_server();
+    f.extend(ragcluster_common::membership::families());
     f.extend(families::table(&[
         ("model_queue_depth", Gauge, "requests waiting per model"),
         ("model_batch_size", Histogram, "requests per device batch"),

@@ -61,6 +61,7 @@ pub async fn run(
     }
     tracing::info!(%addr, %metrics_addr, http = ?http_addr, models = cfg.models.len(),
                    tls = cfg.tls.enabled(), "model worker listening");
+    let heartbeat = join(&cfg, addr, &reg, tls.clone())?;
     let (_reporter, router) = server::router(&["ragcluster.v1.ModelWorker"]).await;
     let incoming = ragcluster_common::tls::incoming(listener, tls);
     let grpc_shutdown = async move {
@@ -75,8 +76,57 @@ pub async fn run(
         )
         .serve_with_incoming_shutdown(incoming, grpc_shutdown)
         .await?;
+    if let Some(h) = heartbeat {
+        h.abort();
+    }
     if let Some(t) = http_task {
         t.await??;
     }
     Ok(())
+}
+
+/// Registers with the coordinators (when configured) and heartbeats, under the node id kept in
+/// `data_dir/node_id`, naming the models served.
+fn join(
+    cfg: &ModelWorkerConfig,
+    bound: std::net::SocketAddr,
+    reg: &registry::Registry,
+    tls: Option<Arc<ragcluster_common::tls::Tls>>,
+) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
+    use ragcluster_common::membership as member;
+    use ragcluster_proto::v1::{HeartbeatRequest, NodeKind};
+    if cfg.coordinators.is_empty() {
+        return Ok(None);
+    }
+    let address = if !cfg.advertise_address.is_empty() {
+        cfg.advertise_address.clone()
+    } else if bound.ip().is_unspecified() {
+        anyhow::bail!("model_worker.advertise_address is needed when listening on {bound}");
+    } else {
+        let scheme = if cfg.tls.enabled() { "https" } else { "http" };
+        format!("{scheme}://{bound}")
+    };
+    let node_id = member::node_id_file(&cfg.data_dir.join("node_id"))?;
+    let models: Vec<String> = reg.models().into_iter().map(|m| m.name).collect();
+    tracing::info!(node_id, %address, ?models, coordinators = ?cfg.coordinators,
+                   "joining the cluster");
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+    let report = Arc::new(move || HeartbeatRequest {
+        node_id,
+        kind: NodeKind::ModelWorker as i32,
+        address: address.clone(),
+        models: models.clone(),
+        cpus,
+        disk_total_bytes: 0,
+        disk_used_bytes: 0,
+    });
+    Ok(Some(member::spawn(
+        member::Heartbeat {
+            coordinators: cfg.coordinators.clone(),
+            interval: cfg.heartbeat_interval,
+            tls,
+        },
+        report,
+        Arc::new(|_| {}),
+    )))
 }

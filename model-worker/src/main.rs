@@ -23,6 +23,15 @@ struct Flags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     listen: Option<String>,
+    /// Coordinators to register with and heartbeat to, comma separated
+    /// (model_worker.coordinators).
+    #[arg(long, value_delimiter = ',')]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    coordinators: Option<Vec<String>>,
+    /// Where the node id is kept (model_worker.data_dir).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data_dir: Option<PathBuf>,
     /// Write the bound addresses here as JSON (model_worker.port_file).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]

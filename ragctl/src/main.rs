@@ -180,9 +180,11 @@ struct AskArgs {
 
 #[derive(Subcommand)]
 enum LocalCmd {
-    /// Start the processes and wait until every one is healthy.
+    /// Start what is not running (everything the first time or after `down`, on the data of
+    /// the directory) and wait until every process is healthy and registered.
     Up {
-        /// Shard nodes to start.
+        /// Shard nodes; more than the directory has adds new ones (they join the running
+        /// cluster; `ragctl rebalance` gives them replicas).
         #[arg(long, default_value_t = 3)]
         shard_nodes: usize,
         /// Directory holding all-MiniLM-L6-v2/ (scripts/fetch-models.sh fills it).
@@ -191,6 +193,15 @@ enum LocalCmd {
     },
     /// Stop the processes: SIGTERM, then SIGKILL (named) for any still running after 15 s.
     Down,
+    /// Restart one process (coordinator, model-worker, shard-N) on its data; shard nodes and
+    /// the model worker rejoin at whatever port they get.
+    Restart {
+        /// Process name as in cluster.json: coordinator, model-worker, shard-0, ...
+        name: String,
+        /// Directory holding all-MiniLM-L6-v2/.
+        #[arg(long, default_value = "models", env = "RAGCLUSTER_MODELS")]
+        models: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -329,6 +340,9 @@ async fn main() -> Result<()> {
         Cmd::Local {
             cmd: LocalCmd::Down,
         } => local::local_down(&cli.dir),
+        Cmd::Local {
+            cmd: LocalCmd::Restart { name, models },
+        } => local::local_restart(&cli.dir, name, models).await,
         Cmd::Ingest {
             paths,
             collection,

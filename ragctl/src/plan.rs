@@ -1,6 +1,6 @@
-//! Rebalancing plans over the cluster's current placement (`ragctl node drain`, `ragctl
-//! rebalance`): replica moves that even replicas per node, leadership transfers that even
-//! leaders. The coordinator carries each step out (`Admin.MoveReplica`,
+//! Rebalancing plans over the cluster's current placement (`ragctl node drain`, `node
+//! remove`, `rebalance`): replica moves that empty draining nodes and even the load per node
+//! (shard sizes, not only replica counts), leadership transfers that even leaders. The coordinator carries each step out (`Admin.MoveReplica`,
 //! `Admin.TransferShardLeader`).
 
 use std::collections::BTreeMap;
@@ -13,6 +13,14 @@ pub struct ShardView {
     pub nodes: Vec<String>,
     /// Empty when unknown.
     pub leader: String,
+    /// What one replica weighs (`weight`).
+    pub weight: u64,
+}
+
+/// What a replica costs a node, in units: one for being there, one per chunk, one per KiB of
+/// its BM25 index. An empty shard still counts, a large one counts for its size.
+pub fn weight(chunks: u64, index_bytes: u64) -> u64 {
+    1 + chunks + index_bytes / 1024
 }
 
 /// One step of a plan.
@@ -31,17 +39,22 @@ pub enum Step {
     },
 }
 
-/// Replica moves that empty `drain` (if given) and then even the replicas per node to within
-/// one, each move from the fullest node to the emptiest one that lacks that shard.
-pub fn plan_replicas(nodes: &[String], shards: &[ShardView], drain: Option<&str>) -> Vec<Step> {
+/// A node's load: the weights of the replicas it holds.
+fn load(shards: &[ShardView], n: &str) -> u64 {
+    shards
+        .iter()
+        .filter(|s| s.nodes.iter().any(|x| x == n))
+        .map(|s| s.weight)
+        .sum()
+}
+
+/// Replica moves that empty the `drain` nodes onto `targets` (a shard no target can take
+/// is left where it is: the caller finds it in the result), then even the load of the
+/// targets: each move takes the replica from the most loaded target to the least loaded one
+/// whose weight best halves the gap between them, while that narrows it.
+pub fn plan_replicas(targets: &[String], shards: &[ShardView], drain: &[String]) -> Vec<Step> {
     let mut shards = shards.to_vec();
-    let targets: Vec<&String> = nodes.iter().filter(|n| Some(n.as_str()) != drain).collect();
-    let count = |shards: &[ShardView], n: &str| {
-        shards
-            .iter()
-            .filter(|s| s.nodes.iter().any(|x| x == n))
-            .count()
-    };
+    let targets: Vec<&String> = targets.iter().filter(|n| !drain.contains(n)).collect();
     let mut steps = Vec::new();
     let mut apply = |shards: &mut Vec<ShardView>, i: usize, from: &str, to: &str| {
         let s = &mut shards[i];
@@ -57,15 +70,17 @@ pub fn plan_replicas(nodes: &[String], shards: &[ShardView], drain: Option<&str>
             to: to.to_owned(),
         });
     };
-    if let Some(d) = drain {
-        for i in 0..shards.len() {
-            if !shards[i].nodes.iter().any(|n| n == d) {
-                continue;
-            }
+    for d in drain {
+        // Heaviest first, so the big ones get the emptiest targets.
+        let mut order: Vec<usize> = (0..shards.len())
+            .filter(|i| shards[*i].nodes.contains(d))
+            .collect();
+        order.sort_by_key(|i| std::cmp::Reverse(shards[*i].weight));
+        for i in order {
             let to = targets
                 .iter()
                 .filter(|t| !shards[i].nodes.contains(t))
-                .min_by_key(|t| (count(&shards, t), t.as_str()));
+                .min_by_key(|t| (load(&shards, t), t.as_str()));
             if let Some(to) = to {
                 let to = to.to_string();
                 apply(&mut shards, i, d, &to);
@@ -73,23 +88,25 @@ pub fn plan_replicas(nodes: &[String], shards: &[ShardView], drain: Option<&str>
         }
     }
     // Bounded: every move narrows the gap between the fullest and the emptiest node.
-    for _ in 0..shards.len() * nodes.len().max(1) {
+    for _ in 0..shards.len() * targets.len().max(1) {
         let (Some(max), Some(min)) = (
             targets
                 .iter()
-                .max_by_key(|t| (count(&shards, t), std::cmp::Reverse(t.as_str()))),
+                .max_by_key(|t| (load(&shards, t), std::cmp::Reverse(t.as_str()))),
             targets
                 .iter()
-                .min_by_key(|t| (count(&shards, t), t.as_str())),
+                .min_by_key(|t| (load(&shards, t), t.as_str())),
         ) else {
             break;
         };
-        if count(&shards, max) <= count(&shards, min) + 1 {
-            break;
-        }
-        let Some(i) = shards
-            .iter()
-            .position(|s| s.nodes.contains(max) && !s.nodes.contains(min))
+        let gap = load(&shards, max) - load(&shards, min);
+        // Moving weight w leaves the two at (hi - w, lo + w): better only while w < gap.
+        let Some(i) = (0..shards.len())
+            .filter(|i| {
+                let s = &shards[*i];
+                s.nodes.contains(max) && !s.nodes.contains(min) && s.weight < gap
+            })
+            .min_by_key(|i| (gap.abs_diff(2 * shards[*i].weight), shards[*i].shard))
         else {
             break;
         };
@@ -153,6 +170,7 @@ mod tests {
             shard,
             nodes: nodes.iter().map(|s| s.to_string()).collect(),
             leader: leader.into(),
+            weight: weight(0, 0),
         }
     }
 
@@ -183,7 +201,7 @@ mod tests {
         let n = nodes(4);
         // 4 shards x 3 replicas, all piled on n0..n2; n3 empty.
         let shards: Vec<ShardView> = (0..4).map(|i| view(i, &["n0", "n1", "n2"], "n0")).collect();
-        let steps = plan_replicas(&n, &shards, None);
+        let steps = plan_replicas(&n, &shards, &[]);
         let c = counts(&n, &shards, &steps);
         assert_eq!(c.iter().sum::<usize>(), 12);
         assert!(
@@ -192,13 +210,49 @@ mod tests {
         );
         assert_eq!(steps.len(), 3, "{steps:?}");
         // Draining n1 moves its four replicas; the rest stays within one.
-        let steps = plan_replicas(&n, &shards, Some("n1"));
+        let steps = plan_replicas(&n, &shards, &["n1".to_string()]);
         let c = counts(&n, &shards, &steps);
         assert_eq!(c[1], 0, "{c:?}");
         assert_eq!(c.iter().sum::<usize>(), 12);
         // Balanced already: nothing to do.
         let balanced = vec![view(0, &["n0", "n1"], "n0"), view(1, &["n2", "n3"], "n2")];
-        assert!(plan_replicas(&n, &balanced, None).is_empty());
+        assert!(plan_replicas(&n, &balanced, &[]).is_empty());
+    }
+
+    #[test]
+    fn rebalance_weighs_shard_sizes() {
+        let n = nodes(2);
+        // n0 holds one big shard, n1 four small ones: equal counts would be wrong.
+        let mut shards = vec![view(0, &["n0"], "n0")];
+        shards[0].weight = weight(10_000, 0);
+        for i in 1..5 {
+            shards.push(view(i, &["n1"], "n1"));
+        }
+        assert!(
+            plan_replicas(&n, &shards, &[]).is_empty(),
+            "moving small shards onto the big one only widens the gap"
+        );
+        // Two big shards on n0, none on n1: one moves, whatever the counts.
+        let mut shards = vec![view(0, &["n0"], "n0"), view(1, &["n0"], "n0")];
+        for s in &mut shards {
+            s.weight = weight(5_000, 2 << 20);
+        }
+        shards.push(view(2, &["n1"], "n1"));
+        shards.push(view(3, &["n1"], "n1"));
+        let steps = plan_replicas(&n, &shards, &[]);
+        let big_moves = steps
+            .iter()
+            .filter(|s| matches!(s, Step::Move { shard: 0 | 1, .. }))
+            .count();
+        assert_eq!(big_moves, 1, "{steps:?}");
+        let mut after = shards.clone();
+        for st in &steps {
+            if let Step::Move { shard, to, .. } = st {
+                after[*shard as usize].nodes = vec![to.clone()];
+            }
+        }
+        let loads: Vec<u64> = n.iter().map(|x| load(&after, x)).collect();
+        assert!(loads[0].abs_diff(loads[1]) <= 2, "{loads:?}");
     }
 
     #[test]

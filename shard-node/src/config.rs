@@ -42,6 +42,17 @@ pub struct ShardNodeConfig {
     /// member certificate of the cluster CA get through the handshake, and this node dials
     /// its Raft peers over TLS (their addresses are then `https://`).
     pub tls: ragcluster_common::tls::TlsConfig,
+    /// Coordinator addresses this node registers with and heartbeats to (any one answers;
+    /// they pass it on to the catalog leader), learning from each answer where the other
+    /// shard nodes are now. Empty: the node is only found through a coordinator's
+    /// `shard_nodes` seeds, and must keep its address.
+    pub coordinators: Vec<String>,
+    /// The address other members reach this node at. Empty: `http(s)://` plus the bound
+    /// listen address (its port resolved); needed when listening on 0.0.0.0.
+    pub advertise_address: String,
+    /// Between two heartbeats until the coordinators say otherwise.
+    #[serde(with = "humantime_serde")]
+    pub heartbeat_interval: std::time::Duration,
 }
 
 impl Default for ShardNodeConfig {
@@ -61,6 +72,9 @@ impl Default for ShardNodeConfig {
             write_timeout: std::time::Duration::from_secs(10),
             shutdown_timeout: std::time::Duration::from_secs(10),
             tls: Default::default(),
+            coordinators: Vec::new(),
+            advertise_address: String::new(),
+            heartbeat_interval: std::time::Duration::from_secs(1),
         }
     }
 }
@@ -85,6 +99,20 @@ impl ShardNodeConfig {
             return Err("shard_node.raft_tick must be > 0 and raft_log_gc_threshold >= 2".into());
         }
         self.tls.validate("shard_node")?;
+        for a in &self.coordinators {
+            ragcluster_common::tls::check_scheme("shard_node", "coordinators", a, &self.tls)?;
+        }
+        if !self.advertise_address.is_empty() {
+            ragcluster_common::tls::check_scheme(
+                "shard_node",
+                "advertise_address",
+                &self.advertise_address,
+                &self.tls,
+            )?;
+        }
+        if self.heartbeat_interval.is_zero() {
+            return Err("shard_node.heartbeat_interval must be positive".into());
+        }
         if self.tls.client_auth != ragcluster_common::tls::ClientAuth::Required {
             return Err(
                 "shard_node.tls.client_auth must be \"required\": shard nodes serve members only"

@@ -6,6 +6,7 @@ use ragcluster_common::families::{self, Family, Kind};
 pub fn all() -> Vec<Family> {
     use Kind::*;
     let mut f = families::grpc_server();
+    f.extend(ragcluster_common::membership::families());
     f.extend(families::table(&[
         (
             "shard_write_batch_seconds",

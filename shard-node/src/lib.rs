@@ -12,6 +12,7 @@ pub mod config;
 pub mod error;
 pub mod families;
 pub mod index;
+pub mod membership;
 pub mod node;
 pub mod raft;
 pub mod service;
@@ -86,6 +87,7 @@ pub async fn start(
     }
     tracing::info!(%addr, %metrics_addr, data_dir = %cfg.data_dir.display(),
                    tls = cfg.tls.enabled(), "shard node listening");
+    let heartbeat = membership::spawn(&cfg, addr, &node, tls.clone())?;
     let services: &[&str] = if cfg!(feature = "failpoints") {
         &["ragcluster.v1.Shard", "ragcluster.v1.Failpoints"]
     } else {
@@ -128,6 +130,9 @@ pub async fn start(
             };
             drop(reporter);
             reaper.abort();
+            if let Some(h) = heartbeat {
+                h.abort();
+            }
             served?;
             tracing::info!("grpc drained; flushing indexes");
             tokio::task::spawn_blocking(move || node.flush()).await??;

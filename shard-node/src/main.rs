@@ -26,6 +26,15 @@ struct Flags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     data_dir: Option<PathBuf>,
+    /// Coordinators to register with and heartbeat to, comma separated
+    /// (shard_node.coordinators).
+    #[arg(long, value_delimiter = ',')]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    coordinators: Option<Vec<String>>,
+    /// Address other members reach this node at (shard_node.advertise_address).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    advertise_address: Option<String>,
     /// Write the bound addresses here as JSON (shard_node.port_file).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -12,10 +12,11 @@ pub mod load;
 pub mod metrics;
 
 use anyhow::{Context, Result, bail};
+use ragcluster_proto::v1::admin_client::AdminClient;
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::{
-    ChunkingConfig, ChunkingStrategy, CreateCollectionRequest, Document, UpsertDocumentsRequest,
-    UpsertDocumentsResponse,
+    ChunkingConfig, ChunkingStrategy, ClusterStatusRequest, CreateCollectionRequest, Document,
+    MemberState, NodeStatus, UpsertDocumentsRequest, UpsertDocumentsResponse,
 };
 use serde::Deserialize;
 use tonic::transport::Channel;
@@ -123,6 +124,26 @@ impl Proc {
 
     /// A shard node reading the `[shard_node]` settings of the TOML file `config`.
     pub fn shard_node_with(name: &str, dir: &Path, config: Option<&Path>) -> Result<Self> {
+        Self::shard_node_args(name, dir, config, &[])
+    }
+
+    /// A shard node that registers itself with the coordinator at `coordinator` (membership)
+    /// rather than being one of its configured addresses; `config` as in `shard_node_with`.
+    pub fn joining_shard_node(
+        name: &str,
+        dir: &Path,
+        coordinator: &str,
+        config: Option<&Path>,
+    ) -> Result<Self> {
+        Self::shard_node_args(name, dir, config, &["--coordinators", coordinator])
+    }
+
+    fn shard_node_args(
+        name: &str,
+        dir: &Path,
+        config: Option<&Path>,
+        extra: &[&str],
+    ) -> Result<Self> {
         let data = dir.join(name).join("data");
         let mut args = vec![
             "--listen".into(),
@@ -134,10 +155,26 @@ impl Proc {
             args.push("--config".into());
             args.push(c.display().to_string());
         }
+        args.extend(extra.iter().map(|s| s.to_string()));
         Self::start(name, "shard-node", args, dir, Duration::from_secs(120))
     }
 
-    /// A model worker serving MiniLM embeddings and, with `generate`, SmolLM2 generation,
+    /// A MiniLM model worker named `name` that registers with `coordinator`.
+    pub fn joining_model_worker(name: &str, dir: &Path, coordinator: &str) -> Result<Self> {
+        let args = vec![
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--embed-model".into(),
+            embed_model()?.display().to_string(),
+            "--coordinators".into(),
+            coordinator.into(),
+            "--data-dir".into(),
+            dir.join(name).join("data").display().to_string(),
+        ];
+        Self::start(name, "model-worker", args, dir, Duration::from_secs(300))
+    }
+
+    /// A MiniLM model worker serving MiniLM embeddings and, with `generate`, SmolLM2 generation,
     /// reading the `[model_worker]` settings of `config` when given.
     pub fn model_worker(dir: &Path, generate: bool, config: Option<&Path>) -> Result<Self> {
         Self::model_worker_with(dir, generate, config, &[])
@@ -270,6 +307,22 @@ impl Proc {
         }
     }
 
+    /// kill -9, then starts again with the same arguments on another port (any free one).
+    pub fn restart_elsewhere(&mut self, timeout: Duration) -> Result<()> {
+        self.kill9();
+        if let Some(i) = self.args.iter().position(|a| a == "--listen") {
+            self.args[i + 1] = "127.0.0.1:0".into();
+        }
+        let before = self.grpc.clone();
+        self.launch(timeout)?;
+        if self.grpc == before {
+            // The OS handed the same port back: go again.
+            self.kill9();
+            self.launch(timeout)?;
+        }
+        Ok(())
+    }
+
     /// Starts again with the same arguments, on the same port when it had one.
     pub fn restart(&mut self, timeout: Duration) -> Result<()> {
         self.kill9();
@@ -285,6 +338,154 @@ impl Proc {
 impl Drop for Proc {
     fn drop(&mut self) {
         self.kill9();
+    }
+}
+
+/// A coordinator with no configured members at a fixed port (`coordinator_config` as its
+/// TOML), then `model_workers` model workers and `shard_nodes` shard nodes that join it
+/// (registering and heartbeating), once every one of them is UP in its member table.
+pub struct Joined {
+    pub dir: tempfile::TempDir,
+    pub coordinator: Proc,
+    pub model_workers: Vec<Proc>,
+    pub shards: Vec<Proc>,
+    /// `[shard_node]` TOML of every shard node, if any.
+    pub shard_config: Option<PathBuf>,
+}
+
+impl Joined {
+    pub fn start(
+        shard_nodes: usize,
+        model_workers: usize,
+        coordinator_config: &str,
+        shard_config: Option<&str>,
+    ) -> Result<Self> {
+        let dir = tempfile::Builder::new()
+            .prefix("ragcluster-test-joined-")
+            .tempdir()?;
+        let d = dir.path();
+        let co_cfg = d.join("coordinator.toml");
+        std::fs::write(&co_cfg, coordinator_config)?;
+        let shard_config = match shard_config {
+            Some(t) => {
+                let p = d.join("shard-node.toml");
+                std::fs::write(&p, t)?;
+                Some(p)
+            }
+            None => None,
+        };
+        let coordinator = Proc::start(
+            "coordinator",
+            "coordinator",
+            vec![
+                "--listen".into(),
+                "127.0.0.1:0".into(),
+                "--data-dir".into(),
+                d.join("coordinator/data").display().to_string(),
+                "--shard-nodes".into(),
+                String::new(),
+                "--model-worker".into(),
+                String::new(),
+                "--embedding-tokenizer".into(),
+                embed_model()?.join("tokenizer.json").display().to_string(),
+                "--config".into(),
+                co_cfg.display().to_string(),
+            ],
+            d,
+            Duration::from_secs(60),
+        )?;
+        let mut workers = Vec::new();
+        for i in 0..model_workers {
+            workers.push(Proc::joining_model_worker(
+                &format!("model-worker-{i}"),
+                d,
+                &coordinator.grpc,
+            )?);
+        }
+        let mut shards = Vec::new();
+        for i in 0..shard_nodes {
+            shards.push(Proc::joining_shard_node(
+                &format!("shard-{i}"),
+                d,
+                &coordinator.grpc,
+                shard_config.as_deref(),
+            )?);
+        }
+        let j = Self {
+            dir,
+            coordinator,
+            model_workers: workers,
+            shards,
+            shard_config,
+        };
+        Ok(j)
+    }
+
+    /// Starts one more joining shard node, `shard-{i}`.
+    pub fn add_shard_node(&mut self) -> Result<&Proc> {
+        let name = format!("shard-{}", self.shards.len());
+        let p = Proc::joining_shard_node(
+            &name,
+            self.dir.path(),
+            &self.coordinator.grpc,
+            self.shard_config.as_deref(),
+        )?;
+        self.shards.push(p);
+        Ok(&self.shards[self.shards.len() - 1])
+    }
+
+    pub async fn client(&self) -> Result<CoordinatorClient<Channel>> {
+        coordinator_client(&self.coordinator.grpc).await
+    }
+
+    pub async fn admin(&self) -> Result<AdminClient<Channel>> {
+        Ok(AdminClient::new(
+            Channel::from_shared(self.coordinator.grpc.clone())?
+                .connect()
+                .await?,
+        ))
+    }
+
+    /// Waits until every address in `addresses` is an UP member; returns the member rows.
+    pub async fn wait_up(
+        &self,
+        addresses: &[String],
+        timeout: Duration,
+    ) -> Result<Vec<NodeStatus>> {
+        let mut admin = self.admin().await?;
+        let t = Instant::now();
+        loop {
+            let st = admin
+                .cluster_status(ClusterStatusRequest {})
+                .await?
+                .into_inner();
+            let up = |a: &String| {
+                st.nodes
+                    .iter()
+                    .any(|n| &n.address == a && n.state() == MemberState::Up && n.node_id != 0)
+            };
+            if addresses.iter().all(up) {
+                return Ok(st.nodes);
+            }
+            anyhow::ensure!(
+                t.elapsed() < timeout,
+                "members not UP within {timeout:?}: want {addresses:?}, have {:?}",
+                st.nodes
+                    .iter()
+                    .map(|n| (n.node_id, n.address.clone(), n.state().as_str_name()))
+                    .collect::<Vec<_>>()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Every member's address.
+    pub fn addresses(&self) -> Vec<String> {
+        self.model_workers
+            .iter()
+            .chain(&self.shards)
+            .map(|p| p.grpc.clone())
+            .collect()
     }
 }
 
@@ -683,6 +884,29 @@ pub fn ragctl(dir: &Path, args: &[&str]) -> Result<(bool, String)> {
         String::from_utf8_lossy(&out.stderr)
     );
     Ok((out.status.success(), text))
+}
+
+/// This build's `ragctl --coordinator ADDR ARGS...`, failing unless it succeeds; prints how
+/// long it took and what it said (operator commands in load tests).
+pub fn ragctl_at(coordinator: &str, args: &[&str]) -> Result<String> {
+    let t = Instant::now();
+    let o = Command::new(bin_dir().join("ragctl"))
+        .args(["--coordinator", coordinator])
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .output()?;
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    anyhow::ensure!(
+        o.status.success(),
+        "ragctl {args:?}: {out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    eprintln!(
+        "ragctl {} took {:.1} s\n{out}",
+        args.join(" "),
+        t.elapsed().as_secs_f64()
+    );
+    Ok(out)
 }
 
 /// As `ragctl`, failing unless the command succeeds.

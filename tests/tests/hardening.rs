@@ -503,9 +503,10 @@ fn documented_metrics() -> Result<Vec<String>> {
             "rocksdb_",
             "raft_",
             "model_",
+            "member_",
         ];
         // Config keys that share a prefix with metric names.
-        let config_keys = ["shard_nodes"];
+        let config_keys = ["shard_nodes", "model_worker"];
         if !known.iter().any(|p| tok.starts_with(p)) || config_keys.contains(&tok) {
             continue;
         }
@@ -535,6 +536,7 @@ async fn ports_describe_only_what_they_serve() -> Result<()> {
                 "ragcluster.v1.Coordinator",
                 "ragcluster.v1.Admin",
                 "ragcluster.v1.CatalogPeer",
+                "ragcluster.v1.Membership",
             ],
         ),
         (&cluster.shards[0].grpc, &["ragcluster.v1.Shard"]),
@@ -572,6 +574,7 @@ async fn ports_describe_only_what_they_serve() -> Result<()> {
             Some("grpc") => &["coordinator", "shard", "model"],
             Some("coordinator" | "catalog") => &["coordinator"],
             Some("shard" | "rocksdb" | "raft") => &["shard"],
+            Some("member") => &["shard", "model"],
             _ => &["model"],
         };
         for p in procs {
@@ -698,7 +701,7 @@ fn ragctl_local_cluster_names_and_stops_every_process() -> Result<()> {
         let procs = cluster["processes"].as_array().context("no processes")?;
         let names: Vec<&str> = procs.iter().filter_map(|p| p["name"].as_str()).collect();
         ensure!(
-            names == ["model-worker", "shard-0", "shard-1", "coordinator"],
+            names == ["coordinator", "model-worker", "shard-0", "shard-1"],
             "{names:?}"
         );
         for p in procs {

@@ -1,6 +1,7 @@
 //! `ragctl local` as a new user drives it: `local up`, ingest the sample docs, `local down`,
 //! `local up` again on the same directory: the same cluster comes back and every document is
-//! found (issue 19's demo restart). A cluster with a stopped process is not started twice.
+//! found (issue 19's demo restart). After a process died, `local up` starts only that one;
+//! `local restart` restarts one; `local up --shard-nodes N` adds nodes that `rebalance` fills.
 
 use std::path::Path;
 use std::process::Command;
@@ -47,7 +48,7 @@ fn local_down_then_up_brings_back_the_same_cluster() -> Result<()> {
         ok(d, &up)?;
         all_found(d)?;
         ok(d, &["status"])?;
-        // One process gone: `local up` names it instead of starting a second cluster.
+        // One process gone: `local up` starts only that one (wherever it lands, it rejoins).
         let cluster: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(d.join("cluster.json"))?)?;
         let shard = cluster["processes"]
@@ -63,9 +64,27 @@ fn local_down_then_up_brings_back_the_same_cluster() -> Result<()> {
         std::thread::sleep(std::time::Duration::from_millis(300));
         let (success, text) = ragctl(d, &up)?;
         ensure!(
-            !success && text.contains("stopped: shard-1"),
+            success && text.contains("starting shard-1 (the rest is running)"),
             "local up with shard-1 gone: {text}"
         );
+        all_found(d)?;
+        let again = ok(d, &up)?;
+        ensure!(again.contains("already running"), "{again}");
+        ok(d, &["local", "restart", "shard-0", "--models", &models])?;
+        all_found(d)?;
+        // A third shard node joins; rebalance gives it replicas.
+        ok(
+            d,
+            &["local", "up", "--shard-nodes", "3", "--models", &models],
+        )?;
+        let nodes = ok(d, &["node", "list"])?;
+        ensure!(nodes.matches("shard-node").count() == 3, "{nodes}");
+        ensure!(
+            nodes.matches(" up ").count() == 4,
+            "every member up: {nodes}"
+        );
+        ok(d, &["rebalance"])?;
+        all_found(d)?;
         Ok(())
     })();
     let down = ok(d, &["local", "down"]);

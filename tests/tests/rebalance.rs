@@ -6,36 +6,15 @@
 //! must be found afterwards, and the replicas must converge.
 
 use std::collections::BTreeMap;
-use std::process::Command;
-use std::time::{Duration, Instant};
+
+use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use ragcluster_proto::v1::admin_client::AdminClient;
 use ragcluster_proto::v1::*;
 use ragcluster_tests::load::{Load, converged};
-use ragcluster_tests::{Cluster, bin_dir};
+use ragcluster_tests::{Cluster, ragctl_at};
 use tonic::transport::Channel;
-
-fn ragctl(cluster: &Cluster, args: &[&str]) -> Result<String> {
-    let t = Instant::now();
-    let o = Command::new(bin_dir().join("ragctl"))
-        .args(["--coordinator", &cluster.coordinator.grpc])
-        .args(args)
-        .env("RUST_BACKTRACE", "0")
-        .output()?;
-    let out = String::from_utf8_lossy(&o.stdout).into_owned();
-    ensure!(
-        o.status.success(),
-        "ragctl {args:?}: {out}{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    eprintln!(
-        "ragctl {} took {:.1} s\n{out}",
-        args.join(" "),
-        t.elapsed().as_secs_f64()
-    );
-    Ok(out)
-}
 
 /// Replicas and leaders per shard node.
 async fn spread(
@@ -95,8 +74,8 @@ async fn move_drain_rebalance_under_load() -> Result<()> {
         .find(|a| !placed.contains(a))
         .context("a node without shard 0")?;
     let out = tokio::task::block_in_place(|| {
-        ragctl(
-            &cluster,
+        ragctl_at(
+            &cluster.coordinator.grpc,
             &["shard", "move", "moving/0", "--from", &from, "--to", &to],
         )
     })?;
@@ -116,22 +95,26 @@ async fn move_drain_rebalance_under_load() -> Result<()> {
     );
     // Asking again is a no-op (the move is done).
     tokio::task::block_in_place(|| {
-        ragctl(
-            &cluster,
+        ragctl_at(
+            &cluster.coordinator.grpc,
             &["shard", "move", "moving/0", "--from", &from, "--to", &to],
         )
     })?;
 
     // 2. Drain a node.
     let drained = cluster.shards[1].grpc.clone();
-    tokio::task::block_in_place(|| ragctl(&cluster, &["node", "drain", &drained]))?;
+    tokio::task::block_in_place(|| {
+        ragctl_at(&cluster.coordinator.grpc, &["node", "drain", &drained])
+    })?;
     let (replicas, _) = spread(&mut admin).await?;
     ensure!(replicas[&drained] == 0, "after drain: {replicas:?}");
 
     // 3. Rebalance: plan, then run; a second run has nothing to do.
-    let plan = tokio::task::block_in_place(|| ragctl(&cluster, &["rebalance", "--dry-run"]))?;
+    let plan = tokio::task::block_in_place(|| {
+        ragctl_at(&cluster.coordinator.grpc, &["rebalance", "--dry-run"])
+    })?;
     ensure!(plan.contains("move replica"), "{plan}");
-    tokio::task::block_in_place(|| ragctl(&cluster, &["rebalance"]))?;
+    tokio::task::block_in_place(|| ragctl_at(&cluster.coordinator.grpc, &["rebalance"]))?;
     let (replicas, leaders) = spread(&mut admin).await?;
     ensure!(within_one(&replicas), "replicas per node: {replicas:?}");
     ensure!(
@@ -139,7 +122,8 @@ async fn move_drain_rebalance_under_load() -> Result<()> {
         "replicas: {replicas:?}"
     );
     ensure!(within_one(&leaders), "leaders per node: {leaders:?}");
-    let again = tokio::task::block_in_place(|| ragctl(&cluster, &["rebalance"]))?;
+    let again =
+        tokio::task::block_in_place(|| ragctl_at(&cluster.coordinator.grpc, &["rebalance"]))?;
     ensure!(again.contains("nothing to do"), "{again}");
 
     load.stop().await?;

@@ -68,6 +68,8 @@ async fn main() -> anyhow::Result<()> {
     let mut cfg: CoordinatorConfig = load_section(file, "coordinator", &flags)?;
     cfg.resolve_node_id(std::env::var("HOSTNAME").ok().as_deref())
         .map_err(anyhow::Error::msg)?;
+    // `--shard-nodes ""` (no seeds: members register themselves) is an empty list.
+    cfg.shard_nodes.retain(|a| !a.is_empty());
     cfg.validate().map_err(anyhow::Error::msg)?;
     let limit = cfg.shutdown_timeout;
     let shutdown = async move {

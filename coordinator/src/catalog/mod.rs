@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use prost::Message as _;
 use ragcluster_proto::v1::{
-    ApiKeyRecord, CatalogCommand, CatalogPeerStatus, CatalogStatus, CollectionInfo, RaftRole,
-    catalog_command::Op,
+    ApiKeyRecord, CatalogCommand, CatalogPeerStatus, CatalogStatus, CollectionInfo, MemberState,
+    RaftRole, catalog_command::Op,
 };
 use ragcluster_raft::{Member, Options, RaftError, Role};
 
@@ -283,22 +283,80 @@ impl Catalog {
         Ok(info)
     }
 
-    /// Records a shard's new replica list (leader only), after a replica move.
+    /// Records a shard's new replica list (leader only), after a replica move: node ids with
+    /// their current addresses, in the same order.
     pub async fn set_placement(
         &self,
         collection: &str,
         shard: u32,
-        nodes: Vec<String>,
+        nodes: Vec<(u64, String)>,
         timeout: Duration,
     ) -> Result<()> {
+        let (node_ids, nodes) = nodes.into_iter().unzip();
         let cmd = CatalogCommand {
             op: Some(Op::SetPlacement(ragcluster_proto::v1::SetPlacement {
                 collection: collection.to_owned(),
                 shard,
                 nodes,
+                node_ids,
             })),
         };
         self.propose(cmd, timeout).await
+    }
+
+    /// Every member ever registered (removed ones included), by node id.
+    pub fn members(&self) -> Vec<ragcluster_proto::v1::Member> {
+        self.machine.view().members.values().cloned().collect()
+    }
+
+    pub fn member(&self, node_id: u64) -> Option<ragcluster_proto::v1::Member> {
+        self.machine.view().members.get(&node_id).cloned()
+    }
+
+    /// The member (not removed) now at `address`.
+    pub fn member_at(&self, address: &str) -> Option<ragcluster_proto::v1::Member> {
+        self.machine.view().member_at(address).cloned()
+    }
+
+    /// Registers a member or records its new address (leader only).
+    pub async fn upsert_member(
+        &self,
+        m: ragcluster_proto::v1::Member,
+        timeout: Duration,
+    ) -> Result<()> {
+        let cmd = CatalogCommand {
+            op: Some(Op::UpsertMember(m)),
+        };
+        self.propose(cmd, timeout).await
+    }
+
+    /// Changes a member's state (leader only).
+    pub async fn set_member_state(
+        &self,
+        node_id: u64,
+        state: MemberState,
+        timeout: Duration,
+    ) -> Result<()> {
+        let cmd = CatalogCommand {
+            op: Some(Op::SetMemberState(ragcluster_proto::v1::SetMemberState {
+                node_id,
+                state: state as i32,
+                at_ms: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64),
+            })),
+        };
+        self.propose(cmd, timeout).await
+    }
+
+    /// The applied index, changing with every applied entry.
+    pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.machine.changes()
+    }
+
+    /// Whether this coordinator leads the catalog now.
+    pub fn is_leader(&self) -> bool {
+        self.member.status().is_leader()
     }
 
     /// One API key record by id, as of this coordinator's applied catalog.

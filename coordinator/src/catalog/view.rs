@@ -3,7 +3,8 @@
 use std::collections::BTreeMap;
 
 use ragcluster_proto::v1::{
-    ApiKeyRecord, CatalogCommand, CatalogState, CollectionInfo, catalog_command::Op,
+    ApiKeyRecord, CatalogCommand, CatalogState, CollectionInfo, Member, MemberState,
+    catalog_command::Op,
 };
 
 use crate::error::{CoordError, Result};
@@ -14,6 +15,8 @@ pub struct View {
     pub collections: BTreeMap<String, CollectionInfo>,
     /// API keys by id (hashed; see `auth`).
     pub api_keys: BTreeMap<String, ApiKeyRecord>,
+    /// Shard nodes and model workers by node id (removed ones stay, so ids are never reused).
+    pub members: BTreeMap<u64, Member>,
     pub applied_index: u64,
     pub applied_term: u64,
 }
@@ -31,6 +34,7 @@ impl View {
                 .into_iter()
                 .filter_map(|k| Some((k.info.as_ref()?.id.clone(), k)))
                 .collect(),
+            members: st.members.into_iter().map(|m| (m.node_id, m)).collect(),
             applied_index: st.applied_index,
             applied_term: st.applied_term,
         }
@@ -42,7 +46,84 @@ impl View {
             applied_term: self.applied_term,
             collections: self.collections.values().cloned().collect(),
             api_keys: self.api_keys.values().cloned().collect(),
+            members: self.members.values().cloned().collect(),
         }
+    }
+
+    /// The member at `address` (not removed).
+    pub fn member_at(&self, address: &str) -> Option<&Member> {
+        self.members
+            .values()
+            .find(|m| m.address == address && m.state() != MemberState::Removed)
+    }
+
+    /// Keeps every placement's addresses those of its node ids now, and gives placements
+    /// written before node ids existed their ids once every one of their addresses belongs
+    /// to a registered member.
+    fn resolve_placements(&mut self) {
+        let by_address: BTreeMap<&str, u64> = self
+            .members
+            .values()
+            .filter(|m| m.state() != MemberState::Removed)
+            .map(|m| (m.address.as_str(), m.node_id))
+            .collect();
+        for c in self.collections.values_mut() {
+            for p in &mut c.shards {
+                if p.node_ids.len() == p.nodes.len() {
+                    for (id, addr) in p.node_ids.iter().zip(p.nodes.iter_mut()) {
+                        if let Some(m) = self.members.get(id)
+                            && !m.address.is_empty()
+                        {
+                            addr.clone_from(&m.address);
+                        }
+                    }
+                } else if let Some(ids) = p
+                    .nodes
+                    .iter()
+                    .map(|a| by_address.get(a.as_str()).copied())
+                    .collect::<Option<Vec<u64>>>()
+                {
+                    p.node_ids = ids;
+                }
+            }
+        }
+    }
+
+    /// A registration: the entry is created, or its address, models and hints replaced.
+    fn upsert_member(&mut self, m: Member) -> Result<()> {
+        if m.node_id == 0 {
+            return Err(CoordError::invalid("node_id", "must not be 0"));
+        }
+        let next = match self.members.get(&m.node_id) {
+            None => m,
+            Some(old) if old.state() == MemberState::Removed => {
+                return Err(CoordError::FailedPrecondition(format!(
+                    "node {} was removed from the cluster; give it a new data directory",
+                    m.node_id
+                )));
+            }
+            Some(old) if old.kind != m.kind => {
+                return Err(CoordError::FailedPrecondition(format!(
+                    "node id {} belongs to a member of another kind",
+                    m.node_id
+                )));
+            }
+            Some(old) => {
+                let mut n = m;
+                n.joined_at_ms = old.joined_at_ms;
+                // An operator's drain outlives restarts and heartbeats.
+                if old.state() == MemberState::Draining {
+                    n.set_state(MemberState::Draining);
+                }
+                if n.state == old.state {
+                    n.state_since_ms = old.state_since_ms;
+                }
+                n
+            }
+        };
+        self.members.insert(next.node_id, next);
+        self.resolve_placements();
+        Ok(())
     }
 }
 
@@ -72,6 +153,8 @@ impl View {
                     .get_mut(p.shard as usize)
                     .ok_or_else(|| CoordError::invalid("shard", format!("no shard {}", p.shard)))?;
                 shard.nodes = p.nodes;
+                shard.node_ids = p.node_ids;
+                self.resolve_placements();
                 Ok(())
             }
             Some(Op::CreateApiKey(k)) => {
@@ -94,6 +177,24 @@ impl View {
                 // Revoking twice keeps the first time.
                 if info.revoked_at_ms == 0 {
                     info.revoked_at_ms = r.at_ms.max(1);
+                }
+                Ok(())
+            }
+            Some(Op::UpsertMember(m)) => self.upsert_member(m),
+            Some(Op::SetMemberState(s)) => {
+                let m = self
+                    .members
+                    .get_mut(&s.node_id)
+                    .ok_or(CoordError::UnknownNode(s.node_id))?;
+                if m.state() == MemberState::Removed {
+                    return Err(CoordError::FailedPrecondition(format!(
+                        "node {} was removed",
+                        s.node_id
+                    )));
+                }
+                if m.state != s.state {
+                    m.state = s.state;
+                    m.state_since_ms = s.at_ms;
                 }
                 Ok(())
             }

@@ -32,6 +32,12 @@ pub enum CoordError {
     Tokenizer(String),
     #[error("API key {0:?} does not exist")]
     UnknownApiKey(String),
+    #[error("node {0} is not a member of this cluster")]
+    UnknownNode(u64),
+    /// The cluster is not in a state that allows the change (e.g. removing a node that still
+    /// holds replicas).
+    #[error("{0}")]
+    FailedPrecondition(String),
     /// No credentials, or credentials that are unknown, expired or revoked.
     #[error("{0}")]
     Unauthenticated(String),
@@ -101,7 +107,10 @@ impl CoordError {
     pub fn to_status_code(&self) -> Code {
         match self {
             CoordError::InvalidArgument { .. } => Code::InvalidArgument,
-            CoordError::UnknownCollection(_) | CoordError::UnknownApiKey(_) => Code::NotFound,
+            CoordError::UnknownCollection(_)
+            | CoordError::UnknownApiKey(_)
+            | CoordError::UnknownNode(_) => Code::NotFound,
+            CoordError::FailedPrecondition(_) => Code::FailedPrecondition,
             CoordError::Unauthenticated(_) => Code::Unauthenticated,
             CoordError::PermissionDenied(_) => Code::PermissionDenied,
             CoordError::Overloaded { .. } => Code::ResourceExhausted,

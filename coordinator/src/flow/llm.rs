@@ -5,7 +5,6 @@
 
 use std::sync::atomic::Ordering;
 
-use futures::StreamExt;
 use ragcluster_proto::v1::*;
 
 use super::run::{Generated, Run};

@@ -16,6 +16,7 @@ use crate::auth;
 use crate::channels::Channels;
 use crate::collections::Collections;
 use crate::handles::Handles;
+use crate::membership::Membership;
 use crate::rebalance::Rebalancer;
 
 /// How long a forwarded key change may take to be applied here.
@@ -27,6 +28,8 @@ pub struct AdminService {
     pub rebalancer: Arc<Rebalancer>,
     pub forward: Arc<Forwarder>,
     pub channels: Arc<Channels>,
+    pub membership: Arc<Membership>,
+    /// Configured shard node addresses (seeds), listed until a member holds them.
     pub shard_nodes: Vec<String>,
 }
 
@@ -52,32 +55,69 @@ async fn health_of(channels: &Channels, addr: &str) -> String {
 }
 
 impl AdminService {
+    /// Every member (removed ones left out), then configured addresses no member holds.
     async fn nodes(&self, collections: &[CollectionInfo]) -> Vec<NodeStatus> {
         let channels = &self.channels;
-        let mut nodes: Vec<NodeStatus> = join_all(self.shard_nodes.iter().map(|addr| async move {
-            let shards = collections
-                .iter()
-                .map(|c| c.shards.iter().filter(|p| p.nodes.contains(addr)).count() as u32)
-                .sum();
-            NodeStatus {
-                address: addr.clone(),
-                kind: NodeKind::ShardNode as i32,
-                health: health_of(channels, addr).await,
-                shards,
-                leaders: 0,
+        let membership = &self.membership;
+        let mut rows: Vec<NodeStatus> = self
+            .handles
+            .catalog
+            .members()
+            .into_iter()
+            .filter(|m| m.state() != MemberState::Removed)
+            .map(|m| {
+                let seen = membership.last_seen(m.node_id);
+                NodeStatus {
+                    address: m.address.clone(),
+                    kind: m.kind,
+                    node_id: m.node_id,
+                    state: m.state,
+                    heartbeat_age_ms: seen.map_or(0, |(age, _, _)| age.as_millis() as u64),
+                    disk_used_bytes: seen.map_or(0, |(_, disk, _)| disk),
+                    models: m.models.clone(),
+                    shards: replicas_on(collections, m.node_id, &m.address),
+                    ..Default::default()
+                }
+            })
+            .collect();
+        let known = |rows: &[NodeStatus], a: &str| rows.iter().any(|r| r.address == a);
+        for a in &self.shard_nodes {
+            if !known(&rows, a) {
+                rows.push(NodeStatus {
+                    address: a.clone(),
+                    kind: NodeKind::ShardNode as i32,
+                    shards: replicas_on(collections, 0, a),
+                    ..Default::default()
+                });
             }
-        }))
-        .await;
-        let mw = self.handles.models.address().to_owned();
-        nodes.push(NodeStatus {
-            health: health_of(channels, &mw).await,
-            address: mw,
-            kind: NodeKind::ModelWorker as i32,
-            shards: 0,
-            leaders: 0,
-        });
-        nodes
+        }
+        for a in self.handles.models.addresses() {
+            if !known(&rows, &a) {
+                rows.push(NodeStatus {
+                    address: a,
+                    kind: NodeKind::ModelWorker as i32,
+                    ..Default::default()
+                });
+            }
+        }
+        let health = join_all(rows.iter().map(|r| health_of(channels, &r.address))).await;
+        for (r, h) in rows.iter_mut().zip(health) {
+            r.health = h;
+        }
+        rows
     }
+}
+
+/// Replicas placed on a node (by id, or by address in placements without ids).
+fn replicas_on(collections: &[CollectionInfo], id: u64, address: &str) -> u32 {
+    collections
+        .iter()
+        .flat_map(|c| &c.shards)
+        .filter(|p| {
+            (id != 0 && p.node_ids.contains(&id))
+                || (p.node_ids.is_empty() && p.nodes.iter().any(|n| n == address))
+        })
+        .count() as u32
 }
 
 type MoveStream = tokio_stream::wrappers::ReceiverStream<Result<MoveReplicaProgress, Status>>;
@@ -97,6 +137,12 @@ impl Admin for AdminService {
             for st in &shards {
                 if let Some(n) = nodes.iter_mut().find(|n| n.address == st.leader) {
                     n.leaders += 1;
+                }
+                for r in &st.replicas {
+                    if let Some(n) = nodes.iter_mut().find(|n| n.address == r.node) {
+                        n.chunks += r.chunks;
+                        n.bytes += st.bm25_index_bytes;
+                    }
                 }
             }
             out.push(CollectionStatus {
@@ -226,5 +272,56 @@ impl Admin for AdminService {
         Ok(Response::new(RevokeApiKeyResponse {
             key: h.catalog.api_key(&id).and_then(|k| k.info),
         }))
+    }
+
+    async fn set_node_state(
+        &self,
+        req: Request<SetNodeStateRequest>,
+    ) -> Result<Response<SetNodeStateResponse>, Status> {
+        let h = &self.handles;
+        let (caller, _p) = gate(h, &req, "SetNodeState", Role::Admin, None)?;
+        let forwarded = is_forwarded(req.metadata());
+        let r = req.into_inner();
+        let resp = match h.catalog.change_target(forwarded).await? {
+            None => SetNodeStateResponse {
+                member: Some(self.membership.set_drain(r.node_id, r.state()).await?),
+            },
+            Some(leader) => self.forward.set_node_state(&leader, r, &caller).await?,
+        };
+        let want = resp.member.as_ref().map(|m| m.state);
+        h.catalog
+            .wait_for(
+                |v| v.members.get(&r.node_id).map(|m| m.state) == want,
+                KEY_CATCH_UP,
+            )
+            .await;
+        Ok(Response::new(resp))
+    }
+
+    async fn remove_node(
+        &self,
+        req: Request<RemoveNodeRequest>,
+    ) -> Result<Response<RemoveNodeResponse>, Status> {
+        let h = &self.handles;
+        let (caller, _p) = gate(h, &req, "RemoveNode", Role::Admin, None)?;
+        let forwarded = is_forwarded(req.metadata());
+        let r = req.into_inner();
+        let resp = match h.catalog.change_target(forwarded).await? {
+            None => RemoveNodeResponse {
+                member: Some(self.membership.remove(r.node_id).await?),
+            },
+            Some(leader) => self.forward.remove_node(&leader, r, &caller).await?,
+        };
+        h.catalog
+            .wait_for(
+                |v| {
+                    v.members
+                        .get(&r.node_id)
+                        .is_some_and(|m| m.state() == MemberState::Removed)
+                },
+                KEY_CATCH_UP,
+            )
+            .await;
+        Ok(Response::new(resp))
     }
 }

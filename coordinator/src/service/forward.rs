@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use ragcluster_proto::v1::admin_client::AdminClient;
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
+use ragcluster_proto::v1::membership_client::MembershipClient;
 use ragcluster_proto::v1::*;
 use tonic::transport::Channel;
 
@@ -19,6 +20,8 @@ pub const FORWARDED: &str = "x-ragcluster-forwarded";
 const TIMEOUT: Duration = Duration::from_secs(30);
 /// Replica moves stream progress for as long as they take.
 const MOVE_TIMEOUT: Duration = Duration::from_secs(3600);
+/// Within the member's own 5 s heartbeat deadline.
+const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(4);
 
 pub fn is_forwarded(md: &tonic::metadata::MetadataMap) -> bool {
     md.contains_key(FORWARDED)
@@ -126,5 +129,44 @@ impl Forwarder {
         Ok(c.move_replica(forward(r, MOVE_TIMEOUT, caller))
             .await?
             .into_inner())
+    }
+
+    pub async fn set_node_state(
+        &self,
+        leader: &str,
+        r: SetNodeStateRequest,
+        caller: &Caller,
+    ) -> Result<SetNodeStateResponse> {
+        let mut c = self.admin(leader)?;
+        call(
+            "catalog leader",
+            TIMEOUT,
+            c.set_node_state(forward(r, TIMEOUT, caller)),
+        )
+        .await
+    }
+
+    pub async fn remove_node(
+        &self,
+        leader: &str,
+        r: RemoveNodeRequest,
+        caller: &Caller,
+    ) -> Result<RemoveNodeResponse> {
+        let mut c = self.admin(leader)?;
+        call(
+            "catalog leader",
+            TIMEOUT,
+            c.remove_node(forward(r, TIMEOUT, caller)),
+        )
+        .await
+    }
+
+    /// A member's heartbeat, passed on to the catalog leader (members carry no API key).
+    pub async fn heartbeat(&self, leader: &str, r: HeartbeatRequest) -> Result<HeartbeatResponse> {
+        let mut c = MembershipClient::new(self.channels.get(leader)?);
+        let mut req = request(r, HEARTBEAT_TIMEOUT);
+        req.metadata_mut()
+            .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
+        call("catalog leader", HEARTBEAT_TIMEOUT, c.heartbeat(req)).await
     }
 }

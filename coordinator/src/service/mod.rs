@@ -1,5 +1,5 @@
 //! The gRPC edge: the public `Coordinator` and operator `Admin` services and the internal
-//! `CatalogPeer` service, thin adapters over the components. Every call is authenticated and
+//! `CatalogPeer` and `Membership` services, thin adapters over the components. Every call is authenticated and
 //! authorised first, then admitted (or refused with RESOURCE_EXHAUSTED); nothing runs for a
 //! refused call, so it has no side effect. Wire types become domain values in `convert`;
 //! catalog changes go to the catalog leader through `forward`.
@@ -8,6 +8,7 @@ pub mod admin;
 pub mod convert;
 pub mod coordinator;
 pub mod forward;
+pub mod membership;
 pub mod peer;
 
 use std::pin::Pin;
@@ -22,6 +23,7 @@ use crate::handles::Handles;
 
 pub use admin::AdminService;
 pub use coordinator::CoordinatorService;
+pub use membership::MembershipService;
 pub use peer::CatalogPeerService;
 
 /// Authenticates, authorises (`need` on `collection`; `None` = cluster operation) and admits

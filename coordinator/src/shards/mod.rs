@@ -396,6 +396,17 @@ impl Shards {
         Ok(r.node_id)
     }
 
+    /// The node id answering at `address` now (not cached: members move).
+    pub async fn probe(&self, address: &str, timeout: Duration) -> Result<u64> {
+        let n = self.node(address).map_err(|e| node_error(address, e))?;
+        let r = n
+            .node_info(timeout)
+            .await
+            .map_err(|e| node_error(address, e))?;
+        self.node_ids.lock().insert(address.to_owned(), r.node_id);
+        Ok(r.node_id)
+    }
+
     pub async fn open(
         &self,
         address: &str,

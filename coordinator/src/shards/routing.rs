@@ -18,6 +18,9 @@ pub struct Routing {
     leaders: Mutex<HashMap<(String, u32), String>>,
     inflight: Mutex<HashMap<String, Arc<AtomicUsize>>>,
     down_until: Mutex<HashMap<String, Instant>>,
+    /// Addresses of members the catalog marks DOWN (missed heartbeats): avoided until they
+    /// come back.
+    members_down: parking_lot::RwLock<std::collections::HashSet<String>>,
     rotation: AtomicUsize,
 }
 
@@ -51,11 +54,18 @@ impl Routing {
             .insert(node.to_owned(), Instant::now() + DOWN_FOR);
     }
 
+    /// The member table's DOWN members, by address.
+    pub fn set_members_down(&self, down: std::collections::HashSet<String>) {
+        *self.members_down.write() = down;
+    }
+
     fn is_down(&self, node: &str) -> bool {
-        self.down_until
-            .lock()
-            .get(node)
-            .is_some_and(|t| *t > Instant::now())
+        self.members_down.read().contains(node)
+            || self
+                .down_until
+                .lock()
+                .get(node)
+                .is_some_and(|t| *t > Instant::now())
     }
 
     fn load(&self, node: &str) -> usize {
@@ -131,6 +141,11 @@ mod tests {
         for _ in 0..5 {
             assert_eq!(r.read_target("x", 0, &reps, Consistency::Eventual), "c");
         }
+        r.set_members_down(["a".to_string()].into());
+        let _busy_c = (r.track("c"), r.track("c"));
+        assert_eq!(r.read_target("x", 0, &reps, Consistency::Eventual), "b");
+        r.set_members_down(Default::default());
+        drop(_busy_c);
         r.mark_down("c");
         let t = r.read_target("x", 0, &reps, Consistency::Eventual);
         assert!(t == "a" || t == "b");

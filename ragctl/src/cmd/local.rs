@@ -1,4 +1,4 @@
-//! `ragctl local up|down` (a whole cluster as local processes) and `ragctl health`.
+//! `ragctl local up|down|restart` (a whole cluster as local processes) and `ragctl health`.
 
 use std::process::{Command, Stdio};
 
@@ -127,53 +127,133 @@ fn alive(pid: &u32) -> bool {
     }
 }
 
-/// The loopback address a process of the cluster listens on: the port it bound last time (its
-/// port.json outlives `local down`), so a restarted cluster comes back on the addresses its
-/// catalog holds; port 0 (any) the first time.
+/// The loopback address a process of the cluster listens on: the port it bound last time
+/// while that port is free (its port.json outlives `local down`), else any free port: shard
+/// nodes and the model worker register their address with the coordinator wherever they are.
 fn listen_addr(port_file: &Path) -> String {
     let port = std::fs::read_to_string(port_file)
         .ok()
         .and_then(|s| serde_json::from_str::<PortFile>(&s).ok())
         .and_then(|p| p.grpc.rsplit(':').next()?.parse::<u16>().ok())
+        .filter(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
         .unwrap_or(0);
     format!("127.0.0.1:{port}")
 }
 
-/// Starts the cluster of `dir`, on its data and previous ports when it ran before. Refuses
-/// while part of it still runs (a second copy would fail on the RocksDB locks).
-pub async fn local_up(dir: &Path, n: usize, models: &Path) -> Result<()> {
-    if let Ok(s) = std::fs::read_to_string(dir.join("cluster.json"))
-        && let Ok(c) = serde_json::from_str::<LocalCluster>(&s)
-    {
-        let running: Vec<u32> = c.pids.iter().copied().filter(alive).collect();
-        if running.len() == c.pids.len() {
-            println!(
-                "local cluster already running; coordinator at {}",
-                c.coordinator
-            );
-            return Ok(());
-        }
-        if !running.is_empty() {
-            let stopped: Vec<String> = c
-                .processes
-                .iter()
-                .filter(|p| !alive(&p.pid))
-                .map(|p| p.name.clone())
-                .collect();
-            bail!(
-                "part of the local cluster is still running ({} of {} processes; stopped: {}); \
-                 `ragctl local down` stops the rest, then `ragctl local up` brings the whole \
-                 cluster back on its data",
-                running.len(),
-                c.pids.len(),
-                stopped.join(", ")
-            );
-        }
+/// How the processes of a local cluster are started.
+struct Launcher {
+    dir: std::path::PathBuf,
+    bin_dir: std::path::PathBuf,
+    models: std::path::PathBuf,
+}
+
+impl Launcher {
+    /// Processes of the cluster in `dir`, from the binaries beside this one.
+    fn new(dir: &Path, models: &Path) -> Result<Self> {
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            bin_dir: std::env::current_exe()?
+                .parent()
+                .context("binary directory")?
+                .to_path_buf(),
+            models: models.canonicalize()?,
+        })
     }
-    let bin_dir = std::env::current_exe()?
-        .parent()
-        .context("binary directory")?
-        .to_path_buf();
+
+    fn port_file(&self, name: &str) -> std::path::PathBuf {
+        self.dir.join(name).join("port.json")
+    }
+
+    fn log(&self, name: &str) -> std::path::PathBuf {
+        self.dir.join(name).join("log")
+    }
+
+    /// Binary and arguments of process `name`; shard nodes and the model worker register with
+    /// the coordinator at `coordinator`.
+    fn command(&self, name: &str, coordinator: &str) -> (std::path::PathBuf, Vec<String>) {
+        let listen = listen_addr(&self.port_file(name));
+        let data = self.dir.join(name).join("data").display().to_string();
+        let pf = self.port_file(name).display().to_string();
+        let model_dir = self.models.join("all-MiniLM-L6-v2");
+        if name == "coordinator" {
+            let args = vec![
+                "--listen".into(),
+                listen,
+                "--data-dir".into(),
+                data,
+                // Members register themselves: no seed addresses.
+                "--shard-nodes".into(),
+                String::new(),
+                "--model-worker".into(),
+                String::new(),
+                "--embedding-tokenizer".into(),
+                model_dir.join("tokenizer.json").display().to_string(),
+                "--port-file".into(),
+                pf,
+            ];
+            return (self.bin_dir.join("coordinator"), args);
+        }
+        // Members: where they listen, keep their data and register.
+        let mut args = vec![
+            "--listen".into(),
+            listen,
+            "--data-dir".into(),
+            data,
+            "--coordinators".into(),
+            coordinator.into(),
+            "--port-file".into(),
+            pf,
+        ];
+        if name == "model-worker" {
+            args.extend([
+                "--embed-model".into(),
+                model_dir.display().to_string(),
+                // MaxSim reranking over the same MiniLM weights.
+                "--rerank-model".into(),
+                model_dir.display().to_string(),
+            ]);
+            // The generator too, when it was fetched.
+            let gguf = self.models.join("smollm2-135m-instruct.Q4_1.gguf");
+            if gguf.exists() {
+                args.extend(["--generate-model".into(), gguf.display().to_string()]);
+            }
+            return (self.bin_dir.join("model-worker"), args);
+        }
+        (self.bin_dir.join("shard-node"), args)
+    }
+
+    /// Starts `name`; `wait_started` waits for its port file.
+    fn spawn(&self, name: &str, coordinator: &str) -> Result<()> {
+        std::fs::create_dir_all(self.dir.join(name))?;
+        let (bin, args) = self.command(name, coordinator);
+        let _ = std::fs::remove_file(self.port_file(name));
+        spawn(&bin, &args, &self.log(name))?;
+        Ok(())
+    }
+
+    async fn wait_started(&self, name: &str) -> Result<LocalProcess> {
+        let timeout = Duration::from_secs(if name.starts_with("shard") { 300 } else { 120 });
+        let p = wait_port_file(&self.port_file(name), &self.log(name), timeout).await?;
+        Ok(process(name, &p))
+    }
+}
+
+/// The shard-node names a cluster directory holds (`shard-0`, `shard-1`, ...).
+fn shard_names(dir: &Path) -> usize {
+    (0..)
+        .take_while(|i| dir.join(format!("shard-{i}")).join("data").exists())
+        .count()
+}
+
+fn read_cluster(dir: &Path) -> Option<LocalCluster> {
+    let s = std::fs::read_to_string(dir.join("cluster.json")).ok()?;
+    serde_json::from_str(&s).ok()
+}
+
+/// Starts whatever of the cluster of `dir` is not running, on its data: everything the first
+/// time or after `local down`, only the missing processes after one died, and new shard nodes
+/// up to `n` (they join through the coordinator; `ragctl rebalance` gives them replicas).
+pub async fn local_up(dir: &Path, n: usize, models: &Path) -> Result<()> {
     let model_dir = models.join("all-MiniLM-L6-v2");
     if !model_dir.join("model.safetensors").exists() {
         bail!(
@@ -183,113 +263,153 @@ pub async fn local_up(dir: &Path, n: usize, models: &Path) -> Result<()> {
     }
     std::fs::create_dir_all(dir)?;
     let dir = dir.canonicalize()?;
-    let mut pids = Vec::new();
-    let pf = |name: &str| dir.join(name).join("port.json");
-    let mut listen = std::collections::HashMap::new();
-    for name in std::iter::once("model-worker".to_string())
-        .chain((0..n).map(|i| format!("shard-{i}")))
-        .chain(["coordinator".into()])
-    {
-        std::fs::create_dir_all(dir.join(&name))?;
-        listen.insert(name.clone(), listen_addr(&pf(&name)));
-        let _ = std::fs::remove_file(pf(&name));
+    let l = Launcher::new(&dir, models)?;
+    let had = shard_names(&dir);
+    if n < had {
+        println!(
+            "{had} shard nodes exist (more than --shard-nodes {n}); all are started. \
+             `ragctl node remove ID` takes one out of the cluster."
+        );
     }
-    let mw_log = dir.join("model-worker/log");
-    let mut mw_args = vec![
-        "--listen".into(),
-        listen["model-worker"].clone(),
-        "--embed-model".into(),
-        model_dir.display().to_string(),
-        // MaxSim reranking over the same MiniLM weights.
-        "--rerank-model".into(),
-        model_dir.display().to_string(),
-        "--port-file".into(),
-        pf("model-worker").display().to_string(),
-    ];
-    // The generator too, when it was fetched.
-    let gguf = models.join("smollm2-135m-instruct.Q4_1.gguf");
-    if gguf.exists() {
-        mw_args.extend(["--generate-model".into(), gguf.display().to_string()]);
+    let names: Vec<String> = std::iter::once("coordinator".to_string())
+        .chain(std::iter::once("model-worker".to_string()))
+        .chain((0..n.max(had)).map(|i| format!("shard-{i}")))
+        .collect();
+    let old = read_cluster(&dir);
+    let running = |name: &str| {
+        old.as_ref()
+            .and_then(|c| c.processes.iter().find(|p| p.name == name && alive(&p.pid)))
+            .cloned()
+    };
+    let missing: Vec<&String> = names.iter().filter(|n| running(n).is_none()).collect();
+    if missing.is_empty() {
+        let c = old.context("cluster.json")?;
+        println!(
+            "local cluster already running; coordinator at {}",
+            c.coordinator
+        );
+        return Ok(());
     }
-    pids.push(spawn(&bin_dir.join("model-worker"), &mw_args, &mw_log)?);
-    for i in 0..n {
-        let name = format!("shard-{i}");
-        pids.push(spawn(
-            &bin_dir.join("shard-node"),
-            &[
-                "--listen".into(),
-                listen[&name].clone(),
-                "--data-dir".into(),
-                dir.join(&name).join("data").display().to_string(),
-                "--port-file".into(),
-                pf(&name).display().to_string(),
-            ],
-            &dir.join(&name).join("log"),
-        )?);
+    if missing.len() < names.len() {
+        let m: Vec<&str> = missing.iter().map(|s| s.as_str()).collect();
+        println!("starting {} (the rest is running)", m.join(", "));
     }
-    let co_listen = listen["coordinator"].clone();
-    launch_rest(&dir, n, &bin_dir, &model_dir, &mw_log, pids, co_listen).await
+    let co = match running("coordinator") {
+        Some(p) => p,
+        None => {
+            l.spawn("coordinator", "")?;
+            l.wait_started("coordinator").await?
+        }
+    };
+    for name in names.iter().skip(1) {
+        if running(name).is_none() {
+            l.spawn(name, &co.grpc)?;
+        }
+    }
+    let mut processes = vec![co.clone()];
+    for name in names.iter().skip(1) {
+        processes.push(match running(name) {
+            Some(p) => p,
+            None => l.wait_started(name).await?,
+        });
+    }
+    let cluster = write_cluster(&dir, processes)?;
+    wait_registered(&cluster, names.len() - 1).await?;
+    print_health(&cluster, &dir).await
 }
 
-/// Waits for the model worker and the shard nodes, then starts the coordinator over them.
-async fn launch_rest(
-    dir: &Path,
-    n: usize,
-    bin_dir: &Path,
-    model_dir: &Path,
-    mw_log: &Path,
-    mut pids: Vec<u32>,
-    co_listen: String,
-) -> Result<()> {
-    let pf = |name: &str| dir.join(name).join("port.json");
-    let mw = wait_port_file(&pf("model-worker"), mw_log, Duration::from_secs(120)).await?;
-    let mut shard_addrs = Vec::new();
-    let mut processes = vec![process("model-worker", &mw)];
-    for i in 0..n {
-        let name = format!("shard-{i}");
-        let p = wait_port_file(
-            &pf(&name),
-            &dir.join(&name).join("log"),
-            Duration::from_secs(300),
-        )
-        .await?;
-        shard_addrs.push(format!("http://{}", p.grpc));
-        processes.push(process(&name, &p));
-    }
-    let co_log = dir.join("coordinator/log");
-    pids.push(spawn(
-        &bin_dir.join("coordinator"),
-        &[
-            "--listen".into(),
-            co_listen,
-            "--data-dir".into(),
-            dir.join("coordinator/data").display().to_string(),
-            "--shard-nodes".into(),
-            shard_addrs.join(","),
-            "--model-worker".into(),
-            format!("http://{}", mw.grpc),
-            "--embedding-tokenizer".into(),
-            model_dir.join("tokenizer.json").display().to_string(),
-            "--port-file".into(),
-            pf("coordinator").display().to_string(),
-        ],
-        &co_log,
-    )?);
-    let co = wait_port_file(&pf("coordinator"), &co_log, Duration::from_secs(60)).await?;
-    processes.push(process("coordinator", &co));
+/// Records the processes in cluster.json.
+fn write_cluster(dir: &Path, processes: Vec<LocalProcess>) -> Result<LocalCluster> {
+    let find = |n: &str| processes.iter().find(|p| p.name == n);
+    let co = find("coordinator").context("coordinator")?;
     let cluster = LocalCluster {
-        coordinator: format!("http://{}", co.grpc),
-        coordinator_metrics: format!("http://{}/metrics", co.metrics),
-        model_worker: format!("http://{}", mw.grpc),
-        shard_nodes: shard_addrs,
-        pids: pids.clone(),
+        coordinator: co.grpc.clone(),
+        coordinator_metrics: co.metrics.clone(),
+        model_worker: find("model-worker")
+            .map(|p| p.grpc.clone())
+            .unwrap_or_default(),
+        shard_nodes: processes
+            .iter()
+            .filter(|p| p.name.starts_with("shard-"))
+            .map(|p| p.grpc.clone())
+            .collect(),
+        pids: processes.iter().map(|p| p.pid).collect(),
         processes,
     };
     std::fs::write(
         dir.join("cluster.json"),
         serde_json::to_string_pretty(&cluster)?,
     )?;
-    print_health(&cluster, dir).await
+    Ok(cluster)
+}
+
+/// Waits until `members` members are UP at their current addresses in the coordinator's
+/// member table (they register within a heartbeat of starting).
+async fn wait_registered(cluster: &LocalCluster, members: usize) -> Result<()> {
+    let ch = connect(&cluster.coordinator, Duration::from_secs(5)).await?;
+    let mut admin = AdminClient::new(ch);
+    let current: Vec<&str> = cluster
+        .processes
+        .iter()
+        .filter(|p| p.name != "coordinator")
+        .map(|p| p.grpc.as_str())
+        .collect();
+    let start = Instant::now();
+    loop {
+        let st = admin
+            .cluster_status(ClusterStatusRequest {})
+            .await?
+            .into_inner();
+        let up = st
+            .nodes
+            .iter()
+            .filter(|n| n.state() == MemberState::Up && current.contains(&n.address.as_str()))
+            .count();
+        if up >= members {
+            return Ok(());
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            bail!("only {up} of {members} members registered with the coordinator within 60 s");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `ragctl local restart NAME`: stops one process of the cluster (SIGTERM, then SIGKILL) and
+/// starts it again on its data; a shard node or model worker rejoins from wherever it lands.
+pub async fn local_restart(dir: &Path, name: &str, models: &Path) -> Result<()> {
+    let dir = dir.canonicalize()?;
+    let c = read_cluster(&dir).context("no local cluster (cluster.json missing)")?;
+    let Some(p) = c.processes.iter().find(|p| p.name == name).cloned() else {
+        let names: Vec<&str> = c.processes.iter().map(|p| p.name.as_str()).collect();
+        bail!("no process {name:?}; processes: {}", names.join(", "));
+    };
+    stop(&[p.pid], &c);
+    let l = Launcher::new(&dir, models)?;
+    let co = if name == "coordinator" {
+        ""
+    } else {
+        c.coordinator.as_str()
+    };
+    l.spawn(name, co)?;
+    let started = l.wait_started(name).await?;
+    println!("{name} restarted at {} (pid {})", started.grpc, started.pid);
+    let processes = c
+        .processes
+        .iter()
+        .map(|x| {
+            if x.name == name {
+                started.clone()
+            } else {
+                x.clone()
+            }
+        })
+        .collect();
+    let cluster = write_cluster(&dir, processes)?;
+    if name != "coordinator" {
+        wait_registered(&cluster, cluster.processes.len() - 1).await?;
+    }
+    Ok(())
 }
 
 fn process(name: &str, p: &PortFile) -> LocalProcess {
@@ -339,12 +459,9 @@ async fn print_health(cluster: &LocalCluster, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// SIGTERM to every process, then waits; what is still running after `DOWN_GRACE` gets
-/// SIGKILL, and is named.
-pub fn local_down(dir: &Path) -> Result<()> {
-    let s = std::fs::read_to_string(dir.join("cluster.json"))
-        .context("no local cluster (cluster.json missing)")?;
-    let c: LocalCluster = serde_json::from_str(&s)?;
+/// SIGTERM to `pids` (in reverse order), then waits; what is still running after
+/// `DOWN_GRACE` gets SIGKILL. Returns those.
+fn stop(pids: &[u32], c: &LocalCluster) -> (Vec<String>, Duration) {
     let name_of = |pid: u32| {
         c.processes.iter().find(|p| p.pid == pid).map_or_else(
             || format!("pid {pid}"),
@@ -358,30 +475,53 @@ pub fn local_down(dir: &Path) -> Result<()> {
             .stderr(Stdio::null())
             .status();
     };
-    for pid in c.pids.iter().rev() {
+    for pid in pids.iter().rev() {
         signal("-TERM", *pid);
     }
     let start = Instant::now();
-    while c.pids.iter().any(alive) && start.elapsed() < DOWN_GRACE {
+    while pids.iter().any(alive) && start.elapsed() < DOWN_GRACE {
         std::thread::sleep(Duration::from_millis(100));
     }
-    let stuck: Vec<u32> = c.pids.iter().copied().filter(alive).collect();
+    let stuck: Vec<u32> = pids.iter().copied().filter(alive).collect();
     for pid in &stuck {
         signal("-KILL", *pid);
     }
+    (stuck.into_iter().map(name_of).collect(), start.elapsed())
+}
+
+/// SIGTERM to every process, then waits; what is still running after `DOWN_GRACE` gets
+/// SIGKILL, and is named.
+pub fn local_down(dir: &Path) -> Result<()> {
+    let c = read_cluster(dir).context("no local cluster (cluster.json missing)")?;
+    // Members first, the coordinator last (it marks nothing down while they leave).
+    let mut pids: Vec<u32> = c
+        .processes
+        .iter()
+        .filter(|p| p.name == "coordinator")
+        .map(|p| p.pid)
+        .collect();
+    pids.extend(
+        c.processes
+            .iter()
+            .filter(|p| p.name != "coordinator")
+            .map(|p| p.pid),
+    );
+    if pids.is_empty() {
+        pids.clone_from(&c.pids);
+    }
+    let (stuck, took) = stop(&pids, &c);
     std::fs::remove_file(dir.join("cluster.json"))?;
     if stuck.is_empty() {
         println!(
             "local cluster stopped ({} processes exited in {:.1} s)",
-            c.pids.len(),
-            start.elapsed().as_secs_f64()
+            pids.len(),
+            took.as_secs_f64()
         );
     } else {
-        let names: Vec<String> = stuck.iter().map(|p| name_of(*p)).collect();
         println!(
             "local cluster stopped; killed after {} s without exiting: {}",
             DOWN_GRACE.as_secs(),
-            names.join(", ")
+            stuck.join(", ")
         );
     }
     Ok(())

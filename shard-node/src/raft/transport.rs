@@ -103,7 +103,23 @@ impl Dialer<ShardKey> for GrpcDialer {
         Some(
             async move {
                 let started = Instant::now();
-                let r = stream_snapshot(from, tls, &address, &key, msg, &path).await;
+                // A send that stalls (a peer that accepted the stream and stopped reading)
+                // must end: until its outcome is reported, raft-rs sends that follower
+                // nothing else, and it would stay behind for good.
+                let size = tokio::fs::metadata(&path).await.map_or(0, |m| m.len());
+                let limit = snapshot_deadline(size);
+                let r = match tokio::time::timeout(
+                    limit,
+                    stream_snapshot(from, tls, &address, &key, msg, &path),
+                )
+                .await
+                {
+                    Ok(r) => r,
+                    Err(_) => Err(format!(
+                        "snapshot of {size} bytes not sent within {} s",
+                        limit.as_secs()
+                    )),
+                };
                 match &r {
                     Ok(bytes) => {
                         let secs = started.elapsed().as_secs_f64().max(1e-6);
@@ -123,6 +139,12 @@ impl Dialer<ShardKey> for GrpcDialer {
             .boxed(),
         )
     }
+}
+
+/// How long sending a snapshot of `size` bytes may take: 30 s plus 1 s per 4 MiB (a floor
+/// far below the measured ~500 MB/s, so only a stalled send hits it).
+fn snapshot_deadline(size: u64) -> Duration {
+    Duration::from_secs(30 + size / (4 << 20))
 }
 
 /// Whether to corrupt the next outgoing snapshot (failpoint `raft_snapshot_corrupt`, e.g.

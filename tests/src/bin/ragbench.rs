@@ -749,6 +749,7 @@ async fn restart_time(chunks: &[Stored]) -> Result<serde_json::Value> {
         shard_count: 1,
         shards: vec![ShardPlacement {
             nodes: vec![node.grpc.clone()],
+            ..Default::default()
         }],
         ..Default::default()
     };
