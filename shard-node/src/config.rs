@@ -31,6 +31,11 @@ pub struct ShardNodeConfig {
     /// Compact a shard's Raft log once it holds this many entries (keeping the newest half);
     /// replicas further behind catch up from a snapshot.
     pub raft_log_gc_threshold: u64,
+    /// Sending one Raft snapshot may take this long plus 1 s per 4 MiB; a send still running
+    /// then is reported failed and Raft sends another (until a send's outcome is reported,
+    /// raft-rs sends that follower nothing else, so a stalled one would leave it behind).
+    #[serde(with = "humantime_serde")]
+    pub snapshot_send_timeout: std::time::Duration,
     /// How long a write waits to be committed and applied before UNAVAILABLE.
     #[serde(with = "humantime_serde")]
     pub write_timeout: std::time::Duration,
@@ -69,6 +74,7 @@ impl Default for ShardNodeConfig {
             raft_election_ticks: 10,
             raft_heartbeat_ticks: 2,
             raft_log_gc_threshold: 10_000,
+            snapshot_send_timeout: std::time::Duration::from_secs(30),
             write_timeout: std::time::Duration::from_secs(10),
             shutdown_timeout: std::time::Duration::from_secs(10),
             tls: Default::default(),
@@ -109,6 +115,9 @@ impl ShardNodeConfig {
                 &self.advertise_address,
                 &self.tls,
             )?;
+        }
+        if self.snapshot_send_timeout < std::time::Duration::from_secs(1) {
+            return Err("shard_node.snapshot_send_timeout must be at least 1s".into());
         }
         if self.heartbeat_interval.is_zero() {
             return Err("shard_node.heartbeat_interval must be positive".into());

@@ -58,6 +58,7 @@ impl Node {
             node_id,
             snap_dir,
             tls,
+            snapshot_timeout: cfg.snapshot_send_timeout,
         });
         let persist = store.clone();
         let on_learn = Box::new(move |list: &[(u64, String)]| {

@@ -360,9 +360,13 @@ impl Joined {
         coordinator_config: &str,
         shard_config: Option<&str>,
     ) -> Result<Self> {
-        let dir = tempfile::Builder::new()
+        let mut dir = tempfile::Builder::new()
             .prefix("ragcluster-test-joined-")
             .tempdir()?;
+        if std::env::var_os("RAGCLUSTER_KEEP_TEST_DIRS").is_some() {
+            dir.disable_cleanup(true);
+            eprintln!("keeping {}", dir.path().display());
+        }
         let d = dir.path();
         let co_cfg = d.join("coordinator.toml");
         std::fs::write(&co_cfg, coordinator_config)?;

@@ -170,9 +170,17 @@ async fn cluster_grows_from_three_to_five_nodes_under_load() -> Result<()> {
         Some("[shard_node]\nraft_log_gc_threshold = 64\n"),
     )?;
     j.wait_up(&j.addresses(), UP_WITHIN).await?;
-    create(&j, "grow", 6, 3).await?;
+    let info = create(&j, "grow", 6, 3).await?;
     let c = j.client().await?;
     let mut admin = j.admin().await?;
+    // Data to move: RAGCLUSTER_GROW_DOCS documents (default 3000) with their own vectors.
+    let docs: usize = std::env::var("RAGCLUSTER_GROW_DOCS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3000);
+    let t = Instant::now();
+    prefill(&mut c.clone(), "grow", info.dimension as usize, docs).await?;
+    let prefill_s = t.elapsed().as_secs_f64();
     let load = Load::start(c.clone(), "grow", "gr", SearchMode::Hybrid);
     while load.written().await < 150 {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -245,9 +253,10 @@ async fn cluster_grows_from_three_to_five_nodes_under_load() -> Result<()> {
     }
     ensure!(moves > 0.0, "no moves recorded");
     eprintln!(
-        "figures: {moves} replica moves in {move_s:.1} s ({:.2} s per replica), snapshot bytes \
-         {:.1} MB ({:.2} MB/s of move time); rebalance {rebalance_s:.1} s, node remove \
-         {remove_s:.1} s; writes acknowledged {}, write retries {}, searches {} (retried {})",
+        "figures: {docs} documents prefilled in {prefill_s:.1} s; {moves} replica moves in \
+         {move_s:.1} s ({:.2} s per replica), snapshot bytes {:.1} MB ({:.2} MB/s of move \
+         time); rebalance {rebalance_s:.1} s, node remove {remove_s:.1} s; writes acknowledged \
+         {}, write retries {}, searches {} (retried {})",
         move_s / moves,
         bytes / 1e6,
         bytes / 1e6 / move_s.max(1e-9),
@@ -256,6 +265,41 @@ async fn cluster_grows_from_three_to_five_nodes_under_load() -> Result<()> {
         load.searches.load(Ordering::Relaxed),
         load.search_retries.load(Ordering::Relaxed),
     );
+    Ok(())
+}
+
+/// Upserts `n` documents with their own (pseudo-random, deterministic) vectors, 256 a call.
+async fn prefill(
+    c: &mut ragcluster_proto::v1::coordinator_client::CoordinatorClient<Channel>,
+    collection: &str,
+    dim: usize,
+    n: usize,
+) -> Result<()> {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    for start in (0..n).step_by(256) {
+        let documents = (start..(start + 256).min(n))
+            .map(|i| Document {
+                id: format!("pre-{i}"),
+                title: format!("prefilled document {i}"),
+                text: format!(
+                    "prefilled document {i} about shard moves, snapshots and Raft learners"
+                ),
+                embedding: (0..dim).map(|_| next()).collect(),
+                ..Default::default()
+            })
+            .collect();
+        c.upsert_documents(UpsertDocumentsRequest {
+            collection: collection.into(),
+            documents,
+        })
+        .await?;
+    }
     Ok(())
 }
 
@@ -310,6 +354,23 @@ async fn model_worker_killed_under_embedding_load() -> Result<()> {
     }
     tokio::time::sleep(Duration::from_secs(4)).await;
     let before_kill = ok.load(Ordering::Relaxed);
+    // How the embedding calls were shared before the kill.
+    let mut served = Vec::new();
+    for w in &j.model_workers {
+        let page = http_get(&w.metrics).await?;
+        let embeds: f64 = page
+            .lines()
+            .filter(|l| {
+                l.starts_with("grpc_server_requests_total{") && l.contains("method=\"Embed\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        served.push(embeds);
+    }
+    ensure!(
+        served.iter().all(|n| *n > 0.0),
+        "both workers should serve: {served:?}"
+    );
     let killed_at = started.elapsed().as_secs_f64();
     j.model_workers[0].kill9();
     tokio::time::sleep(Duration::from_secs(6)).await;
@@ -323,8 +384,9 @@ async fn model_worker_killed_under_embedding_load() -> Result<()> {
     let failovers = metric_sum(&page, "coordinator_model_worker_failovers_total");
     eprintln!(
         "figures: {total} upsert calls of 4 documents succeeded ({before_kill} before the \
-         kill at {killed_at:.1} s, {} after); failed calls {}: {failed:?}; model calls moved \
-         to the other worker: {failovers}",
+         kill at {killed_at:.1} s, {} after); Embed calls per worker before the kill \
+         {served:?}; failed calls {}: {failed:?}; model calls moved to the other worker: \
+         {failovers}",
         total - before_kill,
         failed.len()
     );

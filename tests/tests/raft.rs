@@ -475,6 +475,57 @@ async fn lagging_replica_catches_up_by_snapshot_and_full_restart_keeps_all() -> 
     Ok(())
 }
 
+/// A snapshot send that never finishes (issue 19's Docker flake: a restarted replica stayed
+/// behind for good, because raft-rs sends a follower nothing while a snapshot to it is
+/// outstanding and the send's outcome never came): the send's deadline reports it failed,
+/// the leader sends another, and the replica converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stalled_snapshot_send_is_given_up_and_sent_again() -> Result<()> {
+    let config = format!("{SHARD_CONFIG}snapshot_send_timeout = \"2s\"\n");
+    let mut c = Cluster::start_with(3, Some(&config))?;
+    let mut cc = c.client().await?;
+    create(&mut cc, "stall").await?;
+    let l = leader(&c, "stall", Duration::from_secs(5)).await?;
+    let f = (l + 1) % 3;
+    c.shards[f].kill9();
+    let mut acked = BTreeSet::new();
+    // More log entries than raft_log_gc_threshold (200): the log gets compacted.
+    for b in 0..300u64 {
+        let ids: Vec<u64> = (b * 4..(b + 1) * 4).collect();
+        ensure!(write(&mut cc, "stall", &ids).await, "batch {b} failed");
+        acked.extend(ids);
+    }
+    let l = leader(&c, "stall", Duration::from_secs(5)).await?;
+    let first = statuses(&c, "stall").await[l]
+        .as_ref()
+        .map_or(0, |s| s.first_log_index);
+    ensure!(
+        first > 1,
+        "leader log was not compacted (first index {first})"
+    );
+    // Every node: whoever leads when the follower is back stalls its first snapshot.
+    for p in &c.shards {
+        if p.grpc != c.shards[f].grpc {
+            set_failpoint(&p.grpc, "raft_snapshot_stall", "1*return").await?;
+        }
+    }
+    let t = Instant::now();
+    c.shards[f].restart(Duration::from_secs(60))?;
+    converged(&c, "stall", &acked, &acked).await?;
+    let l = leader(&c, "stall", Duration::from_secs(5)).await?;
+    let m = http_get(&c.shards[l].metrics).await?;
+    ensure!(
+        metric_sum(&m, "raft_snapshot_failures_total") >= 1.0,
+        "the stalled send was not given up"
+    );
+    eprintln!(
+        "figures: replica behind a stalled snapshot send converged {:.1} s after its restart \
+         (send deadline 2 s)",
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 /// 5. Randomised schedules: per seed, a fresh collection takes writes while nodes are killed,
 ///    restarted and partitioned at random (never more than one node at a time, so a quorum
 ///    stays possible); afterwards no acknowledged write is lost and every replica holds the

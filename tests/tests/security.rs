@@ -23,6 +23,7 @@ use ragcluster_common::tls::{ClientAuth, Tls, TlsConfig};
 use ragcluster_proto::v1::admin_client::AdminClient;
 use ragcluster_proto::v1::catalog_peer_client::CatalogPeerClient;
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
+use ragcluster_proto::v1::membership_client::MembershipClient;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
@@ -195,16 +196,29 @@ async fn try_every_rpc(
             id: victim_key.to_owned(),
         })
     );
+    attempt!(
+        "SetNodeState",
+        a.set_node_state(SetNodeStateRequest {
+            node_id: 424_242,
+            state: MemberState::Draining as i32,
+        })
+    );
+    attempt!(
+        "RemoveNode",
+        a.remove_node(RemoveNodeRequest { node_id: 424_242 })
+    );
     out
 }
 
-const ADMIN_RPCS: [&str; 6] = [
+const ADMIN_RPCS: [&str; 8] = [
     "ClusterStatus",
     "MoveReplica",
     "TransferShardLeader",
     "CreateApiKey",
     "ListApiKeys",
     "RevokeApiKey",
+    "SetNodeState",
+    "RemoveNode",
 ];
 
 /// What must stay the same whatever refused callers tried.
@@ -399,7 +413,7 @@ async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> 
             ensure!(*c == Code::Unauthenticated, "{case}: {rpc} answered {c:?}");
             refusals += 1;
         }
-        ensure!(got.len() == 14, "{case}: {:?}", every(&got));
+        ensure!(got.len() == 16, "{case}: {:?}", every(&got));
     }
     // Roles too low: a reader and a writer of "sec".
     let denied = |got: &BTreeMap<&'static str, Code>, rpcs: &[&str], case: &str| -> Result<()> {
@@ -564,6 +578,23 @@ async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> 
     .await?;
     ensure!(c == Code::Unauthenticated, "CatalogPeer answered {c:?}");
     raft(lazy(&co, Some(&member), None)?).await?;
+    // Joining the cluster takes a member certificate too.
+    let beat = |ch: KeyedChannel| async move {
+        MembershipClient::new(ch)
+            .heartbeat(HeartbeatRequest {
+                node_id: 99,
+                kind: NodeKind::ShardNode as i32,
+                address: "https://127.0.0.1:1".into(),
+                ..Default::default()
+            })
+            .await
+    };
+    let c = refused(
+        "Membership without member certificate",
+        beat(lazy(&co, Some(&ca_only), Some(&admin_key))?),
+    )
+    .await?;
+    ensure!(c == Code::Unauthenticated, "Membership answered {c:?}");
     refused(
         "coordinator, plaintext client",
         CoordinatorClient::new(lazy(

@@ -36,6 +36,8 @@ pub struct GrpcDialer {
     pub snap_dir: PathBuf,
     /// Member certificate for `https://` peers.
     pub tls: Option<Arc<ragcluster_common::tls::Tls>>,
+    /// Base deadline of one snapshot send (`snapshot_deadline`).
+    pub snapshot_timeout: Duration,
 }
 
 impl GrpcDialer {
@@ -99,7 +101,7 @@ impl Dialer<ShardKey> for GrpcDialer {
     ) -> Option<BoxFuture<'static, Result<u64, String>>> {
         let meta = msg.get_snapshot().get_metadata();
         let path = snapshot::generated_path(&self.snap_dir, &key, meta.index, meta.term);
-        let (from, tls) = (self.node_id, self.tls.clone());
+        let (from, tls, base) = (self.node_id, self.tls.clone(), self.snapshot_timeout);
         Some(
             async move {
                 let started = Instant::now();
@@ -107,7 +109,7 @@ impl Dialer<ShardKey> for GrpcDialer {
                 // must end: until its outcome is reported, raft-rs sends that follower
                 // nothing else, and it would stay behind for good.
                 let size = tokio::fs::metadata(&path).await.map_or(0, |m| m.len());
-                let limit = snapshot_deadline(size);
+                let limit = snapshot_deadline(base, size);
                 let r = match tokio::time::timeout(
                     limit,
                     stream_snapshot(from, tls, &address, &key, msg, &path),
@@ -141,10 +143,18 @@ impl Dialer<ShardKey> for GrpcDialer {
     }
 }
 
-/// How long sending a snapshot of `size` bytes may take: 30 s plus 1 s per 4 MiB (a floor
+/// How long sending a snapshot of `size` bytes may take: `base` plus 1 s per 4 MiB (a rate
 /// far below the measured ~500 MB/s, so only a stalled send hits it).
-fn snapshot_deadline(size: u64) -> Duration {
-    Duration::from_secs(30 + size / (4 << 20))
+fn snapshot_deadline(base: Duration, size: u64) -> Duration {
+    base + Duration::from_secs(size / (4 << 20))
+}
+
+/// Whether the next outgoing snapshot stalls after its first message, never finishing
+/// (failpoint `raft_snapshot_stall`, e.g. `1*return`): what a receiver that stops reading, or a
+/// stream lost without a reset, looks like to the sender.
+fn stall_snapshot() -> bool {
+    fail::fail_point!("raft_snapshot_stall", |_| true);
+    false
 }
 
 /// Whether to corrupt the next outgoing snapshot (failpoint `raft_snapshot_corrupt`, e.g.
@@ -181,11 +191,17 @@ async fn stream_snapshot(
         data: Vec::new(),
     };
     let corrupt = corrupt_snapshot();
+    let stall = stall_snapshot();
     let (tx, rx) = mpsc::channel::<SnapshotChunk>(4);
     let reader = tokio::spawn(async move {
         let mut total = 0u64;
         if tx.send(header).await.is_err() {
             return Ok::<u64, std::io::Error>(total);
+        }
+        if stall {
+            tracing::warn!("snapshot send stalls (failpoint raft_snapshot_stall)");
+            tx.closed().await;
+            return Ok(total);
         }
         let mut first = true;
         loop {
