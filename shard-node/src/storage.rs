@@ -639,12 +639,21 @@ impl Store {
         Ok(())
     }
 
+    /// Deletes every key of the shard, then compacts its ranges so the disk is given back
+    /// now: a range delete only writes a tombstone, and the files under it would otherwise
+    /// stay until a compaction happens to reach them (gigabytes after many drops).
     pub fn drop_shard(&self, key: &ShardKey) -> Result<()> {
         let mut b = WriteBatch::default();
         for cf in ALL_CFS {
             b.delete_range_cf(self.cf(cf), key.prefix(), key.end());
         }
-        self.write(b)
+        self.write(b)?;
+        let (start, end) = (key.prefix(), key.end());
+        for cf in ALL_CFS {
+            self.db
+                .compact_range_cf(self.cf(cf), Some(&start[..]), Some(&end[..]));
+        }
+        Ok(())
     }
 
     pub fn property(&self, name: &str) -> u64 {

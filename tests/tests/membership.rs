@@ -194,6 +194,7 @@ async fn cluster_grows_from_three_to_five_nodes_under_load() -> Result<()> {
     let rebalance_s = t.elapsed().as_secs_f64();
     let st = status(&mut admin).await?;
     let s = spread(&st);
+    eprintln!("replicas per node after rebalance: {s:?}");
     ensure!(s.len() == 5, "{s:?}");
     // Sizes differ a little between shards, so counts may not be exactly 3-4 each.
     ensure!(
