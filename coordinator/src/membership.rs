@@ -103,7 +103,7 @@ impl Membership {
             let members = self.catalog.members();
             let down: HashSet<String> = members
                 .iter()
-                .filter(|m| m.state() == MemberState::Down)
+                .filter(|m| m.state() == MemberState::Down && !m.address.is_empty())
                 .map(|m| m.address.clone())
                 .collect();
             self.shards.routing().set_members_down(down);

@@ -71,9 +71,9 @@ impl View {
             for p in &mut c.shards {
                 if p.node_ids.len() == p.nodes.len() {
                     for (id, addr) in p.node_ids.iter().zip(p.nodes.iter_mut()) {
-                        if let Some(m) = self.members.get(id)
-                            && !m.address.is_empty()
-                        {
+                        // An empty address (a member whose address another one took) is
+                        // copied too: calls must not reach the node that holds it now.
+                        if let Some(m) = self.members.get(id) {
                             addr.clone_from(&m.address);
                         }
                     }
@@ -121,7 +121,20 @@ impl View {
                 n
             }
         };
-        self.members.insert(next.node_id, next);
+        // Two processes cannot listen on one address: an older entry holding it is stale (a
+        // dead member whose port the OS gave to this one). It loses the address and is DOWN
+        // until it registers again from wherever it comes back.
+        let (id, address, at) = (next.node_id, next.address.clone(), next.state_since_ms);
+        for m in self.members.values_mut() {
+            if m.node_id != id && m.address == address && m.state() != MemberState::Removed {
+                m.address.clear();
+                if m.state() != MemberState::Down {
+                    m.set_state(MemberState::Down);
+                    m.state_since_ms = at;
+                }
+            }
+        }
+        self.members.insert(id, next);
         self.resolve_placements();
         Ok(())
     }
@@ -200,5 +213,68 @@ impl View {
             }
             None => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ragcluster_proto::v1::{NodeKind, ShardPlacement};
+
+    fn member(id: u64, address: &str) -> Member {
+        Member {
+            node_id: id,
+            kind: NodeKind::ShardNode as i32,
+            address: address.into(),
+            state: MemberState::Up as i32,
+            ..Default::default()
+        }
+    }
+
+    fn upsert(v: &mut View, m: Member) {
+        v.apply(CatalogCommand {
+            op: Some(Op::UpsertMember(m)),
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn placements_follow_members_and_never_name_a_taken_address() {
+        let mut v = View::default();
+        // A catalog written before node ids: addresses only.
+        v.collections.insert(
+            "c".into(),
+            CollectionInfo {
+                name: "c".into(),
+                shards: vec![ShardPlacement {
+                    nodes: vec!["http://a:1".into(), "http://b:1".into()],
+                    node_ids: vec![],
+                }],
+                ..Default::default()
+            },
+        );
+        upsert(&mut v, member(1, "http://a:1"));
+        assert!(
+            v.collections["c"].shards[0].node_ids.is_empty(),
+            "b unknown yet"
+        );
+        upsert(&mut v, member(2, "http://b:1"));
+        assert_eq!(v.collections["c"].shards[0].node_ids, vec![1, 2]);
+        // Node 1 comes back elsewhere: the placement follows.
+        upsert(&mut v, member(1, "http://a:2"));
+        assert_eq!(
+            v.collections["c"].shards[0].nodes,
+            vec!["http://a:2".to_string(), "http://b:1".to_string()]
+        );
+        // A new node 3 gets node 2's old port while 2 is dead: 2 loses the address (and is
+        // DOWN), and its replica is not sent to node 3.
+        upsert(&mut v, member(3, "http://b:1"));
+        assert_eq!(v.members[&2].address, "");
+        assert_eq!(v.members[&2].state(), MemberState::Down);
+        assert_eq!(v.collections["c"].shards[0].nodes[1], "");
+        assert_eq!(v.member_at("http://b:1").map(|m| m.node_id), Some(3));
+        // Node 2 registers again from its new address.
+        upsert(&mut v, member(2, "http://b:2"));
+        assert_eq!(v.collections["c"].shards[0].nodes[1], "http://b:2");
     }
 }

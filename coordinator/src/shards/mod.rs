@@ -92,6 +92,15 @@ impl Shards {
     }
 
     fn node(&self, address: &str) -> std::result::Result<Arc<dyn ShardNode>, ShardCallError> {
+        if address.is_empty() {
+            // A replica whose node lost its address to another member (see the catalog view):
+            // down until that node registers again.
+            return Err(ShardCallError::Unavailable {
+                reason: "the replica's node is down (its address was taken by another member)"
+                    .into(),
+                retry_after: Duration::from_millis(500),
+            });
+        }
         self.connector.node(address)
     }
 
