@@ -128,18 +128,19 @@ impl Models {
     /// The worker serving `model` ("" = any) with the fewest tokens outstanding, healthy
     /// ones first, none of `tried`.
     fn pick(&self, model: &str, tried: &[String]) -> Option<String> {
-        let registered = self.workers.read().clone();
-        let serves = |a: &str| {
-            model.is_empty()
-                || registered
-                    .iter()
-                    .find(|w| w.address == a)
-                    .is_none_or(|w| w.models.iter().any(|m| m == model))
-        };
-        self.addresses()
-            .into_iter()
-            .filter(|a| !tried.contains(a) && serves(a))
+        let registered = self.workers.read();
+        let serving = registered
+            .iter()
+            .filter(|w| model.is_empty() || w.models.iter().any(|m| m == model))
+            .map(|w| w.address.as_str());
+        // The configured address serves whatever it serves, unless a registered worker holds it.
+        let seed = (!self.seed.is_empty() && !registered.iter().any(|w| w.address == self.seed))
+            .then_some(self.seed.as_str());
+        serving
+            .chain(seed)
+            .filter(|a| !tried.iter().any(|t| t == a))
             .min_by_key(|a| (self.is_down(a), self.load(a)))
+            .map(str::to_owned)
     }
 
     fn track(&self, addr: &str, tokens: u64) -> Outstanding {

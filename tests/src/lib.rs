@@ -846,6 +846,41 @@ where
     .into_inner())
 }
 
+/// Upserts `n` documents `{prefix}-{i}` ("document {i} of {prefix}: {topic}") with their own
+/// pseudo-random vectors of `dim` dimensions (deterministic; no model call), 256 a call.
+pub async fn upsert_with_vectors(
+    c: &mut CoordinatorClient<Channel>,
+    collection: &str,
+    prefix: &str,
+    topic: &str,
+    dim: usize,
+    n: usize,
+) -> Result<()> {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    for start in (0..n).step_by(256) {
+        let documents = (start..(start + 256).min(n))
+            .map(|i| Document {
+                id: format!("{prefix}-{i}"),
+                text: format!("document {i} of {prefix}: {topic}"),
+                embedding: (0..dim).map(|_| next()).collect(),
+                ..Default::default()
+            })
+            .collect();
+        c.upsert_documents(UpsertDocumentsRequest {
+            collection: collection.into(),
+            documents,
+        })
+        .await?;
+    }
+    Ok(())
+}
+
 /// Configures a failpoint of the shard node at `addr` (the binaries `make test` builds carry
 /// the `failpoints` feature and serve the test-only `Failpoints` service).
 pub async fn set_failpoint(addr: &str, name: &str, actions: &str) -> Result<()> {

@@ -566,24 +566,15 @@ async fn dropping_a_collection_gives_its_disk_back() -> Result<()> {
             .into_inner()
             .collection
             .unwrap_or_default();
-        let dim = info.dimension as usize;
-        for start in (0..docs).step_by(256) {
-            let documents = (start..(start + 256).min(docs))
-                .map(|i| Document {
-                    id: format!("{name}-{i}"),
-                    text: format!("document {i} of {name}, a collection that takes disk space"),
-                    embedding: (0..dim)
-                        .map(|d| ((i * 31 + d * 7) % 97) as f32 + 1.0)
-                        .collect(),
-                    ..Default::default()
-                })
-                .collect();
-            c.upsert_documents(UpsertDocumentsRequest {
-                collection: name.into(),
-                documents,
-            })
-            .await?;
-        }
+        ragcluster_tests::upsert_with_vectors(
+            &mut c,
+            name,
+            name,
+            "a collection that takes disk space",
+            info.dimension as usize,
+            docs,
+        )
+        .await?;
     }
     let before = size();
     c.drop_collection(DropCollectionRequest { name: "big".into() })

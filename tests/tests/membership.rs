@@ -11,7 +11,7 @@ use anyhow::{Context, Result, ensure};
 use ragcluster_proto::v1::admin_client::AdminClient;
 use ragcluster_proto::v1::*;
 use ragcluster_tests::load::{Load, converged};
-use ragcluster_tests::{Joined, http_get, metric_sum, ragctl_at};
+use ragcluster_tests::{Joined, http_get, metric_sum, ragctl_at, upsert_with_vectors};
 use tokio::sync::Mutex;
 use tonic::transport::Channel;
 
@@ -179,7 +179,15 @@ async fn cluster_grows_from_three_to_five_nodes_under_load() -> Result<()> {
         .and_then(|v| v.parse().ok())
         .unwrap_or(3000);
     let t = Instant::now();
-    prefill(&mut c.clone(), "grow", info.dimension as usize, docs).await?;
+    upsert_with_vectors(
+        &mut c.clone(),
+        "grow",
+        "pre",
+        "shard moves, snapshots and Raft learners",
+        info.dimension as usize,
+        docs,
+    )
+    .await?;
     let prefill_s = t.elapsed().as_secs_f64();
     let load = Load::start(c.clone(), "grow", "gr", SearchMode::Hybrid);
     while load.written().await < 150 {
@@ -266,41 +274,6 @@ async fn cluster_grows_from_three_to_five_nodes_under_load() -> Result<()> {
         load.searches.load(Ordering::Relaxed),
         load.search_retries.load(Ordering::Relaxed),
     );
-    Ok(())
-}
-
-/// Upserts `n` documents with their own (pseudo-random, deterministic) vectors, 256 a call.
-async fn prefill(
-    c: &mut ragcluster_proto::v1::coordinator_client::CoordinatorClient<Channel>,
-    collection: &str,
-    dim: usize,
-    n: usize,
-) -> Result<()> {
-    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    };
-    for start in (0..n).step_by(256) {
-        let documents = (start..(start + 256).min(n))
-            .map(|i| Document {
-                id: format!("pre-{i}"),
-                title: format!("prefilled document {i}"),
-                text: format!(
-                    "prefilled document {i} about shard moves, snapshots and Raft learners"
-                ),
-                embedding: (0..dim).map(|_| next()).collect(),
-                ..Default::default()
-            })
-            .collect();
-        c.upsert_documents(UpsertDocumentsRequest {
-            collection: collection.into(),
-            documents,
-        })
-        .await?;
-    }
     Ok(())
 }
 
