@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-raft bench-gen bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security
+.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -51,6 +51,11 @@ fmt:
 bench: build      ## full SciFact quality + latency + 100k scale + restart (~30 min)
 	mkdir -p bench-out
 	$(BIN)/ragbench --out bench-out/scifact.json
+
+bench-restart: build ## kill -9 and SIGTERM restart of a node holding 100k chunks, disk per chunk by place
+	mkdir -p bench-out
+	test -f bench-out/scifact-chunks.pb || $(BIN)/ragbench --scale-chunks 0 --skip-quality --skip-restart --dump-chunks bench-out/scifact-chunks.pb
+	$(BIN)/ragbench --load-chunks bench-out/scifact-chunks.pb --only-restart --scale-chunks 100000 --out bench-out/restart.json
 
 bench-security: build ## search latency/QPS and new connections: plaintext vs mutual TLS + API keys
 	$(BIN)/securitybench

@@ -35,6 +35,11 @@ pub struct Options {
     /// Compact the log once it holds this many entries, keeping the newest half. Members
     /// further behind catch up from a snapshot.
     pub log_gc_threshold: u64,
+    /// Also drop applied entries eagerly (in steps of `log_gc_threshold / 64`, at least 16),
+    /// as far as every member has them: only for a state machine whose writes go through the
+    /// same RocksDB WAL as the log, so that a recovered log deletion implies the applied
+    /// state it relied on was recovered too (RocksDB recovers a prefix of its WAL).
+    pub compact_applied: bool,
     /// Start an election at once (a fresh group's preferred leader, a lone member) instead of
     /// waiting out a timeout.
     pub campaign: bool,
@@ -507,15 +512,33 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
     }
 
     /// Keeps the log under `log_gc_threshold` entries: drops the older half once it is reached.
+    /// With `compact_applied`, drops applied entries before that too, but on a leader only
+    /// those every member has (a member behind the log's start needs a whole snapshot).
     fn maybe_compact(&mut self) -> Result<(), Fatal> {
         let store = self.raw.store();
-        if store.entry_count() < self.opts.log_gc_threshold {
-            return Ok(());
+        let applied = self.sm.applied_index();
+        let mut to = 0;
+        if self.opts.compact_applied
+            && applied.saturating_sub(store.truncated_index)
+                >= (self.opts.log_gc_threshold / 64).max(16)
+        {
+            to = applied;
+            if self.raw.raft.state == StateRole::Leader {
+                let me = self.opts.id;
+                let slowest = self
+                    .raw
+                    .raft
+                    .prs()
+                    .iter()
+                    .filter(|(id, _)| **id != me)
+                    .map(|(_, p)| p.matched)
+                    .min();
+                to = to.min(slowest.unwrap_or(applied));
+            }
         }
-        let to = self
-            .sm
-            .applied_index()
-            .saturating_sub(self.opts.log_gc_threshold / 2);
+        if store.entry_count() >= self.opts.log_gc_threshold {
+            to = to.max(applied.saturating_sub(self.opts.log_gc_threshold / 2));
+        }
         if to > store.truncated_index {
             self.raw.mut_store().compact(to)?;
             metrics::counter!(metric(self.opts.metrics_prefix, "log_compactions_total"))

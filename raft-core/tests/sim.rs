@@ -213,6 +213,7 @@ fn options(id: u64, election: usize, gc: u64) -> Options {
         election_ticks: 10,
         heartbeat_ticks: 2,
         log_gc_threshold: gc,
+        compact_applied: gc.is_multiple_of(2),
         campaign: false,
         fixed_election_timeout: Some(election),
         name: format!("sim-{id}"),

@@ -9,7 +9,8 @@ use serde::{Deserialize, Serialize};
 pub struct ShardNodeConfig {
     /// gRPC listen address; port 0 picks a free port (see `port_file`).
     pub listen: String,
-    /// RocksDB lives in `<data_dir>/rocksdb`, BM25 indexes in `<data_dir>/bm25/<collection>/<shard>`.
+    /// RocksDB lives in `<data_dir>/rocksdb`, BM25 indexes in `<data_dir>/bm25/<collection>/<shard>`,
+    /// HNSW dumps in `<data_dir>/hnsw/<collection>/<shard>`.
     pub data_dir: PathBuf,
     /// fsync the RocksDB WAL before acknowledging a write. Turning it off trades durability
     /// for speed: acknowledged writes can be lost on power failure (not on process crash).
@@ -18,6 +19,13 @@ pub struct ShardNodeConfig {
     pub hnsw_compact_ratio: f64,
     /// ...and at least this many tombstones.
     pub hnsw_compact_min: usize,
+    /// Dump a shard's HNSW graph to `<data_dir>/hnsw/<collection>/<shard>` once this many points
+    /// changed since the last dump (or a tenth of the graph, if more), so that a restart loads
+    /// it and re-indexes only what changed since. Bounds the work after a kill -9.
+    pub hnsw_dump_min_changes: usize,
+    /// ...or once this long passed since the last dump with anything changed.
+    #[serde(with = "humantime_serde")]
+    pub hnsw_dump_interval: std::time::Duration,
     /// Memory budget of each shard's tantivy writer, bytes (at least 15 MB).
     pub bm25_writer_memory: usize,
     /// Where to write `{"grpc": addr, "metrics": addr}` once listening.
@@ -68,6 +76,8 @@ impl Default for ShardNodeConfig {
             sync_writes: true,
             hnsw_compact_ratio: 0.25,
             hnsw_compact_min: 1000,
+            hnsw_dump_min_changes: 10_000,
+            hnsw_dump_interval: std::time::Duration::from_secs(60),
             bm25_writer_memory: 32 * 1024 * 1024,
             port_file: None,
             raft_tick: std::time::Duration::from_millis(100),
@@ -89,6 +99,11 @@ impl ShardNodeConfig {
     pub fn validate(&self) -> Result<(), String> {
         if !(0.0..=1.0).contains(&self.hnsw_compact_ratio) {
             return Err("shard_node.hnsw_compact_ratio must be in [0, 1]".into());
+        }
+        if self.hnsw_dump_min_changes == 0 || self.hnsw_dump_interval.is_zero() {
+            return Err(
+                "shard_node.hnsw_dump_min_changes and hnsw_dump_interval must be > 0".into(),
+            );
         }
         if self.bm25_writer_memory < 15_000_000 {
             return Err("shard_node.bm25_writer_memory must be at least 15000000 bytes".into());

@@ -51,6 +51,26 @@ pub fn all() -> Vec<Family> {
         ),
         ("shard_node_shards", Gauge, "replicas hosted by this node"),
         (
+            "shard_hnsw_dump_seconds",
+            Histogram,
+            "time to write one HNSW graph dump",
+        ),
+        (
+            "shard_hnsw_dump_failures_total",
+            Counter,
+            "HNSW dumps that failed (the op log is kept back to the previous one)",
+        ),
+        (
+            "shard_hnsw_dump_rejected_total",
+            Counter,
+            "HNSW dumps refused at open (checksum, format or dimension)",
+        ),
+        (
+            "shard_hnsw_rebuilds_total",
+            Counter,
+            "HNSW graphs rebuilt from RocksDB at open (no usable dump)",
+        ),
+        (
             "shard_index_group_seconds",
             Histogram,
             "index worker: time per tantivy commit group",

@@ -8,6 +8,7 @@
 //! service onto `node::Node`, converting the wire types in `service::convert`.
 //! This crate must not depend on the coordinator or the model worker.
 
+pub mod checksum;
 pub mod config;
 pub mod error;
 pub mod families;

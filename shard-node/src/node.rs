@@ -10,10 +10,10 @@ use ragcluster_raft::{Options, Role, Transport};
 
 use crate::config::ShardNodeConfig;
 use crate::error::{Result, ShardError};
-use crate::index::worker::Compaction;
+use crate::index::worker::{Compaction, Dumping};
 use crate::raft::Replica;
 use crate::raft::transport::{GrpcDialer, ShardTransport};
-use crate::shard::{Shard, ShardOptions};
+use crate::shard::{Shard, ShardDirs, ShardOptions};
 use crate::storage::{ShardKey, ShardMeta, Store};
 
 /// A replica to create: a member of a new group (`peers`, this node among them) or, with
@@ -158,6 +158,14 @@ impl Node {
             .join(key.shard.to_string())
     }
 
+    fn hnsw_dir(&self, key: &ShardKey) -> PathBuf {
+        self.cfg
+            .data_dir
+            .join("hnsw")
+            .join(&key.collection)
+            .join(key.shard.to_string())
+    }
+
     fn start_replica(&self, key: ShardKey, meta: ShardMeta, campaign: bool) -> Result<()> {
         let opts = ShardOptions {
             bm25_writer_memory: self.cfg.bm25_writer_memory,
@@ -165,13 +173,22 @@ impl Node {
                 ratio: self.cfg.hnsw_compact_ratio,
                 min: self.cfg.hnsw_compact_min,
             },
+            dumping: Dumping {
+                min_changes: self.cfg.hnsw_dump_min_changes,
+                interval: self.cfg.hnsw_dump_interval,
+            },
+        };
+        let (bm25, hnsw, snap) = (self.bm25_dir(&key), self.hnsw_dir(&key), self.snap_dir());
+        let dirs = ShardDirs {
+            bm25: &bm25,
+            hnsw: &hnsw,
+            snap: &snap,
         };
         let shard = Arc::new(Shard::open(
             key.clone(),
             meta,
             self.store.clone(),
-            &self.bm25_dir(&key),
-            &self.snap_dir(),
+            &dirs,
             &opts,
         )?);
         let raft = Options {
@@ -180,6 +197,7 @@ impl Node {
             election_ticks: self.cfg.raft_election_ticks,
             heartbeat_ticks: self.cfg.raft_heartbeat_ticks,
             log_gc_threshold: self.cfg.raft_log_gc_threshold,
+            compact_applied: true,
             campaign,
             fixed_election_timeout: None,
             name: key.to_string(),
@@ -254,12 +272,13 @@ impl Node {
         self.transport.unregister(key);
         self.replicas.write().remove(key);
         // The index worker finishes before the files go.
-        replica.shard.flush()?;
+        replica.shard.stop_indexing();
         drop(replica);
         self.store.drop_shard(key)?;
-        let dir = self.bm25_dir(key);
-        if dir.exists() {
-            std::fs::remove_dir_all(dir)?;
+        for dir in [self.bm25_dir(key), self.hnsw_dir(key)] {
+            if dir.exists() {
+                std::fs::remove_dir_all(dir)?;
+            }
         }
         let snaps = self.snap_dir();
         crate::raft::snapshot::remove_others(&snaps, "gen", key, None);

@@ -9,9 +9,10 @@
 //!      tantivy off the Raft thread, committing tantivy once per group of batches.
 //!   3. The proposer is answered once the batch is visible to searches.
 //!
-//! Recovery: the HNSW graph lives in memory and is rebuilt from RocksDB; the BM25 index is
-//! caught up by replaying op-log entries newer than its committed seq, or rebuilt from RocksDB
-//! when the log does not reach back far enough.
+//! Recovery: the HNSW graph is loaded from its newest dump (`index::hnsw_dump`) and caught up
+//! by re-reading from RocksDB the documents that op-log entries after the dump touched; the
+//! BM25 index is caught up by replaying op-log entries newer than its committed seq. Either is
+//! rebuilt from RocksDB when its dump or the log does not reach back far enough.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -23,7 +24,8 @@ use ragcluster_proto::v1::{Chunk, GlobalBm25Stats, WriteBatchRequest, WriteBatch
 use crate::error::{Result, ShardError};
 use crate::index::bm25::Bm25Index;
 use crate::index::hnsw::{self, HnswIndex, HnswParams, SearchPlan};
-use crate::index::worker::{Compaction, IndexWorker, Job};
+use crate::index::hnsw_dump::Dumps;
+use crate::index::worker::{Compaction, DumpState, Dumping, IndexWorker, Job};
 use crate::index::{Filter, Indexes, point};
 use crate::storage::{ShardKey, ShardMeta, Store};
 
@@ -34,6 +36,7 @@ pub struct Shard {
     store: Arc<Store>,
     indexes: Arc<Indexes>,
     worker: IndexWorker,
+    dumps: Arc<Dumps>,
     /// The applied index as durable in RocksDB (written by the Raft thread only).
     applied: AtomicU64,
     /// Live documents as of `applied`: counted once at open, then kept by the write path.
@@ -45,6 +48,15 @@ pub struct Shard {
 pub struct ShardOptions {
     pub bm25_writer_memory: usize,
     pub compaction: Compaction,
+    pub dumping: Dumping,
+}
+
+/// Where a shard's derived files live.
+pub struct ShardDirs<'a> {
+    pub bm25: &'a Path,
+    pub hnsw: &'a Path,
+    /// Shared by the node's shards: received snapshot files.
+    pub snap: &'a Path,
 }
 
 /// A shard's figures, all describing one visible state.
@@ -65,40 +77,17 @@ impl Shard {
         key: ShardKey,
         meta: ShardMeta,
         store: Arc<Store>,
-        bm25_dir: &Path,
-        snap_dir: &Path,
+        dirs: &ShardDirs<'_>,
         opts: &ShardOptions,
     ) -> Result<Self> {
         let applied = store.applied_seq(&key)?;
-        let bm25 = Bm25Index::open(bm25_dir, opts.bm25_writer_memory)?;
-        let mut points = Vec::new();
-        store.for_each_chunk(&key, true, |c| {
-            points.push(point(&c));
-            Ok(())
-        })?;
-        let hnsw = HnswIndex::new(meta.dimension as usize, meta.hnsw, points.len());
-        let live = points.len();
-        hnsw.rebuild(points);
-        let committed = bm25.committed_seq()?;
-        if committed < applied {
-            let log = store.oplog_after(&key, committed)?;
-            let contiguous = log.first().is_some_and(|(s, _)| *s == committed + 1)
-                && log.last().is_some_and(|(s, _)| *s == applied);
-            if contiguous {
-                tracing::info!(shard = %key, from = committed + 1, to = applied, "replaying op log into bm25");
-                for (_, req) in &log {
-                    bm25.stage(&req.writes)?;
-                }
-            } else {
-                tracing::warn!(shard = %key, committed, applied, "op log incomplete; rebuilding bm25 from rocksdb");
-                bm25.clear()?;
-                store
-                    .for_each_chunk(&key, false, |c| bm25.stage_chunks(std::slice::from_ref(&c)))?;
-            }
-            bm25.commit(applied)?;
-        }
-        store.truncate_oplog(&key, applied)?;
+        let bm25 = Bm25Index::open(dirs.bm25, opts.bm25_writer_memory)?;
+        let dumps = Arc::new(Dumps::new(dirs.hnsw.to_path_buf()));
+        let (hnsw, dump_state) = open_hnsw(&key, &meta, &store, &dumps, applied)?;
+        catch_up_bm25(&key, &store, &bm25, applied)?;
+        store.truncate_oplog(&key, dump_state.dumped.unwrap_or(applied))?;
         let documents = store.count_docs(&key)?;
+        let live = hnsw.counts().0;
         tracing::info!(shard = %key, applied, chunks = live, documents, "shard open");
         let indexes = Arc::new(Indexes {
             bm25,
@@ -111,6 +100,9 @@ impl Shard {
             indexes.clone(),
             applied,
             opts.compaction,
+            dumps.clone(),
+            opts.dumping,
+            dump_state,
         )?;
         Ok(Self {
             key,
@@ -119,9 +111,10 @@ impl Shard {
             store,
             indexes,
             worker,
+            dumps,
             applied: AtomicU64::new(applied),
             documents: AtomicU64::new(documents),
-            snap_dir: snap_dir.to_path_buf(),
+            snap_dir: dirs.snap.to_path_buf(),
         })
     }
 
@@ -444,16 +437,123 @@ impl Shard {
         }
     }
 
+    /// What this replica keeps on disk, by place (see `ShardInfoResponse.bytes_by_family`).
+    pub fn disk_bytes(&self) -> Vec<(String, u64)> {
+        let mut out: Vec<(String, u64)> = self
+            .store
+            .shard_bytes(&self.key)
+            .into_iter()
+            .map(|(cf, b)| (cf.to_owned(), b))
+            .collect();
+        out.push(("tantivy".into(), self.indexes.bm25.size_bytes()));
+        out.push(("hnsw_dump".into(), self.dumps.bytes()));
+        out
+    }
+
+    /// Stops the index worker without dumping anything (the shard is being dropped).
+    pub fn stop_indexing(&self) {
+        self.worker.stop(false);
+    }
+
     pub fn store(&self) -> &Arc<Store> {
         &self.store
     }
 
-    /// Lets the index worker finish what is queued, then commits BM25 (shutdown).
+    /// Lets the index worker finish what is queued and dump the HNSW graph if it changed, then
+    /// commits BM25 (shutdown).
     pub fn flush(&self) -> Result<()> {
-        self.worker.stop();
+        self.worker.stop(true);
         let _guard = self.indexes.update.lock();
         self.indexes.bm25.commit(self.visible_seq())
     }
+}
+
+/// The HNSW graph as of `applied`: the newest dump caught up from the op log, or else rebuilt
+/// from RocksDB. Also says how far the graph is ahead of the dump it came from.
+fn open_hnsw(
+    key: &ShardKey,
+    meta: &ShardMeta,
+    store: &Store,
+    dumps: &Dumps,
+    applied: u64,
+) -> Result<(HnswIndex, DumpState)> {
+    let started = Instant::now();
+    let dim = meta.dimension as usize;
+    if let Some((idx, seq)) = dumps.load(dim, meta.hnsw, applied) {
+        let log = store.oplog_after(key, seq)?;
+        let reaches = seq == applied
+            || (log.first().is_some_and(|(s, _)| *s == seq + 1)
+                && log.last().is_some_and(|(s, _)| *s == applied));
+        if reaches {
+            // The final state of every document an entry after the dump wrote is in RocksDB:
+            // its old points go, its current chunks come back (as pending points).
+            let touched: std::collections::HashSet<String> = log
+                .iter()
+                .flat_map(|(_, r)| r.writes.iter().map(|w| w.doc_id.clone()))
+                .collect();
+            let removed = idx.tombstone_docs(&touched);
+            let mut points = Vec::new();
+            for doc in &touched {
+                if let Some(ids) = store.doc_chunk_ids(key, doc)? {
+                    let chunks = store.get_chunks(key, &ids, true)?;
+                    points.extend(chunks.into_iter().flatten().map(|c| point(&c)));
+                }
+            }
+            // Searched exactly beside the graph until the index worker has inserted them.
+            let inserted = points.len();
+            idx.set_pending(points);
+            tracing::info!(shard = %key, dump = seq, applied, entries = log.len(), removed,
+                pending = inserted, ms = started.elapsed().as_millis() as u64,
+                "hnsw dump caught up");
+            let state = DumpState {
+                dumped: Some(seq),
+                changes: removed + inserted,
+            };
+            return Ok((idx, state));
+        }
+        tracing::warn!(shard = %key, dump = seq, applied,
+            "op log does not reach back to the hnsw dump; rebuilding the graph");
+    }
+    dumps.remove_except(None);
+    let mut points = Vec::new();
+    store.for_each_chunk(key, true, |c| {
+        points.push(point(&c));
+        Ok(())
+    })?;
+    let live = points.len();
+    let hnsw = HnswIndex::new(dim, meta.hnsw, live);
+    hnsw.rebuild(points);
+    metrics::counter!("shard_hnsw_rebuilds_total").increment(1);
+    tracing::info!(shard = %key, chunks = live, ms = started.elapsed().as_millis() as u64,
+        "hnsw graph rebuilt from rocksdb");
+    let state = DumpState {
+        dumped: None,
+        changes: live.max(1),
+    };
+    Ok((hnsw, state))
+}
+
+/// Replays op-log entries newer than BM25's committed seq, or rebuilds BM25 from RocksDB when
+/// the log does not reach back that far.
+fn catch_up_bm25(key: &ShardKey, store: &Store, bm25: &Bm25Index, applied: u64) -> Result<()> {
+    let committed = bm25.committed_seq()?;
+    if committed >= applied {
+        return Ok(());
+    }
+    let log = store.oplog_after(key, committed)?;
+    let contiguous = log.first().is_some_and(|(s, _)| *s == committed + 1)
+        && log.last().is_some_and(|(s, _)| *s == applied);
+    if contiguous {
+        tracing::info!(shard = %key, from = committed + 1, to = applied, "replaying op log into bm25");
+        for (_, req) in &log {
+            bm25.stage(&req.writes)?;
+        }
+    } else {
+        tracing::warn!(shard = %key, committed, applied, "op log incomplete; rebuilding bm25 from rocksdb");
+        bm25.clear()?;
+        store.for_each_chunk(key, false, |c| bm25.stage_chunks(std::slice::from_ref(&c)))?;
+    }
+    bm25.commit(applied)
 }
 
 #[cfg(test)]
@@ -470,6 +570,10 @@ mod tests {
                 ratio: 0.25,
                 min: compact_min,
             },
+            dumping: Dumping {
+                min_changes: 10_000,
+                interval: std::time::Duration::from_secs(3600),
+            },
         }
     }
 
@@ -485,15 +589,12 @@ mod tests {
     }
 
     fn open(dir: &Path, key: ShardKey, store: Arc<Store>, compact_min: usize) -> Shard {
-        Shard::open(
-            key,
-            meta(),
-            store,
-            &dir.join("bm25"),
-            dir,
-            &opts(compact_min),
-        )
-        .unwrap()
+        let dirs = ShardDirs {
+            bm25: &dir.join("bm25"),
+            hnsw: &dir.join("hnsw"),
+            snap: dir,
+        };
+        Shard::open(key, meta(), store, &dirs, &opts(compact_min)).unwrap()
     }
 
     fn doc(id: &str, words: &str, seed: f32) -> DocumentWrite {
@@ -627,6 +728,79 @@ mod tests {
             "a rejected entry only moves the applied index"
         );
         assert_eq!(shard.figures().documents, 7);
+    }
+
+    fn vec_of(seed: f32) -> Vec<f32> {
+        (0..DIM).map(|i| (seed + i as f32).sin()).collect()
+    }
+
+    fn top(shard: &Shard, seed: f32) -> String {
+        shard
+            .vector_search(&vec_of(seed), 1, 32, &vec![], true)
+            .unwrap()
+            .pop()
+            .map(|h| h.0.chunk_id)
+            .unwrap_or_default()
+    }
+
+    /// A clean shutdown dumps the graph; entries written after the dump (here straight into
+    /// RocksDB, as a crash before indexing leaves them) are caught up at open from the op log:
+    /// replaced and deleted documents lose their old points, new ones are found.
+    #[test]
+    fn hnsw_dump_is_loaded_and_caught_up_from_the_op_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = ShardKey::new("c", 3);
+        let store = Arc::new(Store::open(&dir.path().join("db"), false).unwrap());
+        {
+            let shard = open(dir.path(), key.clone(), store.clone(), 1000);
+            let docs = (0..50)
+                .map(|i| doc(&format!("d{i}"), "w", i as f32))
+                .collect();
+            apply(&shard, batch(docs)).unwrap();
+            shard.flush().unwrap();
+        }
+        let dumps: Vec<_> = std::fs::read_dir(dir.path().join("hnsw"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(dumps, vec!["dump-1".to_string()]);
+        // After the dump: d0 gets a new vector, d1 is deleted, n0 is new.
+        let mut b = batch(vec![
+            doc("d0", "w", 100.0),
+            DocumentWrite {
+                doc_id: "d1".into(),
+                chunks: vec![],
+                delete: true,
+            },
+            doc("n0", "w", 200.0),
+        ]);
+        for w in &mut b.writes {
+            for c in &mut w.chunks {
+                hnsw::normalize(&mut c.embedding);
+            }
+        }
+        store.commit_batch(&key, 2, &b, None).unwrap();
+        let shard = open(dir.path(), key.clone(), store.clone(), 1000);
+        let f = shard.figures();
+        // Loaded, not rebuilt: the caught-up documents left tombstones (a rebuild leaves none).
+        assert_eq!((f.hnsw_points, f.hnsw_tombstones), (50, 2));
+        assert_eq!(top(&shard, 100.0), "d0#0");
+        assert_eq!(top(&shard, 200.0), "n0#0");
+        assert_ne!(top(&shard, 1.0), "d1#0");
+        assert_eq!(top(&shard, 7.0), "d7#0");
+        shard.flush().unwrap();
+        drop(shard);
+        // A damaged dump is refused and the graph rebuilt: same answers, no tombstones.
+        let data = dir.path().join("hnsw/dump-2/graph.hnsw.data");
+        let mut bytes = std::fs::read(&data).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 0xff;
+        std::fs::write(&data, bytes).unwrap();
+        let shard = open(dir.path(), key, store, 1000);
+        let f = shard.figures();
+        assert_eq!((f.hnsw_points, f.hnsw_tombstones), (50, 0));
+        assert_eq!(top(&shard, 100.0), "d0#0");
+        assert_eq!(top(&shard, 7.0), "d7#0");
     }
 
     /// Retried request ids are applied once, and their first outcome is returned.

@@ -656,6 +656,20 @@ impl Store {
         Ok(())
     }
 
+    /// Approximate bytes of the shard's keys by column family, in flushed SST files (RocksDB
+    /// cannot size a key range of a memtable through this API).
+    pub fn shard_bytes(&self, key: &ShardKey) -> Vec<(&'static str, u64)> {
+        let (start, end) = (key.prefix(), key.end());
+        ALL_CFS
+            .into_iter()
+            .map(|cf| {
+                let range = rocksdb::Range::new(&start, &end);
+                let sizes = self.db.get_approximate_sizes_cf(self.cf(cf), &[range]);
+                (cf, sizes.first().copied().unwrap_or(0))
+            })
+            .collect()
+    }
+
     pub fn property(&self, name: &str) -> u64 {
         ALL_CFS
             .iter()

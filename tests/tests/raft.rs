@@ -526,6 +526,58 @@ async fn stalled_snapshot_send_is_given_up_and_sent_again() -> Result<()> {
     Ok(())
 }
 
+/// Applied entries leave the Raft log of every replica once all members have them (the state
+/// machine writes through the log's own RocksDB WAL), long before raft_log_gc_threshold (200):
+/// the log does not keep a second copy of every chunk. A follower killed after that restarts
+/// from its applied state with the short log and converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn applied_entries_leave_the_log_early() -> Result<()> {
+    let mut c = Cluster::start_with(3, Some(SHARD_CONFIG))?;
+    let mut cc = c.client().await?;
+    create(&mut cc, "trim").await?;
+    let mut acked = BTreeSet::new();
+    for b in 0..60u64 {
+        let ids: Vec<u64> = (b * 2..(b + 1) * 2).collect();
+        ensure!(write(&mut cc, "trim", &ids).await, "batch {b} failed");
+        acked.extend(ids);
+    }
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = statuses(&c, "trim").await;
+        let firsts: Vec<u64> = st
+            .iter()
+            .map(|s| s.as_ref().map_or(0, |s| s.first_log_index))
+            .collect();
+        if firsts.iter().all(|f| *f >= 30) {
+            break;
+        }
+        ensure!(
+            Instant::now() < until,
+            "logs not trimmed after 60 entries: first indexes {firsts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A member that falls behind holds the leader's trimming back: it catches up from the
+    // log, without a snapshot.
+    let l = leader(&c, "trim", Duration::from_secs(5)).await?;
+    let f = (l + 1) % 3;
+    c.shards[f].kill9();
+    for b in 60..80u64 {
+        let ids: Vec<u64> = (b * 2..(b + 1) * 2).collect();
+        ensure!(write(&mut cc, "trim", &ids).await, "batch {b} failed");
+        acked.extend(ids);
+    }
+    c.shards[f].restart(Duration::from_secs(60))?;
+    converged(&c, "trim", &acked, &acked).await?;
+    let l = leader(&c, "trim", Duration::from_secs(5)).await?;
+    let m = http_get(&c.shards[l].metrics).await?;
+    ensure!(
+        metric_sum(&m, "raft_snapshots_sent_total") == 0.0,
+        "the lagging follower was sent a snapshot"
+    );
+    Ok(())
+}
+
 /// 5. Randomised schedules: per seed, a fresh collection takes writes while nodes are killed,
 ///    restarted and partitioned at random (never more than one node at a time, so a quorum
 ///    stays possible); afterwards no acknowledged write is lost and every replica holds the

@@ -114,6 +114,7 @@ impl Catalog {
             election_ticks: cfg.election_ticks,
             heartbeat_ticks: cfg.heartbeat_ticks,
             log_gc_threshold: cfg.log_gc_threshold.max(2),
+            compact_applied: false,
             campaign: members.len() == 1,
             fixed_election_timeout: None,
             name: GROUP.into(),

@@ -5,14 +5,23 @@
 //! graph from RocksDB (`HnswIndex::rebuild`). Metadata filters run inside the graph search; a
 //! filter that matches few points is answered exactly by brute force instead, because graph
 //! search degrades when most neighbours are filtered out.
+//!
+//! The graph and its slot table can be written to a directory and read back
+//! (`write_parts`/`read_parts`; `hnsw_dump` owns the files' lifecycle), so a restart loads the
+//! graph instead of rebuilding it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::io::{Read, Write};
+use std::path::Path;
 
 use hnsw_rs::anndists::dist::Distance;
+use hnsw_rs::api::AnnT;
 use hnsw_rs::hnsw::Hnsw;
+use hnsw_rs::hnswio::HnswIo;
 use parking_lot::RwLock;
 
 use super::Filter;
+use crate::error::{Result, ShardError};
 pub use crate::storage::HnswParams;
 
 /// Cosine distance for unit vectors, `1 - a·b`, clamped at 0. (hnsw_rs's `DistDot` asserts
@@ -58,16 +67,22 @@ pub const BRUTE_FORCE_LIMIT: usize = 2000;
 
 struct Slot {
     chunk_id: String,
+    /// Kept so that a dump can be caught up by document (`tombstone_docs`).
+    doc_id: String,
     meta: Vec<(String, String)>,
     alive: bool,
 }
 
 impl Slot {
     fn matches(&self, filter: &Filter) -> bool {
-        filter
-            .iter()
-            .all(|(k, v)| self.meta.iter().any(|(mk, mv)| mk == k && mv == v))
+        meta_matches(&self.meta, filter)
     }
+}
+
+fn meta_matches(meta: &[(String, String)], filter: &Filter) -> bool {
+    filter
+        .iter()
+        .all(|(k, v)| meta.iter().any(|(mk, mv)| mk == k && mv == v))
 }
 
 #[derive(Default)]
@@ -86,11 +101,17 @@ pub struct HnswIndex {
     dim: usize,
     params: HnswParams,
     graph: RwLock<Graph>,
+    /// Points that belong in the index but are not in the graph yet (a dump caught up at open):
+    /// scored exactly and merged with the graph's hits until the index worker has inserted
+    /// them (`absorb_pending`), so a restarted node serves before that work is done.
+    pending: RwLock<Vec<Point>>,
 }
 
 /// One point to insert.
+#[derive(Clone)]
 pub struct Point {
     pub chunk_id: String,
+    pub doc_id: String,
     pub vector: Vec<f32>,
     pub meta: Vec<(String, String)>,
 }
@@ -108,6 +129,7 @@ impl HnswIndex {
             dim,
             graph: RwLock::new(Self::empty_graph(&params, expected)),
             params,
+            pending: RwLock::default(),
         }
     }
 
@@ -136,6 +158,38 @@ impl HnswIndex {
         if points.is_empty() {
             return;
         }
+        self.drop_pending(points.iter().map(|p| p.chunk_id.as_str()));
+        self.insert_graph(points);
+    }
+
+    /// Holds `points` beside the graph until `absorb_pending` (see `pending`).
+    pub fn set_pending(&self, points: Vec<Point>) {
+        *self.pending.write() = points;
+    }
+
+    /// Moves the pending points into the graph; returns how many. Searches see each point
+    /// throughout (for a moment twice, which the merge removes).
+    pub fn absorb_pending(&self) -> usize {
+        let points = self.pending.read().clone();
+        let n = points.len();
+        if n > 0 {
+            self.insert_graph(points);
+            self.pending.write().clear();
+        }
+        n
+    }
+
+    fn drop_pending<'a>(&self, ids: impl Iterator<Item = &'a str>) {
+        if self.pending.read().is_empty() {
+            return;
+        }
+        let ids: HashSet<&str> = ids.collect();
+        self.pending
+            .write()
+            .retain(|p| !ids.contains(p.chunk_id.as_str()));
+    }
+
+    fn insert_graph(&self, points: Vec<Point>) {
         let g = self.graph.read();
         let first = {
             let mut s = g.slots.write();
@@ -143,6 +197,7 @@ impl HnswIndex {
             for p in &points {
                 s.slots.push(Slot {
                     chunk_id: p.chunk_id.clone(),
+                    doc_id: p.doc_id.clone(),
                     meta: p.meta.clone(),
                     alive: false,
                 });
@@ -176,6 +231,7 @@ impl HnswIndex {
 
     /// Tombstones chunks (unknown ids are ignored).
     pub fn remove(&self, chunk_ids: &[String]) {
+        self.drop_pending(chunk_ids.iter().map(String::as_str));
         let g = self.graph.read();
         let mut s = g.slots.write();
         for id in chunk_ids {
@@ -192,22 +248,30 @@ impl HnswIndex {
     pub fn counts(&self) -> (usize, usize) {
         let g = self.graph.read();
         let s = g.slots.read();
-        (s.slots.len() - s.dead, s.dead)
+        (s.slots.len() - s.dead + self.pending.read().len(), s.dead)
     }
 
     pub fn search(&self, query: &[f32], top_k: usize, ef: usize, filter: &Filter) -> SearchPlan {
         let g = self.graph.read();
         let s = g.slots.read();
+        let pending = self.pending.read();
         if !filter.is_empty() {
-            let matching: Vec<&Slot> = s
+            let mut matching: Vec<String> = s
                 .slots
                 .iter()
                 .filter(|sl| sl.alive && sl.matches(filter))
+                .map(|sl| sl.chunk_id.clone())
                 .collect();
+            matching.extend(
+                pending
+                    .iter()
+                    .filter(|p| meta_matches(&p.meta, filter))
+                    .map(|p| p.chunk_id.clone()),
+            );
             if matching.len() <= BRUTE_FORCE_LIMIT.max(ef) {
-                return SearchPlan::Exact(
-                    matching.into_iter().map(|sl| sl.chunk_id.clone()).collect(),
-                );
+                matching.sort_unstable();
+                matching.dedup();
+                return SearchPlan::Exact(matching);
             }
         }
         let accept = |id: &usize| {
@@ -218,16 +282,27 @@ impl HnswIndex {
         let found = g
             .hnsw
             .search_filter(query, top_k, ef.max(top_k), Some(&accept));
-        SearchPlan::Hits(
-            found
-                .into_iter()
-                .filter_map(|n| {
-                    s.slots
-                        .get(n.d_id)
-                        .map(|sl| (sl.chunk_id.clone(), 1.0 - n.distance))
-                })
-                .collect(),
-        )
+        let mut hits: Vec<(String, f32)> = found
+            .into_iter()
+            .filter_map(|n| {
+                s.slots
+                    .get(n.d_id)
+                    .map(|sl| (sl.chunk_id.clone(), 1.0 - n.distance))
+            })
+            .collect();
+        if !pending.is_empty() {
+            hits.extend(
+                pending
+                    .iter()
+                    .filter(|p| meta_matches(&p.meta, filter))
+                    .map(|p| (p.chunk_id.clone(), dot(query, &p.vector).min(1.0))),
+            );
+            hits.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+            let mut seen = HashSet::new();
+            hits.retain(|h| seen.insert(h.0.clone()));
+            hits.truncate(top_k);
+        }
+        SearchPlan::Hits(hits)
     }
 
     /// Replaces the graph with one built from `points` (the shard's live chunks), dropping every
@@ -239,6 +314,7 @@ impl HnswIndex {
             for (i, p) in points.iter().enumerate() {
                 s.slots.push(Slot {
                     chunk_id: p.chunk_id.clone(),
+                    doc_id: p.doc_id.clone(),
                     meta: p.meta.clone(),
                     alive: true,
                 });
@@ -252,7 +328,173 @@ impl HnswIndex {
             .collect();
         fresh.hnsw.parallel_insert(&data);
         *self.graph.write() = fresh;
+        self.pending.write().clear();
     }
+}
+
+/// File names inside a dump directory: hnsw_rs writes `<GRAPH_BASENAME>.hnsw.graph` and
+/// `.hnsw.data` (the vectors); the slot table is ours.
+pub const GRAPH_BASENAME: &str = "graph";
+pub const SLOTS_FILE: &str = "slots.bin";
+
+impl HnswIndex {
+    /// Tombstones every live point of the given documents; returns how many.
+    pub fn tombstone_docs(&self, docs: &HashSet<String>) -> usize {
+        let g = self.graph.read();
+        let mut s = g.slots.write();
+        let mut n = 0;
+        for i in 0..s.slots.len() {
+            if s.slots[i].alive && docs.contains(&s.slots[i].doc_id) {
+                s.slots[i].alive = false;
+                let id = s.slots[i].chunk_id.clone();
+                if s.by_chunk.get(&id) == Some(&i) {
+                    s.by_chunk.remove(&id);
+                }
+                s.dead += 1;
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Writes the graph (hnsw_rs's own format) and the slot table into the existing, empty
+    /// directory `dir`. Holds the read locks throughout, so the files describe one state; the
+    /// caller keeps writers away (the index worker is the only one). Returns the point count.
+    pub fn write_parts(&self, dir: &Path) -> Result<usize> {
+        if !self.pending.read().is_empty() {
+            return Err(ShardError::Unavailable(
+                "pending points are not in the graph yet".into(),
+            ));
+        }
+        let g = self.graph.read();
+        let s = g.slots.read();
+        let points = g.hnsw.get_nb_point();
+        if points != s.slots.len() {
+            return Err(ShardError::Corrupt(format!(
+                "hnsw holds {points} points but {} slots",
+                s.slots.len()
+            )));
+        }
+        if points > 0 {
+            g.hnsw
+                .file_dump(dir, GRAPH_BASENAME)
+                .map_err(|e| ShardError::Corrupt(format!("hnsw dump: {e}")))?;
+        }
+        let mut out = std::io::BufWriter::new(std::fs::File::create(dir.join(SLOTS_FILE))?);
+        out.write_all(&(s.slots.len() as u64).to_le_bytes())?;
+        for sl in &s.slots {
+            out.write_all(&[u8::from(sl.alive)])?;
+            put_str(&mut out, &sl.chunk_id)?;
+            put_str(&mut out, &sl.doc_id)?;
+            out.write_all(&(sl.meta.len() as u32).to_le_bytes())?;
+            for (k, v) in &sl.meta {
+                put_str(&mut out, k)?;
+                put_str(&mut out, v)?;
+            }
+        }
+        out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        Ok(points)
+    }
+
+    /// Reads what `write_parts` wrote. The caller has checked the files' checksums; a panic in
+    /// hnsw_rs's reader (it asserts on malformed input) still comes back as an error.
+    pub fn read_parts(dir: &Path, dim: usize, params: HnswParams) -> Result<Self> {
+        let corrupt = |m: String| ShardError::Corrupt(format!("hnsw dump {}: {m}", dir.display()));
+        let mut input = std::io::BufReader::new(std::fs::File::open(dir.join(SLOTS_FILE))?);
+        let n = get_u64(&mut input)? as usize;
+        let mut slots = Slots::default();
+        for i in 0..n {
+            let alive = get_u8(&mut input)? == 1;
+            let chunk_id = get_str(&mut input)?;
+            let doc_id = get_str(&mut input)?;
+            let pairs = get_u32(&mut input)? as usize;
+            let mut meta = Vec::with_capacity(pairs.min(1024));
+            for _ in 0..pairs {
+                meta.push((get_str(&mut input)?, get_str(&mut input)?));
+            }
+            if alive {
+                slots.by_chunk.insert(chunk_id.clone(), i);
+            } else {
+                slots.dead += 1;
+            }
+            slots.slots.push(Slot {
+                chunk_id,
+                doc_id,
+                meta,
+                alive,
+            });
+        }
+        if n == 0 {
+            return Ok(Self::new(dim, params, 0));
+        }
+        // A loaded graph borrows its loader for as long as it lives ('static here): the loader
+        // is a few paths and flags, leaked once per load (at open).
+        let io: &'static mut HnswIo = Box::leak(Box::new(HnswIo::new(dir, GRAPH_BASENAME)));
+        let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let io = io;
+            io.load_hnsw::<f32, UnitCosine>()
+        }));
+        let mut hnsw = match loaded {
+            Ok(Ok(h)) => h,
+            Ok(Err(e)) => return Err(corrupt(e.to_string())),
+            Err(_) => return Err(corrupt("the graph reader panicked".into())),
+        };
+        hnsw.set_extend_candidates(false);
+        if hnsw.get_nb_point() != n {
+            return Err(corrupt(format!(
+                "graph holds {} points, slot table {n}",
+                hnsw.get_nb_point()
+            )));
+        }
+        let stored_dim = hnsw.get_point_indexation().get_data_dimension();
+        if stored_dim != dim {
+            return Err(corrupt(format!(
+                "vectors have dimension {stored_dim}, shard expects {dim}"
+            )));
+        }
+        Ok(Self {
+            dim,
+            params,
+            graph: RwLock::new(Graph {
+                hnsw,
+                slots: RwLock::new(slots),
+            }),
+            pending: RwLock::default(),
+        })
+    }
+}
+
+fn put_str(out: &mut impl Write, s: &str) -> std::io::Result<()> {
+    out.write_all(&(s.len() as u32).to_le_bytes())?;
+    out.write_all(s.as_bytes())
+}
+
+fn get_u8(input: &mut impl Read) -> Result<u8> {
+    let mut b = [0u8; 1];
+    input.read_exact(&mut b)?;
+    Ok(b[0])
+}
+
+fn get_u32(input: &mut impl Read) -> Result<u32> {
+    let mut b = [0u8; 4];
+    input.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+
+fn get_u64(input: &mut impl Read) -> Result<u64> {
+    let mut b = [0u8; 8];
+    input.read_exact(&mut b)?;
+    Ok(u64::from_le_bytes(b))
+}
+
+fn get_str(input: &mut impl Read) -> Result<String> {
+    let len = get_u32(input)? as usize;
+    if len > 1 << 20 {
+        return Err(ShardError::Corrupt(format!("slot string of {len} bytes")));
+    }
+    let mut b = vec![0u8; len];
+    input.read_exact(&mut b)?;
+    String::from_utf8(b).map_err(|_| ShardError::Corrupt("slot string is not UTF-8".into()))
 }
 
 #[cfg(test)]
@@ -281,6 +523,7 @@ mod tests {
         let pts: Vec<Point> = (0..200)
             .map(|i| Point {
                 chunk_id: format!("d{i}#0"),
+                doc_id: format!("d{i}"),
                 vector: unit(i, 32),
                 meta: vec![("parity".into(), (i % 2).to_string())],
             })
@@ -305,10 +548,49 @@ mod tests {
         // Re-inserting a chunk id replaces the old point.
         idx.insert(vec![Point {
             chunk_id: "d7#0".into(),
+            doc_id: "d7".into(),
             vector: unit(500, 32),
             meta: vec![],
         }]);
         assert_eq!(idx.counts(), (199, 2));
+    }
+
+    /// Pending points (caught up at open) are found before and after they enter the graph,
+    /// filtered like graph points, and never twice.
+    #[test]
+    fn pending_points_are_searched_beside_the_graph() {
+        let idx = HnswIndex::new(32, params(), 100);
+        let point = |i: u32| Point {
+            chunk_id: format!("d{i}#0"),
+            doc_id: format!("d{i}"),
+            vector: unit(i, 32),
+            meta: vec![("parity".into(), (i % 2).to_string())],
+        };
+        idx.insert((0..100).map(point).collect());
+        idx.set_pending((100..110).map(point).collect());
+        assert_eq!(idx.counts(), (110, 0));
+        let top = |idx: &HnswIndex| match idx.search(&unit(105, 32), 3, 64, &vec![]) {
+            SearchPlan::Hits(h) => h,
+            SearchPlan::Exact(_) => panic!("expected hits"),
+        };
+        let before = top(&idx);
+        assert_eq!(before[0].0, "d105#0");
+        assert!((before[0].1 - 1.0).abs() < 1e-5);
+        match idx.search(&unit(5, 32), 3, 64, &vec![("parity".into(), "1".into())]) {
+            SearchPlan::Exact(ids) => {
+                assert_eq!(ids.len(), 55);
+                assert!(ids.contains(&"d105#0".to_string()));
+            }
+            SearchPlan::Hits(_) => panic!("expected exact plan"),
+        }
+        // Removing a pending chunk drops it before it ever reaches the graph.
+        idx.remove(&["d109#0".to_string()]);
+        assert_eq!(idx.absorb_pending(), 9);
+        assert_eq!(idx.counts(), (109, 0));
+        let after = top(&idx);
+        assert_eq!(after[0].0, "d105#0");
+        let ids: HashSet<&String> = after.iter().map(|h| &h.0).collect();
+        assert_eq!(ids.len(), after.len(), "no hit twice");
     }
 
     #[test]

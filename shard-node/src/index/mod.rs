@@ -1,8 +1,10 @@
 //! The two derived indexes of a shard. Both are rebuilt or caught up from RocksDB, never the
-//! other way round; `worker` applies committed batches to them off the Raft thread.
+//! other way round; `worker` applies committed batches to them off the Raft thread and dumps
+//! the HNSW graph now and then (`hnsw_dump`) so that a restart need not rebuild it.
 
 pub mod bm25;
 pub mod hnsw;
+pub mod hnsw_dump;
 pub mod worker;
 
 use parking_lot::Mutex;
@@ -24,6 +26,7 @@ pub struct Indexes {
 pub fn point(c: &Chunk) -> hnsw::Point {
     hnsw::Point {
         chunk_id: c.chunk_id.clone(),
+        doc_id: c.doc_id.clone(),
         vector: c.embedding.clone(),
         meta: c
             .metadata

@@ -5,18 +5,21 @@
 //! are acknowledged, and strong reads answered, once their sequence is visible.
 //!
 //! Crash windows: a batch is in RocksDB and the op log before it is queued here, so one lost in
-//! a crash is replayed into BM25 at open (HNSW is rebuilt from RocksDB anyway).
+//! a crash is replayed at open: into BM25 from its committed seq, into HNSW from the seq of its
+//! last dump. The worker writes those dumps (`Dumping`) and keeps the op log back to the
+//! older of the two.
 
 use std::sync::Arc;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use ragcluster_proto::v1::DocumentWrite;
 use tokio::sync::watch;
 
+use super::hnsw_dump::Dumps;
 use super::{Indexes, point};
 use crate::error::{Result, ShardError};
 use crate::storage::{ShardKey, Store};
@@ -51,8 +54,26 @@ pub struct Compaction {
     pub min: usize,
 }
 
+/// When to dump the HNSW graph: once `min_changes` points changed (or a tenth of the graph, if
+/// more, so a big graph is not rewritten all the time), or `interval` after a change.
+#[derive(Debug, Clone, Copy)]
+pub struct Dumping {
+    pub min_changes: usize,
+    pub interval: Duration,
+}
+
+/// Where the HNSW graph stands against its dumps when the worker starts.
+pub struct DumpState {
+    /// Seq of the dump on disk, if any.
+    pub dumped: Option<u64>,
+    /// Points inserted or removed since then.
+    pub changes: usize,
+}
+
 pub struct IndexWorker {
     tx: Mutex<Option<Sender<Job>>>,
+    /// Set before `stop` when the graph should be dumped on the way out (shutdown).
+    dump_on_stop: Arc<AtomicBool>,
     visible: watch::Receiver<u64>,
     failed: Arc<AtomicBool>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -66,18 +87,28 @@ struct Worker {
     compaction: Compaction,
     visible: watch::Sender<u64>,
     wake: Arc<OnceLock<Box<dyn Fn() + Send + Sync>>>,
+    dumps: Arc<Dumps>,
+    dumping: Dumping,
+    state: DumpState,
+    last_dump: Instant,
+    /// The seq the indexes reflect (the last group applied).
+    at: u64,
 }
 
 const MAX_GROUP: usize = 256;
 
 impl IndexWorker {
     /// Starts the worker with everything up to `visible` already in the indexes.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         key: ShardKey,
         store: Arc<Store>,
         indexes: Arc<Indexes>,
         visible: u64,
         compaction: Compaction,
+        dumps: Arc<Dumps>,
+        dumping: Dumping,
+        state: DumpState,
     ) -> Result<Self> {
         let (tx, rx) = std::sync::mpsc::channel();
         let (vtx, vrx) = watch::channel(visible);
@@ -90,13 +121,21 @@ impl IndexWorker {
             compaction,
             visible: vtx,
             wake: wake.clone(),
+            dumps,
+            dumping,
+            state,
+            last_dump: Instant::now(),
+            at: visible,
         };
         let f = failed.clone();
+        let dump_on_stop = Arc::new(AtomicBool::new(false));
+        let d = dump_on_stop.clone();
         let thread = std::thread::Builder::new()
             .name(format!("index-{key}"))
-            .spawn(move || w.run(rx, &f))?;
+            .spawn(move || w.run(rx, &f, &d))?;
         Ok(Self {
             tx: Mutex::new(Some(tx)),
+            dump_on_stop,
             visible: vrx,
             failed,
             thread: Mutex::new(Some(thread)),
@@ -141,8 +180,12 @@ impl IndexWorker {
         }
     }
 
-    /// Finishes the queued jobs and stops the thread.
-    pub fn stop(&self) {
+    /// Finishes the queued jobs and stops the thread; with `dump`, writes an HNSW dump first if
+    /// the graph changed since the last one (a clean shutdown then restarts without replay).
+    pub fn stop(&self, dump: bool) {
+        if dump {
+            self.dump_on_stop.store(true, Ordering::Release);
+        }
         self.tx.lock().take();
         if let Some(t) = self.thread.lock().take() {
             let _ = t.join();
@@ -152,13 +195,40 @@ impl IndexWorker {
 
 impl Drop for IndexWorker {
     fn drop(&mut self) {
-        self.stop();
+        self.stop(false);
     }
 }
 
 impl Worker {
-    fn run(self, rx: Receiver<Job>, failed: &AtomicBool) {
-        while let Ok(first) = rx.recv() {
+    fn run(mut self, rx: Receiver<Job>, failed: &AtomicBool, dump_on_stop: &AtomicBool) {
+        // Points caught up at open go into the graph first (searches merge them meanwhile);
+        // then a graph rebuilt at open is dumped at once, so the next restart loads it.
+        let started = Instant::now();
+        let n = self.indexes.hnsw.absorb_pending();
+        if n > 0 {
+            tracing::info!(shard = %self.key, points = n, ms = started.elapsed().as_millis() as u64,
+                "points caught up at open inserted into the hnsw graph");
+        }
+        self.maybe_dump();
+        loop {
+            let wait = self
+                .dumping
+                .interval
+                .saturating_sub(self.last_dump.elapsed())
+                .max(Duration::from_millis(10));
+            let first = match rx.recv_timeout(wait) {
+                Ok(j) => j,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    self.maybe_dump();
+                    continue;
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    if dump_on_stop.load(Ordering::Acquire) && self.state.changes > 0 {
+                        self.dump();
+                    }
+                    return;
+                }
+            };
             let mut jobs = vec![first];
             while jobs.len() < MAX_GROUP {
                 match rx.try_recv() {
@@ -168,7 +238,9 @@ impl Worker {
             }
             match self.apply(jobs) {
                 Ok(seq) => {
+                    self.at = seq;
                     self.visible.send_replace(seq);
+                    self.maybe_dump();
                     if let Some(w) = self.wake.get() {
                         w();
                     }
@@ -184,7 +256,7 @@ impl Worker {
     }
 
     /// Applies a group of jobs under the update lock and commits BM25 once.
-    fn apply(&self, jobs: Vec<Job>) -> Result<u64> {
+    fn apply(&mut self, jobs: Vec<Job>) -> Result<u64> {
         let started = Instant::now();
         let n = jobs.len();
         let last = jobs.last().map_or(0, Job::seq);
@@ -195,20 +267,32 @@ impl Worker {
                 Job::Batch {
                     writes, removed, ..
                 } => {
-                    let points = writes
+                    let points: Vec<_> = writes
                         .iter()
                         .flat_map(|w| w.chunks.iter().map(point))
                         .collect();
+                    self.state.changes += points.len() + removed.len();
                     ix.hnsw.insert(points);
                     ix.hnsw.remove(&removed);
                     ix.bm25.stage(&writes)?;
                 }
                 Job::Skip(_) => {}
-                Job::Rebuild(_) => self.rebuild()?,
+                Job::Rebuild(_) => {
+                    // The dumps describe a state the snapshot replaced: gone, and the new
+                    // graph is dumped after this group.
+                    self.dumps.remove_except(None);
+                    self.rebuild()?;
+                    self.state = DumpState {
+                        dumped: None,
+                        changes: usize::MAX / 2,
+                    };
+                }
             }
         }
         ix.bm25.commit(last)?;
-        self.store.truncate_oplog(&self.key, last)?;
+        // Entries after the HNSW dump stay: a restart catches the dump up from them.
+        let keep_after = self.state.dumped.map_or(last, |d| d.min(last));
+        self.store.truncate_oplog(&self.key, keep_after)?;
         self.maybe_compact()?;
         metrics::histogram!("shard_index_group_seconds").record(started.elapsed().as_secs_f64());
         metrics::histogram!("shard_index_group_entries").record(n as f64);
@@ -231,6 +315,44 @@ impl Worker {
         tracing::info!(shard = %self.key, chunks = n, ms = t.elapsed().as_millis() as u64,
             "indexes rebuilt from a snapshot");
         Ok(())
+    }
+
+    /// Dumps the graph when enough changed, or the interval passed with changes.
+    fn maybe_dump(&mut self) {
+        let changes = self.state.changes;
+        if changes == 0 {
+            return;
+        }
+        let (live, dead) = self.indexes.hnsw.counts();
+        let enough = changes >= self.dumping.min_changes.max((live + dead) / 10);
+        let due = self.last_dump.elapsed() >= self.dumping.interval;
+        if enough || due {
+            self.dump();
+        }
+    }
+
+    /// Writes a dump of the graph as of `self.at`. A failure is logged and retried later: the
+    /// op log is kept back to the last good dump meanwhile.
+    fn dump(&mut self) {
+        let started = Instant::now();
+        self.last_dump = started;
+        match self.dumps.write(&self.indexes.hnsw, self.at) {
+            Ok(bytes) => {
+                let secs = started.elapsed().as_secs_f64();
+                metrics::histogram!("shard_hnsw_dump_seconds").record(secs);
+                tracing::info!(shard = %self.key, seq = self.at, bytes, ms = (secs * 1e3) as u64,
+                    "hnsw graph dumped");
+                self.state = DumpState {
+                    dumped: Some(self.at),
+                    changes: 0,
+                };
+            }
+            Err(e) => {
+                metrics::counter!("shard_hnsw_dump_failures_total").increment(1);
+                tracing::error!(shard = %self.key, error = %e,
+                    "hnsw dump failed; the op log is kept back to the previous dump");
+            }
+        }
     }
 
     /// Rebuilds the HNSW graph when tombstones exceed the configured share.

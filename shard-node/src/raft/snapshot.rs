@@ -4,7 +4,7 @@
 //! receiver writes `recv-*.tmp`, checks size and CRC32, and renames it to `recv-*.snap` before
 //! Raft sees the message; a corrupted or truncated stream is rejected and Raft retries.
 
-use std::io::{BufWriter, Read, Write};
+use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use crate::error::{Result, ShardError};
@@ -132,22 +132,8 @@ pub fn generate(
 
 /// Checks a file against its descriptor.
 pub fn verify(path: &Path, desc: &Descriptor) -> Result<()> {
-    let mut f = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path)?);
-    let mut h = crc32fast::Hasher::new();
-    let mut size = 0u64;
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-        size += n as u64;
-    }
-    let got = Descriptor {
-        size,
-        crc32: h.finalize(),
-    };
+    let (size, crc32) = crate::checksum::file_crc32(path)?;
+    let got = Descriptor { size, crc32 };
     if got != *desc {
         return Err(ShardError::Corrupt(format!(
             "snapshot {}: {} bytes crc {:08x}, expected {} bytes crc {:08x}",

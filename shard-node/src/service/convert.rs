@@ -99,8 +99,14 @@ pub fn raft_status(s: &Status, leader_address: String) -> RaftStatus {
     }
 }
 
-pub fn shard_info(key: &ShardKey, f: Figures, raft: Option<RaftStatus>) -> ShardInfoResponse {
+pub fn shard_info(
+    key: &ShardKey,
+    f: Figures,
+    raft: Option<RaftStatus>,
+    bytes: Vec<(String, u64)>,
+) -> ShardInfoResponse {
     ShardInfoResponse {
+        bytes_by_family: bytes.into_iter().collect(),
         documents: f.documents,
         chunks: f.chunks,
         applied_seq: f.visible_seq,

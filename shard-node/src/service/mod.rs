@@ -61,7 +61,12 @@ fn info(r: &Replica) -> ShardInfoResponse {
             leader
         },
     );
-    convert::shard_info(&r.shard.key, r.shard.figures(), Some(raft))
+    convert::shard_info(
+        &r.shard.key,
+        r.shard.figures(),
+        Some(raft),
+        r.shard.disk_bytes(),
+    )
 }
 
 const READ_INDEX_TIMEOUT: Duration = Duration::from_secs(3);

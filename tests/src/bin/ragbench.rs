@@ -59,6 +59,9 @@ struct Args {
     /// Skip the kill -9 restart measurement.
     #[arg(long)]
     skip_restart: bool,
+    /// Only the restart measurement, on --scale-chunks chunks made from --load-chunks.
+    #[arg(long, requires = "load_chunks")]
+    only_restart: bool,
     /// Skip the quality section (reload runs that only want speed figures).
     #[arg(long)]
     skip_quality: bool,
@@ -131,6 +134,15 @@ async fn main() -> Result<()> {
         queries.len()
     );
     let mut report = serde_json::Map::new();
+    if args.only_restart
+        && let Some(p) = &args.load_chunks
+    {
+        let chunks = GetChunksResponse::decode(&*std::fs::read(p)?)?.chunks;
+        let stored: Vec<Stored> = chunks.into_iter().map(|chunk| Stored { chunk }).collect();
+        let scaled = scale_up(&stored, args.scale_chunks);
+        report.insert("restart".into(), restart_time(&scaled).await?);
+        return write_report(report, args.out);
+    }
 
     let cluster = Cluster::start(3)?;
     let mut c = cluster.client().await?;
@@ -323,13 +335,20 @@ async fn main() -> Result<()> {
             report.insert("restart".into(), restart_time(&scaled).await?);
         }
     }
-    let out = serde_json::Value::Object(report);
-    println!("{}", serde_json::to_string_pretty(&out)?);
-    if let Some(p) = args.out {
+    write_report(report, args.out)
+}
+
+fn write_report(
+    report: serde_json::Map<String, serde_json::Value>,
+    out: Option<PathBuf>,
+) -> Result<()> {
+    let report = serde_json::Value::Object(report);
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    if let Some(p) = out {
         if let Some(d) = p.parent() {
             std::fs::create_dir_all(d)?;
         }
-        std::fs::write(p, serde_json::to_string_pretty(&out)?)?;
+        std::fs::write(p, serde_json::to_string_pretty(&report)?)?;
     }
     Ok(())
 }
@@ -740,7 +759,9 @@ async fn compare_latency(
     Ok(out.into())
 }
 
-/// One shard node with all chunks in one shard: kill -9, restart, time until it serves again.
+/// One shard node with all chunks in one shard: kill -9 right after the last write, restart,
+/// time until it serves again (the HNSW dump is then up to a tenth of the graph behind); then
+/// the same after a clean SIGTERM (the graph is dumped on the way out).
 async fn restart_time(chunks: &[Stored]) -> Result<serde_json::Value> {
     let dir = tempfile::tempdir()?;
     let mut node = Proc::shard_node("lone", dir.path())?;
@@ -753,12 +774,13 @@ async fn restart_time(chunks: &[Stored]) -> Result<serde_json::Value> {
         }],
         ..Default::default()
     };
+    let shard = Some(ShardRef {
+        collection: "restart".into(),
+        shard: 0,
+    });
     let mut sc = ShardClient::new(Channel::from_shared(node.grpc.clone())?.connect().await?);
     sc.open_shard(OpenShardRequest {
-        shard: Some(ShardRef {
-            collection: "restart".into(),
-            shard: 0,
-        }),
+        shard: shard.clone(),
         dimension: 384,
         hnsw: Some(HnswParams {
             m: 16,
@@ -772,25 +794,71 @@ async fn restart_time(chunks: &[Stored]) -> Result<serde_json::Value> {
     let t = Instant::now();
     write_direct(&info, chunks).await?;
     let write_s = t.elapsed().as_secs_f64();
-    node.kill9();
-    let t = Instant::now();
-    tokio::task::block_in_place(|| node.restart(Duration::from_secs(1800)))?;
-    let restart_s = t.elapsed().as_secs_f64();
+    let probe = chunks[chunks.len() / 2].chunk.clone();
+    let mut times = Vec::new();
+    for clean in [false, true] {
+        let t = Instant::now();
+        if clean {
+            node.terminate()?;
+        } else {
+            node.kill9();
+        }
+        let stop_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        tokio::task::block_in_place(|| node.restart(Duration::from_secs(1800)))?;
+        let mut sc = ShardClient::new(Channel::from_shared(node.grpc.clone())?.connect().await?);
+        // Serving means answering: the probe chunk's own vector finds it.
+        let hits = sc
+            .vector_search(VectorSearchRequest {
+                shard: shard.clone(),
+                vector: probe.embedding.clone(),
+                top_k: 1,
+                ..Default::default()
+            })
+            .await?
+            .into_inner()
+            .hits;
+        let restart_s = t.elapsed().as_secs_f64();
+        anyhow::ensure!(
+            hits.first()
+                .and_then(|h| h.chunk.as_ref())
+                .map(|c| c.chunk_id.as_str())
+                == Some(probe.chunk_id.as_str()),
+            "the probe vector did not find its chunk after the restart"
+        );
+        let log = std::fs::read_to_string(node.log()).unwrap_or_default();
+        let how = log
+            .lines()
+            .rev()
+            .find(|l| l.contains("hnsw dump caught up") || l.contains("hnsw graph rebuilt"))
+            .unwrap_or("")
+            .to_owned();
+        let what = if clean { "SIGTERM" } else { "kill -9" };
+        eprintln!(
+            "restart after {what} (stop took {stop_s:.2} s): serving in {restart_s:.2} s\n  {how}"
+        );
+        times.push(json!({"stop": what, "stop_s": stop_s, "restart_s": restart_s, "log": how}));
+    }
     let mut sc = ShardClient::new(Channel::from_shared(node.grpc.clone())?.connect().await?);
     let i = sc
-        .shard_info(ShardInfoRequest {
-            shard: Some(ShardRef {
-                collection: "restart".into(),
-                shard: 0,
-            }),
-        })
+        .shard_info(ShardInfoRequest { shard })
         .await?
         .into_inner();
+    // After the clean stop flushed every memtable, the SST sizes cover everything.
+    let disk = ragcluster_common::membership::dir_bytes(dir.path());
+    let n = i.chunks.max(1) as f64;
+    let per_chunk: serde_json::Map<String, serde_json::Value> = i
+        .bytes_by_family
+        .iter()
+        .map(|(k, v)| (k.clone(), json!(*v as f64 / n)))
+        .collect();
     eprintln!(
-        "restart after kill -9 with {} chunks in one shard: {restart_s:.1} s (write took {write_s:.1} s)",
-        i.chunks
+        "disk: {:.0} bytes per chunk in the data dir; by place {per_chunk:?}",
+        disk as f64 / n
     );
-    Ok(
-        json!({"chunks": i.chunks, "hnsw_points": i.hnsw_points, "restart_s": restart_s, "single_node_write_s": write_s}),
-    )
+    Ok(json!({
+        "chunks": i.chunks, "hnsw_points": i.hnsw_points, "single_node_write_s": write_s,
+        "restart_s": times[0]["restart_s"], "runs": times, "data_dir_bytes": disk,
+        "data_dir_bytes_per_chunk": disk as f64 / n, "bytes_per_chunk_by_place": per_chunk,
+    }))
 }
