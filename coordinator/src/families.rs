@@ -13,6 +13,11 @@ pub fn all() -> Vec<Family> {
             "Search latency by mode",
         ),
         (
+            "coordinator_bm25_stats_cache_total",
+            Counter,
+            "multi-shard BM25 searches by statistics cache outcome (hit: one round; stale, miss: two)",
+        ),
+        (
             "coordinator_query_embed_seconds",
             Histogram,
             "query embedding time of dense and hybrid searches",

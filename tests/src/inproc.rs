@@ -67,10 +67,8 @@ impl ShardNode for LocalNode {
         &self,
         req: Bm25SearchRequest,
         timeout: Duration,
-    ) -> CallResult<Vec<ShardHit>> {
-        Ok(call(timeout, self.svc.bm25_search(request(req, timeout)))
-            .await?
-            .hits)
+    ) -> CallResult<ShardSearchResponse> {
+        call(timeout, self.svc.bm25_search(request(req, timeout))).await
     }
 
     async fn vector_search(

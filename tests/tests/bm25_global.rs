@@ -1,10 +1,16 @@
 //! Distributed BM25 must score like one index: the same SciFact slice in a 1-shard and a
 //! 4-shard collection returns the same top-10 with scores equal to 1e-4, because shards score
-//! with collection-wide statistics gathered by the coordinator.
+//! with collection-wide statistics gathered by the coordinator. That holds for repeated
+//! queries answered from the coordinator's statistics cache, and after writes made its figures
+//! stale.
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, ensure};
+use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::*;
-use ragcluster_tests::{BeirDoc, BeirQuery, Cluster, datasets_dir, read_jsonl};
+use ragcluster_tests::{
+    BeirDoc, BeirQuery, Cluster, datasets_dir, http_get, metric_sum, read_jsonl,
+};
+use tonic::transport::Channel;
 
 const DOCS: usize = 200;
 const QUERIES: usize = 40;
@@ -24,7 +30,49 @@ async fn four_shards_score_like_one() -> Result<()> {
             ..Default::default()
         })
         .await?;
-        for batch in corpus.chunks(100) {
+    }
+    upsert(&mut c, &corpus[..DOCS - 50]).await?;
+    let d = c
+        .describe_collection(DescribeCollectionRequest {
+            name: "four".into(),
+        })
+        .await?
+        .into_inner();
+    assert!(
+        d.shards.iter().all(|s| s.chunks > 0),
+        "every shard holds part of the corpus"
+    );
+    let cache = |outcome: &'static str| {
+        let m = cluster.coordinator.metrics.clone();
+        async move {
+            let text = http_get(&m).await?;
+            let line = format!("coordinator_bm25_stats_cache_total{{outcome=\"{outcome}\"}}");
+            anyhow::Ok(metric_sum(&text, &line))
+        }
+    };
+    // First pass: every query misses the cache; second: every one hits it (one round).
+    compare(&mut c, &queries).await?;
+    let hits = cache("hit").await?;
+    compare(&mut c, &queries).await?;
+    ensure!(
+        cache("hit").await? - hits >= QUERIES as f64,
+        "repeated queries did not use the cached statistics"
+    );
+    // Writes move every shard: the cached figures are refused and both rounds run again.
+    let stale = cache("stale").await?;
+    upsert(&mut c, &corpus[DOCS - 50..]).await?;
+    compare(&mut c, &queries).await?;
+    ensure!(
+        cache("stale").await? - stale >= QUERIES as f64,
+        "stale statistics were not detected"
+    );
+    Ok(())
+}
+
+/// Writes `docs` into both collections.
+async fn upsert(c: &mut CoordinatorClient<Channel>, docs: &[BeirDoc]) -> Result<()> {
+    for name in ["one", "four"] {
+        for batch in docs.chunks(100) {
             let documents = batch
                 .iter()
                 .map(|d| Document {
@@ -41,18 +89,13 @@ async fn four_shards_score_like_one() -> Result<()> {
             .await?;
         }
     }
-    let d = c
-        .describe_collection(DescribeCollectionRequest {
-            name: "four".into(),
-        })
-        .await?
-        .into_inner();
-    assert!(
-        d.shards.iter().all(|s| s.chunks > 0),
-        "every shard holds part of the corpus"
-    );
+    Ok(())
+}
+
+/// Every query on both collections: same scores, same chunks above the cut-off.
+async fn compare(c: &mut CoordinatorClient<Channel>, queries: &[BeirQuery]) -> Result<()> {
     let mut compared = 0;
-    for q in &queries {
+    for q in queries {
         let run = |coll: &str| SearchRequest {
             collection: coll.into(),
             query: q.text.clone(),

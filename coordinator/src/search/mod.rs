@@ -1,10 +1,12 @@
 //! Distributed search. BM25 runs in two rounds so that N shards score like one index: first
 //! every shard reports its statistics for the query terms, the coordinator sums them, then
-//! every shard scores with the sums. Dense search fans out in parallel with it. Each
+//! every shard scores with the sums. A repeated query skips the first round while no shard
+//! moved (`bm25_stats`). Dense search fans out in parallel with it. Each
 //! retriever's shard lists are merged by score into one global candidate list, then fused.
 //! Hybrid searches are query-then-fetch: shards return ids and scores, and only the fused
 //! top_k chunks are loaded afterwards.
 
+pub mod bm25_stats;
 pub mod query;
 
 use std::collections::HashMap;
@@ -28,7 +30,11 @@ pub struct Searcher {
     catalog: Arc<Catalog>,
     shards: Arc<Shards>,
     models: Arc<Models>,
+    stats: bm25_stats::StatsCache,
 }
+
+/// Queries whose collection-wide BM25 statistics are kept (a few KB each at most).
+const STATS_CACHE_QUERIES: usize = 10_000;
 
 /// One replica per shard chosen for every phase of a search.
 struct Targets<'a> {
@@ -112,6 +118,7 @@ impl Searcher {
             catalog,
             shards,
             models,
+            stats: bm25_stats::StatsCache::new(STATS_CACHE_QUERIES),
         }
     }
 
@@ -145,7 +152,7 @@ impl Searcher {
         let (nodes, _inflight) = self.shards.targets(&plan);
         let t = Targets { plan, nodes };
         let (lex_lists, sem_lists) =
-            try_join(self.lexical(&t, q), self.semantic(info, &t, q)).await?;
+            try_join(self.lexical(info, &t, q), self.semantic(info, &t, q)).await?;
         let mut chunks = HashMap::new();
         let lex = merge(lex_lists, q.candidates, &mut chunks);
         let sem = merge(sem_lists, q.candidates, &mut chunks);
@@ -170,51 +177,116 @@ impl Searcher {
     }
 
     /// BM25 lists of every shard, scored with collection-wide statistics.
-    async fn lexical(&self, t: &Targets<'_>, q: &Query) -> Result<Vec<Vec<ShardHit>>> {
+    async fn lexical(
+        &self,
+        info: &CollectionInfo,
+        t: &Targets<'_>,
+        q: &Query,
+    ) -> Result<Vec<Vec<ShardHit>>> {
         if q.mode == Mode::Dense {
             return Ok(Vec::new());
         }
-        // Round 1: collection-wide statistics for the query terms (a single shard's own
-        // statistics already are the collection's).
-        let stats = if t.nodes.len() == 1 {
-            None
-        } else {
-            Some(self.global_stats(t, &q.text).await?)
-        };
-        // Round 2: score everywhere with the same statistics.
         let req = Bm25SearchRequest {
             query: q.text.clone(),
             top_k: q.candidates as u32,
             filter: q.filter.clone(),
-            stats,
             ids_only: q.mode == Mode::Hybrid,
             ..Default::default()
         };
-        let lists = join_all(
+        // A single shard's own statistics already are the collection's.
+        if t.nodes.len() == 1 {
+            return self.scored_with(t, &req).await;
+        }
+        let key = (info.name.clone(), info.created_at_ms, q.text.clone());
+        if let Some(e) = self
+            .stats
+            .get(&key)
+            .filter(|e| e.seqs.len() == t.nodes.len())
+        {
+            if let Some(lists) = self.scored(t, &req, &e).await? {
+                metrics::counter!("coordinator_bm25_stats_cache_total", "outcome" => "hit")
+                    .increment(1);
+                return Ok(lists);
+            }
+            metrics::counter!("coordinator_bm25_stats_cache_total", "outcome" => "stale")
+                .increment(1);
+        } else {
+            metrics::counter!("coordinator_bm25_stats_cache_total", "outcome" => "miss")
+                .increment(1);
+        }
+        // Round 1: collection-wide statistics for the query terms; round 2: score everywhere
+        // with them (unchecked, as before the cache: no retry loop under steady writes).
+        let e = self.global_stats(t, &q.text).await?;
+        let mut req = req;
+        req.stats = Some(e.stats.clone());
+        let lists = self.scored_with(t, &req).await?;
+        self.stats.put(key, e);
+        Ok(lists)
+    }
+
+    /// Round 2 with the cached statistics `e`; None when a shard moved since (it checks its
+    /// seq and scores nothing then).
+    async fn scored(
+        &self,
+        t: &Targets<'_>,
+        req: &Bm25SearchRequest,
+        e: &bm25_stats::Entry,
+    ) -> Result<Option<Vec<Vec<ShardHit>>>> {
+        let answers = join_all(t.each().map(|(i, node)| {
+            let mut req = req.clone();
+            req.stats = Some(e.stats.clone());
+            req.stats_seq = e.seqs[i as usize];
+            self.shards.bm25(&t.plan, i, node, req)
+        }))
+        .await;
+        let mut lists = Vec::with_capacity(answers.len());
+        for a in answers {
+            let a = a?;
+            if a.stats_stale {
+                return Ok(None);
+            }
+            lists.push(a.hits);
+        }
+        Ok(Some(lists))
+    }
+
+    /// Round 2 with the statistics in `req` as they are (no seq check).
+    async fn scored_with(
+        &self,
+        t: &Targets<'_>,
+        req: &Bm25SearchRequest,
+    ) -> Result<Vec<Vec<ShardHit>>> {
+        let answers = join_all(
             t.each()
                 .map(|(i, node)| self.shards.bm25(&t.plan, i, node, req.clone())),
         )
         .await;
-        lists.into_iter().collect()
+        answers.into_iter().map(|a| a.map(|a| a.hits)).collect()
     }
 
-    /// Sums every shard's BM25 statistics for the analysed terms of `query`.
-    async fn global_stats(&self, t: &Targets<'_>, query: &str) -> Result<GlobalBm25Stats> {
+    /// Sums every shard's BM25 statistics for the analysed terms of `query`, with the seq
+    /// each shard was at.
+    async fn global_stats(&self, t: &Targets<'_>, query: &str) -> Result<bm25_stats::Entry> {
         let stats = join_all(
             t.each()
                 .map(|(i, node)| self.shards.term_stats(&t.plan, i, node, query)),
         )
         .await;
         let mut global = GlobalBm25Stats::default();
+        let mut seqs = Vec::with_capacity(stats.len());
         for s in stats {
             let s = s?;
+            seqs.push(s.seq);
             global.num_docs += s.num_docs;
             global.total_tokens += s.total_tokens;
             for (t, df) in s.doc_freq {
                 *global.doc_freq.entry(t).or_insert(0) += df;
             }
         }
-        Ok(global)
+        Ok(bm25_stats::Entry {
+            seqs,
+            stats: global,
+        })
     }
 
     /// HNSW lists of every shard, for the query's own vector or its embedding.

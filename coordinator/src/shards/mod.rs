@@ -167,7 +167,7 @@ impl Shards {
         shard: u32,
         first: &str,
         mut req: Bm25SearchRequest,
-    ) -> Result<Vec<ShardHit>> {
+    ) -> Result<ShardSearchResponse> {
         req.shard = plan.sref(shard);
         req.consistency = plan.consistency as i32;
         self.read(plan, shard, first, |n, t| {

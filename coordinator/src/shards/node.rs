@@ -27,8 +27,12 @@ pub trait ShardNode: Send + Sync {
         req: WriteBatchRequest,
         timeout: Duration,
     ) -> Result<WriteBatchResponse>;
-    async fn bm25_search(&self, req: Bm25SearchRequest, timeout: Duration)
-    -> Result<Vec<ShardHit>>;
+    /// Hits, or `stats_stale` when the statistics sent no longer match the shard.
+    async fn bm25_search(
+        &self,
+        req: Bm25SearchRequest,
+        timeout: Duration,
+    ) -> Result<ShardSearchResponse>;
     async fn vector_search(
         &self,
         req: VectorSearchRequest,
@@ -150,11 +154,9 @@ impl ShardNode for GrpcShardNode {
         &self,
         req: Bm25SearchRequest,
         timeout: Duration,
-    ) -> Result<Vec<ShardHit>> {
+    ) -> Result<ShardSearchResponse> {
         let mut c = self.client.clone();
-        Ok(call(timeout, c.bm25_search(request(req, timeout)))
-            .await?
-            .hits)
+        call(timeout, c.bm25_search(request(req, timeout))).await
     }
 
     async fn vector_search(

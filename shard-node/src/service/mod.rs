@@ -118,6 +118,7 @@ fn hits(v: Vec<(Chunk, f32)>) -> ShardSearchResponse {
                 score: s,
             })
             .collect(),
+        stats_stale: false,
     }
 }
 
@@ -187,6 +188,12 @@ impl ShardRpc for ShardService {
             )));
         }
         self.consistent(r.shard.as_ref(), r.consistency).await?;
+        if r.stats_seq != 0 && r.stats.is_some() && shard.visible_seq() != r.stats_seq {
+            return Ok(Response::new(ShardSearchResponse {
+                hits: Vec::new(),
+                stats_stale: true,
+            }));
+        }
         let v = read(|| {
             shard.bm25_search(
                 &r.query,
@@ -234,11 +241,13 @@ impl ShardRpc for ShardService {
     ) -> Result<Response<TermStatisticsResponse>, Status> {
         let r = req.into_inner();
         let shard = self.shard(r.shard.as_ref())?;
+        let seq = shard.visible_seq();
         let s = read(|| shard.term_stats(&r.query))?;
         Ok(Response::new(TermStatisticsResponse {
             num_docs: s.num_docs,
             total_tokens: s.total_tokens,
             doc_freq: s.doc_freq,
+            seq,
         }))
     }
 
