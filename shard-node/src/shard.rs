@@ -9,7 +9,7 @@
 //!      tantivy off the Raft thread, committing tantivy once per group of batches.
 //!   3. The proposer is answered once the batch is visible to searches.
 //!
-//! Recovery: the HNSW graph is loaded from its newest dump (`index::hnsw_dump`) and caught up
+//! Recovery (`index::recovery`): the HNSW graph is loaded from its newest dump (`index::hnsw_dump`) and caught up
 //! by re-reading from RocksDB the documents that op-log entries after the dump touched; the
 //! BM25 index is caught up by replaying op-log entries newer than its committed seq. Either is
 //! rebuilt from RocksDB when its dump or the log does not reach back far enough.
@@ -23,10 +23,11 @@ use ragcluster_proto::v1::{Chunk, GlobalBm25Stats, WriteBatchRequest, WriteBatch
 
 use crate::error::{Result, ShardError};
 use crate::index::bm25::Bm25Index;
-use crate::index::hnsw::{self, HnswIndex, HnswParams, SearchPlan};
+use crate::index::hnsw::{self, HnswParams, SearchPlan};
 use crate::index::hnsw_dump::Dumps;
-use crate::index::worker::{Compaction, DumpState, Dumping, IndexWorker, Job};
-use crate::index::{Filter, Indexes, point};
+use crate::index::recovery;
+use crate::index::worker::{Compaction, Dumping, IndexWorker, Job};
+use crate::index::{Filter, Indexes};
 use crate::storage::{ShardKey, ShardMeta, Store};
 
 pub struct Shard {
@@ -83,8 +84,8 @@ impl Shard {
         let applied = store.applied_seq(&key)?;
         let bm25 = Bm25Index::open(dirs.bm25, opts.bm25_writer_memory)?;
         let dumps = Arc::new(Dumps::new(dirs.hnsw.to_path_buf()));
-        let (hnsw, dump_state) = open_hnsw(&key, &meta, &store, &dumps, applied)?;
-        catch_up_bm25(&key, &store, &bm25, applied)?;
+        let (hnsw, dump_state) = recovery::open_hnsw(&key, &meta, &store, &dumps, applied)?;
+        recovery::catch_up_bm25(&key, &store, &bm25, applied)?;
         store.truncate_oplog(&key, dump_state.dumped.unwrap_or(applied))?;
         let documents = store.count_docs(&key)?;
         let live = hnsw.counts().0;
@@ -466,94 +467,6 @@ impl Shard {
         let _guard = self.indexes.update.lock();
         self.indexes.bm25.commit(self.visible_seq())
     }
-}
-
-/// The HNSW graph as of `applied`: the newest dump caught up from the op log, or else rebuilt
-/// from RocksDB. Also says how far the graph is ahead of the dump it came from.
-fn open_hnsw(
-    key: &ShardKey,
-    meta: &ShardMeta,
-    store: &Store,
-    dumps: &Dumps,
-    applied: u64,
-) -> Result<(HnswIndex, DumpState)> {
-    let started = Instant::now();
-    let dim = meta.dimension as usize;
-    if let Some((idx, seq)) = dumps.load(dim, meta.hnsw, applied) {
-        let log = store.oplog_after(key, seq)?;
-        let reaches = seq == applied
-            || (log.first().is_some_and(|(s, _)| *s == seq + 1)
-                && log.last().is_some_and(|(s, _)| *s == applied));
-        if reaches {
-            // The final state of every document an entry after the dump wrote is in RocksDB:
-            // its old points go, its current chunks come back (as pending points).
-            let touched: std::collections::HashSet<String> = log
-                .iter()
-                .flat_map(|(_, r)| r.writes.iter().map(|w| w.doc_id.clone()))
-                .collect();
-            let removed = idx.tombstone_docs(&touched);
-            let mut points = Vec::new();
-            for doc in &touched {
-                if let Some(ids) = store.doc_chunk_ids(key, doc)? {
-                    let chunks = store.get_chunks(key, &ids, true)?;
-                    points.extend(chunks.into_iter().flatten().map(|c| point(&c)));
-                }
-            }
-            // Searched exactly beside the graph until the index worker has inserted them.
-            let inserted = points.len();
-            idx.set_pending(points);
-            tracing::info!(shard = %key, dump = seq, applied, entries = log.len(), removed,
-                pending = inserted, ms = started.elapsed().as_millis() as u64,
-                "hnsw dump caught up");
-            let state = DumpState {
-                dumped: Some(seq),
-                changes: removed + inserted,
-            };
-            return Ok((idx, state));
-        }
-        tracing::warn!(shard = %key, dump = seq, applied,
-            "op log does not reach back to the hnsw dump; rebuilding the graph");
-    }
-    dumps.remove_except(None);
-    let mut points = Vec::new();
-    store.for_each_chunk(key, true, |c| {
-        points.push(point(&c));
-        Ok(())
-    })?;
-    let live = points.len();
-    let hnsw = HnswIndex::new(dim, meta.hnsw, live);
-    hnsw.rebuild(points);
-    metrics::counter!("shard_hnsw_rebuilds_total").increment(1);
-    tracing::info!(shard = %key, chunks = live, ms = started.elapsed().as_millis() as u64,
-        "hnsw graph rebuilt from rocksdb");
-    let state = DumpState {
-        dumped: None,
-        changes: live.max(1),
-    };
-    Ok((hnsw, state))
-}
-
-/// Replays op-log entries newer than BM25's committed seq, or rebuilds BM25 from RocksDB when
-/// the log does not reach back that far.
-fn catch_up_bm25(key: &ShardKey, store: &Store, bm25: &Bm25Index, applied: u64) -> Result<()> {
-    let committed = bm25.committed_seq()?;
-    if committed >= applied {
-        return Ok(());
-    }
-    let log = store.oplog_after(key, committed)?;
-    let contiguous = log.first().is_some_and(|(s, _)| *s == committed + 1)
-        && log.last().is_some_and(|(s, _)| *s == applied);
-    if contiguous {
-        tracing::info!(shard = %key, from = committed + 1, to = applied, "replaying op log into bm25");
-        for (_, req) in &log {
-            bm25.stage(&req.writes)?;
-        }
-    } else {
-        tracing::warn!(shard = %key, committed, applied, "op log incomplete; rebuilding bm25 from rocksdb");
-        bm25.clear()?;
-        store.for_each_chunk(key, false, |c| bm25.stage_chunks(std::slice::from_ref(&c)))?;
-    }
-    bm25.commit(applied)
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 pub mod bm25;
 pub mod hnsw;
 pub mod hnsw_dump;
+pub mod recovery;
 pub mod worker;
 
 use parking_lot::Mutex;

@@ -1,0 +1,101 @@
+//! Bringing a shard's indexes up to the applied seq recorded in RocksDB when it opens: the
+//! HNSW graph from its newest dump caught up from the op log (or rebuilt), BM25 by replaying
+//! the op log after its committed seq (or rebuilt).
+
+use std::time::Instant;
+
+use crate::error::Result;
+use crate::index::bm25::Bm25Index;
+use crate::index::hnsw::HnswIndex;
+use crate::index::hnsw_dump::Dumps;
+use crate::index::point;
+use crate::index::worker::DumpState;
+use crate::storage::{ShardKey, ShardMeta, Store};
+
+/// The HNSW graph as of `applied`: the newest dump caught up from the op log, or else rebuilt
+/// from RocksDB. Also says how far the graph is ahead of the dump it came from.
+pub fn open_hnsw(
+    key: &ShardKey,
+    meta: &ShardMeta,
+    store: &Store,
+    dumps: &Dumps,
+    applied: u64,
+) -> Result<(HnswIndex, DumpState)> {
+    let started = Instant::now();
+    let dim = meta.dimension as usize;
+    if let Some((idx, seq)) = dumps.load(dim, meta.hnsw, applied) {
+        let log = store.oplog_after(key, seq)?;
+        let reaches = seq == applied
+            || (log.first().is_some_and(|(s, _)| *s == seq + 1)
+                && log.last().is_some_and(|(s, _)| *s == applied));
+        if reaches {
+            // The final state of every document an entry after the dump wrote is in RocksDB:
+            // its old points go, its current chunks come back (as pending points).
+            let touched: std::collections::HashSet<String> = log
+                .iter()
+                .flat_map(|(_, r)| r.writes.iter().map(|w| w.doc_id.clone()))
+                .collect();
+            let removed = idx.tombstone_docs(&touched);
+            let mut points = Vec::new();
+            for doc in &touched {
+                if let Some(ids) = store.doc_chunk_ids(key, doc)? {
+                    let chunks = store.get_chunks(key, &ids, true)?;
+                    points.extend(chunks.into_iter().flatten().map(|c| point(&c)));
+                }
+            }
+            // Searched exactly beside the graph until the index worker has inserted them.
+            let inserted = points.len();
+            idx.set_pending(points);
+            tracing::info!(shard = %key, dump = seq, applied, entries = log.len(), removed,
+                pending = inserted, ms = started.elapsed().as_millis() as u64,
+                "hnsw dump caught up");
+            let state = DumpState {
+                dumped: Some(seq),
+                changes: removed + inserted,
+            };
+            return Ok((idx, state));
+        }
+        tracing::warn!(shard = %key, dump = seq, applied,
+            "op log does not reach back to the hnsw dump; rebuilding the graph");
+    }
+    dumps.remove_except(None);
+    let mut points = Vec::new();
+    store.for_each_chunk(key, true, |c| {
+        points.push(point(&c));
+        Ok(())
+    })?;
+    let live = points.len();
+    let hnsw = HnswIndex::new(dim, meta.hnsw, live);
+    hnsw.rebuild(points);
+    metrics::counter!("shard_hnsw_rebuilds_total").increment(1);
+    tracing::info!(shard = %key, chunks = live, ms = started.elapsed().as_millis() as u64,
+        "hnsw graph rebuilt from rocksdb");
+    let state = DumpState {
+        dumped: None,
+        changes: live.max(1),
+    };
+    Ok((hnsw, state))
+}
+
+/// Replays op-log entries newer than BM25's committed seq, or rebuilds BM25 from RocksDB when
+/// the log does not reach back that far.
+pub fn catch_up_bm25(key: &ShardKey, store: &Store, bm25: &Bm25Index, applied: u64) -> Result<()> {
+    let committed = bm25.committed_seq()?;
+    if committed >= applied {
+        return Ok(());
+    }
+    let log = store.oplog_after(key, committed)?;
+    let contiguous = log.first().is_some_and(|(s, _)| *s == committed + 1)
+        && log.last().is_some_and(|(s, _)| *s == applied);
+    if contiguous {
+        tracing::info!(shard = %key, from = committed + 1, to = applied, "replaying op log into bm25");
+        for (_, req) in &log {
+            bm25.stage(&req.writes)?;
+        }
+    } else {
+        tracing::warn!(shard = %key, committed, applied, "op log incomplete; rebuilding bm25 from rocksdb");
+        bm25.clear()?;
+        store.for_each_chunk(key, false, |c| bm25.stage_chunks(std::slice::from_ref(&c)))?;
+    }
+    bm25.commit(applied)
+}
