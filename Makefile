@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security
+.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -52,10 +52,18 @@ bench: build      ## full SciFact quality + latency + 100k scale + restart (~30 
 	mkdir -p bench-out
 	$(BIN)/ragbench --out bench-out/scifact.json
 
-bench-restart: build ## kill -9 and SIGTERM restart of a node holding 100k chunks, disk per chunk by place
+bench-restart: bench-chunks ## kill -9 and SIGTERM restart of a node holding 100k chunks, disk per chunk by place
+	$(BIN)/ragbench --load-chunks bench-out/scifact-chunks.pb --only-restart --scale-chunks 100000 --out bench-out/restart.json
+
+bench-chunks: build ## SciFact chunks + MiniLM vectors saved for the benches below (~16 min, once)
 	mkdir -p bench-out
 	test -f bench-out/scifact-chunks.pb || $(BIN)/ragbench --scale-chunks 0 --skip-quality --skip-restart --dump-chunks bench-out/scifact-chunks.pb
-	$(BIN)/ragbench --load-chunks bench-out/scifact-chunks.pb --only-restart --scale-chunks 100000 --out bench-out/restart.json
+
+bench-hnsw: bench-chunks ## the HNSW walk in process at 100k: portable vs AVX2 distance, filtered vs plain walk, the shard's index
+	$(BIN)/hnswbench --points 100000 --out bench-out/hnsw.json
+
+bench-scale: bench-chunks ## scale curve 10k / 100k / 1M chunks: ingest, p50/p99/QPS per mode, recall, RAM and disk per chunk
+	$(BIN)/scalebench --sizes 10000,100000,1000000 --out bench-out/scale.json
 
 bench-security: build ## search latency/QPS and new connections: plaintext vs mutual TLS + API keys
 	$(BIN)/securitybench

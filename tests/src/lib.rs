@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 pub mod inproc;
 pub mod load;
 pub mod metrics;
+pub mod scale;
 
 use anyhow::{Context, Result, bail};
 use ragcluster_proto::v1::admin_client::AdminClient;
@@ -212,6 +213,37 @@ impl Proc {
 
     fn port_file(&self) -> PathBuf {
         self.dir.join("port.json")
+    }
+
+    /// Resident memory of the running process (Linux `/proc`), for RAM-per-chunk figures.
+    pub fn rss_bytes(&self) -> Option<u64> {
+        let pid = self.child.as_ref()?.id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let kb = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))?
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse::<u64>()
+            .ok()?;
+        Some(kb * 1024)
+    }
+
+    /// Bytes under the process's data directory (`<dir>/<name>/data`).
+    pub fn data_bytes(&self) -> u64 {
+        fn walk(p: &Path) -> u64 {
+            std::fs::read_dir(p).map_or(0, |rd| {
+                rd.flatten()
+                    .map(|e| match e.metadata() {
+                        Ok(m) if m.is_dir() => walk(&e.path()),
+                        Ok(m) => m.len(),
+                        Err(_) => 0,
+                    })
+                    .sum()
+            })
+        }
+        walk(&self.dir.join("data"))
     }
 
     pub fn log(&self) -> PathBuf {

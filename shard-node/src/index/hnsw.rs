@@ -14,53 +14,15 @@ use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::path::Path;
 
-use hnsw_rs::anndists::dist::Distance;
 use hnsw_rs::api::AnnT;
 use hnsw_rs::hnsw::Hnsw;
 use hnsw_rs::hnswio::HnswIo;
 use parking_lot::RwLock;
 
 use super::Filter;
+pub use super::distance::{UnitCosine, dot, normalize};
 use crate::error::{Result, ShardError};
 pub use crate::storage::HnswParams;
-
-/// Cosine distance for unit vectors, `1 - a·b`, clamped at 0. (hnsw_rs's `DistDot` asserts
-/// `1 - a·b >= 0`, which rounding breaks for near-duplicates and would abort the node.)
-#[derive(Default, Clone, Copy)]
-pub struct UnitCosine;
-
-impl Distance<f32> for UnitCosine {
-    fn eval(&self, a: &[f32], b: &[f32]) -> f32 {
-        (1.0 - dot(a, b)).max(0.0)
-    }
-}
-
-/// Dot product in 8 independent lanes so the compiler vectorises it.
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
-}
-
-/// Scales `v` to unit length; returns false for a zero or non-finite vector.
-pub fn normalize(v: &mut [f32]) -> bool {
-    let n = dot(v, v).sqrt();
-    if !n.is_finite() || n == 0.0 {
-        return false;
-    }
-    v.iter_mut().for_each(|x| *x /= n);
-    true
-}
 
 /// Below this many matching points a filtered search is answered by exact brute force.
 pub const BRUTE_FORCE_LIMIT: usize = 2000;
@@ -274,14 +236,25 @@ impl HnswIndex {
                 return SearchPlan::Exact(matching);
             }
         }
+        let ef = ef.max(top_k);
         let accept = |id: &usize| {
             s.slots
                 .get(*id)
                 .is_some_and(|sl| sl.alive && sl.matches(filter))
         };
-        let found = g
-            .hnsw
-            .search_filter(query, top_k, ef.max(top_k), Some(&accept));
+        // hnsw_rs never ends its layer-0 walk early when given a filter (it expands every
+        // candidate left), which costs several times the distance evaluations. Without a
+        // metadata filter, walk unfiltered, keep all ef results and drop tombstones; only
+        // when fewer than top_k survive walk again with the filter.
+        let mut found = Vec::new();
+        if filter.is_empty() {
+            found = g.hnsw.search_filter(query, ef, ef, None);
+            found.retain(|n| accept(&n.d_id));
+            found.truncate(top_k);
+        }
+        if found.len() < top_k {
+            found = g.hnsw.search_filter(query, top_k, ef, Some(&accept));
+        }
         let mut hits: Vec<(String, f32)> = found
             .into_iter()
             .filter_map(|n| {
@@ -555,6 +528,49 @@ mod tests {
         assert_eq!(idx.counts(), (199, 2));
     }
 
+    /// The unfiltered walk drops tombstones after the fact; when they crowd out the live
+    /// neighbours (all of the walk's ef results dead), the filtered walk still finds top_k.
+    #[test]
+    fn tombstones_crowding_the_walk_fall_back_to_the_filtered_walk() {
+        let idx = HnswIndex::new(32, params(), 300);
+        let base = unit(3, 32);
+        // 40 near-copies of one vector, then 200 unrelated points.
+        let near: Vec<Point> = (0..40)
+            .map(|i| {
+                let mut v: Vec<f32> = base
+                    .iter()
+                    .enumerate()
+                    .map(|(j, x)| x + 0.001 * ((i * 7 + j) % 5) as f32)
+                    .collect();
+                normalize(&mut v);
+                Point {
+                    chunk_id: format!("n{i}#0"),
+                    doc_id: format!("n{i}"),
+                    vector: v,
+                    meta: vec![],
+                }
+            })
+            .collect();
+        let far: Vec<Point> = (100..300)
+            .map(|i| Point {
+                chunk_id: format!("d{i}#0"),
+                doc_id: format!("d{i}"),
+                vector: unit(i, 32),
+                meta: vec![],
+            })
+            .collect();
+        idx.insert(near);
+        idx.insert(far);
+        let dead: Vec<String> = (0..40).map(|i| format!("n{i}#0")).collect();
+        idx.remove(&dead);
+        // ef 16 < 40 tombstones nearest the query: every unfiltered result is dead.
+        let SearchPlan::Hits(h) = idx.search(&base, 5, 16, &vec![]) else {
+            panic!()
+        };
+        assert_eq!(h.len(), 5, "{h:?}");
+        assert!(h.iter().all(|(id, _)| id.starts_with('d')), "{h:?}");
+    }
+
     /// Pending points (caught up at open) are found before and after they enter the graph,
     /// filtered like graph points, and never twice.
     #[test]
@@ -591,15 +607,5 @@ mod tests {
         assert_eq!(after[0].0, "d105#0");
         let ids: HashSet<&String> = after.iter().map(|h| &h.0).collect();
         assert_eq!(ids.len(), after.len(), "no hit twice");
-    }
-
-    #[test]
-    fn identical_vectors_do_not_abort() {
-        let v = unit(1, 8);
-        let d = UnitCosine.eval(&v, &v);
-        assert!((0.0..1e-6).contains(&d), "{d}");
-        // A dot product rounding above 1 would make 1 - dot negative: clamped, not asserted.
-        let w: Vec<f32> = v.iter().map(|x| x * 1.0001).collect();
-        assert_eq!(UnitCosine.eval(&v, &w), 0.0);
     }
 }

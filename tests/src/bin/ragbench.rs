@@ -27,13 +27,15 @@ use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
 use ragcluster_tests::metrics::{doc_ranking, ndcg_at, recall_at};
+use ragcluster_tests::scale::{
+    MODES, create_collection, embed_queries, perturbed_copies, qps, req, write_direct,
+};
 use ragcluster_tests::{
     BeirDoc, BeirQuery, Cluster, Proc, datasets_dir, percentile, read_jsonl, read_qrels,
 };
-use rand::{Rng, SeedableRng};
 use serde_json::json;
 use shard_node::index::bm25::Bm25Index;
-use shard_node::index::hnsw::{UnitCosine, dot, normalize};
+use shard_node::index::hnsw::{UnitCosine, dot};
 use tonic::transport::Channel;
 
 #[derive(Parser)]
@@ -84,38 +86,6 @@ fn lat_summary(mut v: Vec<f64>) -> serde_json::Value {
     let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
     json!({"p50_ms": percentile(&mut v, 50.0), "p99_ms": percentile(&mut v, 99.0), "mean_ms": mean, "qps_1_client": 1000.0 / mean})
 }
-
-fn req(
-    coll: &str,
-    q: &BeirQuery,
-    vec: &[f32],
-    mode: SearchMode,
-    fusion: &str,
-    top_k: u32,
-) -> SearchRequest {
-    SearchRequest {
-        collection: coll.into(),
-        query: q.text.clone(),
-        top_k,
-        mode: mode as i32,
-        fusion: fusion.into(),
-        query_vector: if mode == SearchMode::Bm25 {
-            vec![]
-        } else {
-            vec.to_vec()
-        },
-        timeout_ms: 30_000,
-        ..Default::default()
-    }
-}
-
-const MODES: [(&str, SearchMode, &str); 5] = [
-    ("bm25", SearchMode::Bm25, ""),
-    ("dense", SearchMode::Dense, ""),
-    ("hybrid-rrf", SearchMode::Hybrid, "rrf"),
-    ("hybrid-cc", SearchMode::Hybrid, "cc"),
-    ("hybrid-dbsf", SearchMode::Hybrid, "dbsf"),
-];
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<()> {
@@ -177,7 +147,7 @@ async fn main() -> Result<()> {
             .map(|chunk| Stored { chunk })
             .collect();
         let t0 = Instant::now();
-        write_direct(&info, &stored).await?;
+        write_direct(&info, chunks_of(&stored)).await?;
         eprintln!(
             "loaded {} saved chunks in {:.1} s (no embedding)",
             stored.len(),
@@ -301,22 +271,17 @@ async fn main() -> Result<()> {
 
     if args.scale_chunks > 0 {
         let scaled = scale_up(&stored, args.scale_chunks);
-        c.create_collection(CreateCollectionRequest {
-            name: "scale".into(),
-            shard_count: 3,
-            ..Default::default()
-        })
-        .await?;
-        let info = c
-            .describe_collection(DescribeCollectionRequest {
+        let info = create_collection(
+            &mut c,
+            CreateCollectionRequest {
                 name: "scale".into(),
-            })
-            .await?
-            .into_inner()
-            .collection
-            .context("info")?;
+                shard_count: 3,
+                ..Default::default()
+            },
+        )
+        .await?;
         let t0 = Instant::now();
-        write_direct(&info, &scaled).await?;
+        write_direct(&info, chunks_of(&scaled)).await?;
         let s = t0.elapsed().as_secs_f64();
         eprintln!(
             "ingest without embedding: {} chunks in {s:.1} s = {:.0} chunks/s",
@@ -354,25 +319,6 @@ fn write_report(
 }
 
 /// Query embeddings from the model worker, 64 per call.
-async fn embed_queries(
-    mw: &mut ModelWorkerClient<Channel>,
-    queries: &[BeirQuery],
-) -> Result<Vec<Vec<f32>>> {
-    let mut out = Vec::with_capacity(queries.len());
-    for b in queries.chunks(64) {
-        let texts = b.iter().map(|q| q.text.clone()).collect();
-        let r = mw
-            .embed(EmbedRequest {
-                model: String::new(),
-                texts,
-            })
-            .await?
-            .into_inner();
-        out.extend(r.embeddings.into_iter().map(|e| e.values));
-    }
-    Ok(out)
-}
-
 /// Mean nDCG@10 of one hybrid setting over a query set.
 async fn ndcg_of(
     c: &mut ragcluster_proto::v1::coordinator_client::CoordinatorClient<Channel>,
@@ -492,114 +438,16 @@ async fn fetch_all(cluster: &Cluster, coll: &str, corpus: &[BeirDoc]) -> Result<
 
 /// `n` chunks: the real ones repeated under new document ids, vectors perturbed by Gaussian-ish
 /// noise (σ ≈ 0.02 per dimension) and renormalised.
+fn chunks_of(s: &[Stored]) -> Vec<Chunk> {
+    s.iter().map(|s| s.chunk.clone()).collect()
+}
+
 fn scale_up(real: &[Stored], n: usize) -> Vec<Stored> {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    (0..n)
-        .map(|i| {
-            let src = &real[i % real.len()].chunk;
-            let rep = i / real.len();
-            let mut c = src.clone();
-            let doc = format!("{}~{rep}", src.doc_id);
-            c.chunk_id = format!("{doc}#{}", src.position);
-            c.prev_chunk_id = if src.prev_chunk_id.is_empty() {
-                String::new()
-            } else {
-                format!("{doc}#{}", src.position - 1)
-            };
-            c.next_chunk_id = if src.next_chunk_id.is_empty() {
-                String::new()
-            } else {
-                format!("{doc}#{}", src.position + 1)
-            };
-            c.doc_id = doc;
-            if rep > 0 {
-                for x in c.embedding.iter_mut() {
-                    let u: f32 = (0..4).map(|_| rng.random::<f32>() - 0.5).sum::<f32>() * 0.035;
-                    *x += u;
-                }
-                normalize(&mut c.embedding);
-            }
-            Stored { chunk: c }
-        })
+    let chunks: Vec<Chunk> = real.iter().map(|s| s.chunk.clone()).collect();
+    perturbed_copies(&chunks, n)
+        .into_iter()
+        .map(|chunk| Stored { chunk })
         .collect()
-}
-
-/// Retries a write while the shard's Raft group is still electing its leader.
-async fn write_retrying(sc: &mut ShardClient<Channel>, req: WriteBatchRequest) -> Result<()> {
-    for _ in 0..100 {
-        match sc.write_batch(req.clone()).await {
-            Ok(_) => return Ok(()),
-            Err(s) if s.code() == tonic::Code::Unavailable => {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(s) => return Err(s.into()),
-        }
-    }
-    anyhow::bail!("shard {:?} has no leader", req.shard)
-}
-
-/// Writes chunks straight to the shard nodes through Shard.WriteBatch, by document, on the shard
-/// the coordinator's placement gives it (3 shards in parallel, 512 chunks per batch).
-async fn write_direct(info: &CollectionInfo, chunks: &[Stored]) -> Result<()> {
-    let mut by_shard: HashMap<u32, Vec<DocumentWrite>> = HashMap::new();
-    let mut by_doc: HashMap<&str, Vec<Chunk>> = HashMap::new();
-    for s in chunks {
-        by_doc
-            .entry(s.chunk.doc_id.as_str())
-            .or_default()
-            .push(s.chunk.clone());
-    }
-    for (doc, cs) in by_doc {
-        let shard = coordinator::placement::shard_for_doc(doc, info.shard_count);
-        by_shard.entry(shard).or_default().push(DocumentWrite {
-            doc_id: doc.to_owned(),
-            chunks: cs,
-            delete: false,
-        });
-    }
-    let tasks = by_shard.into_iter().map(|(shard, writes)| {
-        // The preferred leader; a fresh group may still be electing it (retried below).
-        let node = info.shards[shard as usize].nodes[0].clone();
-        let coll = info.name.clone();
-        async move {
-            let mut sc = ShardClient::new(Channel::from_shared(node)?.connect().await?)
-                .max_encoding_message_size(256 << 20);
-            let mut batch = Vec::new();
-            let mut n = 0;
-            for w in writes {
-                n += w.chunks.len();
-                batch.push(w);
-                if n >= 512 {
-                    let req = WriteBatchRequest {
-                        shard: Some(ShardRef {
-                            collection: coll.clone(),
-                            shard,
-                        }),
-                        writes: std::mem::take(&mut batch),
-                        request_id: String::new(),
-                    };
-                    write_retrying(&mut sc, req).await?;
-                    n = 0;
-                }
-            }
-            if !batch.is_empty() {
-                let req = WriteBatchRequest {
-                    shard: Some(ShardRef {
-                        collection: coll.clone(),
-                        shard,
-                    }),
-                    writes: batch,
-                    request_id: String::new(),
-                };
-                write_retrying(&mut sc, req).await?;
-            }
-            anyhow::Ok(())
-        }
-    });
-    for r in futures::future::join_all(tasks).await {
-        r?;
-    }
-    Ok(())
 }
 
 /// Coordinator (3 shards) vs one in-process tantivy index and one hnsw_rs graph over the same
@@ -682,25 +530,12 @@ async fn compare_latency(
     let (t50, h50) = (p50(&lat["inprocess_tantivy"]), p50(&lat["inprocess_hnsw"]));
     for (name, mode, fusion) in MODES {
         // Throughput with several clients in flight.
-        let t = Instant::now();
         let reqs: Vec<SearchRequest> = queries
             .iter()
             .zip(qvecs)
             .map(|(q, v)| req(coll, q, v, mode, fusion, 10))
             .collect();
-        let n = reqs.len();
-        let done: Vec<_> = stream::iter(reqs)
-            .map(|r| {
-                let mut c = c.clone();
-                async move { c.search(r).await }
-            })
-            .buffer_unordered(concurrency)
-            .collect()
-            .await;
-        for d in done {
-            d?;
-        }
-        let qps = n as f64 / t.elapsed().as_secs_f64();
+        let qps = qps(c, reqs, concurrency).await?;
         let v = &lat[name];
         let reference = match mode {
             SearchMode::Bm25 => t50,
@@ -792,7 +627,7 @@ async fn restart_time(chunks: &[Stored]) -> Result<serde_json::Value> {
     })
     .await?;
     let t = Instant::now();
-    write_direct(&info, chunks).await?;
+    write_direct(&info, chunks_of(chunks)).await?;
     let write_s = t.elapsed().as_secs_f64();
     let probe = chunks[chunks.len() / 2].chunk.clone();
     let mut times = Vec::new();

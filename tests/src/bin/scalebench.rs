@@ -1,0 +1,287 @@
+//! `scalebench`: how cost grows with the corpus. For each size (default 10k, 100k, 1M chunks)
+//! a fresh local cluster (3 shard nodes, 3 shards, replication 1, one coordinator, a model
+//! worker for the query vectors only) is fed SciFact's chunks and MiniLM vectors, repeated with
+//! perturbed vectors beyond the real 11k (`ragcluster_tests::scale`), straight into the shard
+//! nodes (embedding excluded; a write is acknowledged once searchable). Then, through the
+//! coordinator's gRPC API with SciFact's 300 test queries at top_k 10:
+//!
+//! - ingest rate (chunks/s, until the last write is acknowledged);
+//! - p50/p99 of one client and QPS of `--concurrency` clients per mode (bm25, dense,
+//!   hybrid rrf);
+//! - dense recall@10 against brute force over all vectors, at the collection's ef_search and
+//!   at each `--dense-ef`;
+//! - RAM (resident set of the shard nodes) and disk (their data directories) per chunk.
+//!
+//! `cargo run --release -p ragcluster-tests --bin scalebench -- --chunks bench-out/scifact-chunks.pb --sizes 10000,100000,1000000`
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use prost::Message;
+use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
+use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
+use ragcluster_proto::v1::*;
+use ragcluster_tests::scale::{
+    create_collection, embed_queries, perturbed_copies, qps, req, write_direct,
+};
+use ragcluster_tests::{BeirQuery, Cluster, datasets_dir, percentile, read_jsonl, read_qrels};
+use serde_json::{Map, Value, json};
+use shard_node::index::distance::dot;
+use tonic::transport::Channel;
+
+#[derive(Parser)]
+struct Args {
+    /// Chunks with vectors saved by `ragbench --dump-chunks`.
+    #[arg(long, default_value = "bench-out/scifact-chunks.pb")]
+    chunks: PathBuf,
+    #[arg(long, value_delimiter = ',', default_value = "10000,100000,1000000")]
+    sizes: Vec<usize>,
+    /// Clients in flight for the QPS figure.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Extra dense rows at these search breadths (request `ef_search`), for recall vs cost.
+    #[arg(long, value_delimiter = ',', default_value = "128,256")]
+    dense_ef: Vec<u32>,
+    /// Above this many chunks only dense search is measured.
+    #[arg(long, default_value_t = usize::MAX)]
+    dense_only_above: usize,
+    /// The collection's HNSW ef_construction (0: the server's default).
+    #[arg(long, default_value_t = 0)]
+    ef_construction: u32,
+    /// The collection's default search breadth (0: the server's default).
+    #[arg(long, default_value_t = 0)]
+    ef_search: u32,
+    /// After the last size, keep `--concurrency` clients sending dense queries for this many
+    /// seconds (for `perf record -a -g` from another shell; "soak" is printed at the start).
+    #[arg(long, default_value_t = 0)]
+    soak_seconds: u64,
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+const MODES: [(&str, SearchMode, &str); 3] = [
+    ("bm25", SearchMode::Bm25, ""),
+    ("dense", SearchMode::Dense, ""),
+    ("hybrid-rrf", SearchMode::Hybrid, "rrf"),
+];
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    let real = GetChunksResponse::decode(
+        &*std::fs::read(&args.chunks).with_context(|| args.chunks.display().to_string())?,
+    )?
+    .chunks;
+    let dir = datasets_dir().join("scifact");
+    let qrels = read_qrels(&dir.join("qrels/test.tsv"))?;
+    let queries: Vec<BeirQuery> = read_jsonl::<BeirQuery>(&dir.join("queries.jsonl"), usize::MAX)?
+        .into_iter()
+        .filter(|q| qrels.contains_key(&q.id))
+        .collect();
+    let mut report = Map::new();
+    let mut qvecs: Vec<Vec<f32>> = Vec::new();
+    for &n in &args.sizes {
+        let started = Instant::now();
+        let row = one_size(&args, &real, n, &queries, &mut qvecs).await?;
+        eprintln!(
+            "{n} chunks: {} ({:.0} s in all)",
+            serde_json::to_string(&row)?,
+            started.elapsed().as_secs_f64()
+        );
+        let mut row = row;
+        row["bench_wall_s"] = json!(started.elapsed().as_secs_f64());
+        report.insert(n.to_string(), row);
+    }
+    let text = serde_json::to_string_pretty(&Value::Object(report))?;
+    match &args.out {
+        Some(p) => std::fs::write(p, text)?,
+        None => println!("{text}"),
+    }
+    Ok(())
+}
+
+async fn one_size(
+    args: &Args,
+    real: &[Chunk],
+    n: usize,
+    queries: &[BeirQuery],
+    qvecs: &mut Vec<Vec<f32>>,
+) -> Result<Value> {
+    let chunks = perturbed_copies(real, n);
+    let cluster = Cluster::start(3)?;
+    if qvecs.is_empty() {
+        let mut mw = ModelWorkerClient::new(
+            Channel::from_shared(cluster.model_worker.grpc.clone())?
+                .connect()
+                .await?,
+        );
+        *qvecs = embed_queries(&mut mw, queries).await?;
+    }
+    let mut c = cluster.client().await?;
+    let info = create_collection(
+        &mut c,
+        CreateCollectionRequest {
+            name: "scale".into(),
+            shard_count: 3,
+            hnsw: Some(HnswParams {
+                m: 0,
+                ef_construction: args.ef_construction,
+                ef_search: args.ef_search,
+            }),
+            ..Default::default()
+        },
+    )
+    .await?;
+    let idle_rss: u64 = cluster.shards.iter().filter_map(|s| s.rss_bytes()).sum();
+    // The vectors stay here for the recall figure; the chunks go to the cluster.
+    let vectors: Vec<(String, Vec<f32>)> = chunks
+        .iter()
+        .map(|c| (c.chunk_id.clone(), c.embedding.clone()))
+        .collect();
+    let t = Instant::now();
+    write_direct(&info, chunks).await?;
+    let ingest_s = t.elapsed().as_secs_f64();
+    eprintln!(
+        "{n}: ingested in {ingest_s:.1} s = {:.0} chunks/s",
+        n as f64 / ingest_s
+    );
+    // Background merges and dumps of the load settle before timing.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let mut out = Map::new();
+    out.insert(
+        "ingest".into(),
+        json!({"seconds": ingest_s, "chunks_per_s": n as f64 / ingest_s}),
+    );
+    let exact = exact_top10(&vectors, qvecs);
+    drop(vectors);
+    let modes: Vec<_> = MODES
+        .iter()
+        .filter(|m| n <= args.dense_only_above || m.0 == "dense")
+        .collect();
+    for &&(name, mode, fusion) in &modes {
+        let (row, top) =
+            latency(&mut c, queries, qvecs, (mode, fusion, 0), args.concurrency).await?;
+        out.insert(name.into(), with_recall(row, mode, &exact, &top));
+    }
+    for &ef in &args.dense_ef {
+        let dense = (SearchMode::Dense, "", ef);
+        let (row, top) = latency(&mut c, queries, qvecs, dense, args.concurrency).await?;
+        let row = with_recall(row, SearchMode::Dense, &exact, &top);
+        out.insert(format!("dense_ef{ef}"), row);
+    }
+    if args.soak_seconds > 0 && Some(&n) == args.sizes.last() {
+        soak(&c, queries, qvecs, args.concurrency, args.soak_seconds).await?;
+    }
+    let rss: u64 = cluster.shards.iter().filter_map(|s| s.rss_bytes()).sum();
+    let disk: u64 = cluster.shards.iter().map(|s| s.data_bytes()).sum();
+    out.insert(
+        "ram_bytes_per_chunk".into(),
+        json!(rss.saturating_sub(idle_rss) as f64 / n as f64),
+    );
+    out.insert("disk_bytes_per_chunk".into(), json!(disk as f64 / n as f64));
+    out.insert(
+        "shard_nodes_rss_bytes".into(),
+        json!({"idle": idle_rss, "loaded": rss}),
+    );
+    Ok(Value::Object(out))
+}
+
+/// One client query by query (p50/p99), then `concurrency` clients (QPS); returns the row and
+/// the chunk ids each query got.
+async fn latency(
+    c: &mut CoordinatorClient<Channel>,
+    queries: &[BeirQuery],
+    qvecs: &[Vec<f32>],
+    (mode, fusion, ef): (SearchMode, &str, u32),
+    concurrency: usize,
+) -> Result<(Value, Vec<Vec<String>>)> {
+    let req = |q: &BeirQuery, v: &[f32]| SearchRequest {
+        ef_search: ef,
+        ..req("scale", q, v, mode, fusion, 10)
+    };
+    for (q, v) in queries.iter().zip(qvecs).take(20) {
+        c.search(req(q, v)).await?;
+    }
+    let mut lat = Vec::with_capacity(queries.len());
+    let mut top = Vec::with_capacity(queries.len());
+    for (q, v) in queries.iter().zip(qvecs) {
+        let t = Instant::now();
+        let r = c.search(req(q, v)).await?.into_inner();
+        lat.push(t.elapsed().as_secs_f64() * 1e3);
+        top.push(r.hits.into_iter().map(|h| h.chunk_id).collect());
+    }
+    let reqs: Vec<SearchRequest> = queries.iter().zip(qvecs).map(|(q, v)| req(q, v)).collect();
+    let qps = qps(c, reqs, concurrency).await?;
+    let row = json!({"p50_ms": percentile(&mut lat, 50.0), "p99_ms": percentile(&mut lat, 99.0),
+                     "qps": qps});
+    Ok((row, top))
+}
+
+/// Dense queries from `concurrency` clients for `seconds`, for a profiler to watch.
+async fn soak(
+    c: &CoordinatorClient<Channel>,
+    queries: &[BeirQuery],
+    qvecs: &[Vec<f32>],
+    concurrency: usize,
+    seconds: u64,
+) -> Result<()> {
+    eprintln!("soak: {concurrency} clients, dense, {seconds} s");
+    let end = Instant::now() + Duration::from_secs(seconds);
+    let clients = (0..concurrency).map(|k| {
+        let mut c = c.clone();
+        async move {
+            let mut i = k;
+            let mut n = 0u64;
+            while Instant::now() < end {
+                let (q, v) = (&queries[i % queries.len()], &qvecs[i % qvecs.len()]);
+                c.search(req("scale", q, v, SearchMode::Dense, "", 10))
+                    .await?;
+                i += concurrency;
+                n += 1;
+            }
+            anyhow::Ok(n)
+        }
+    });
+    let mut total = 0;
+    for r in futures::future::join_all(clients).await {
+        total += r?;
+    }
+    eprintln!("soak: {:.0} qps", total as f64 / seconds as f64);
+    Ok(())
+}
+
+/// Adds dense recall@10 (against `exact`) to a dense row.
+fn with_recall(
+    mut row: Value,
+    mode: SearchMode,
+    exact: &[Vec<String>],
+    top: &[Vec<String>],
+) -> Value {
+    if mode == SearchMode::Dense {
+        let hit: f64 = exact
+            .iter()
+            .zip(top)
+            .map(|(e, g)| g.iter().filter(|id| e.contains(id)).count() as f64 / 10.0)
+            .sum();
+        row["recall@10"] = json!(hit / exact.len().max(1) as f64);
+    }
+    row
+}
+
+/// Each query's exact top-10 chunk ids, by brute force over all vectors.
+fn exact_top10(vectors: &[(String, Vec<f32>)], qvecs: &[Vec<f32>]) -> Vec<Vec<String>> {
+    qvecs
+        .iter()
+        .map(|q| {
+            let mut s: Vec<(f32, usize)> = vectors
+                .iter()
+                .enumerate()
+                .map(|(i, v)| (dot(q, &v.1), i))
+                .collect();
+            s.select_nth_unstable_by(9, |a, b| b.0.total_cmp(&a.0));
+            s[..10].iter().map(|x| vectors[x.1].0.clone()).collect()
+        })
+        .collect()
+}

@@ -1,0 +1,223 @@
+//! Bigger corpora made from a real one, for scale benchmarks: SciFact's chunks repeated with
+//! their MiniLM vectors perturbed (a fixed seed, so every run sees the same corpus). Real
+//! vectors keep the neighbourhood structure that HNSW's speed and recall depend on, which
+//! random vectors would not. Also the benchmarks' shared client paths: writes straight to the
+//! shard nodes (embedding excluded), query embedding, and one search request per mode.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use anyhow::Result;
+use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
+use ragcluster_proto::v1::shard_client::ShardClient;
+use ragcluster_proto::v1::*;
+use rand::{Rng, SeedableRng};
+use tonic::transport::Channel;
+
+use crate::BeirQuery;
+use shard_node::index::distance::normalize;
+
+/// Noise added per coordinate (sum of 4 uniforms, scaled); about 0.07 in cosine distance.
+const NOISE: f32 = 0.035;
+
+/// `n` chunks: `real` in order, then copies with new document and chunk ids (`doc~rep`) and
+/// perturbed, re-normalised vectors.
+pub fn perturbed_copies(real: &[Chunk], n: usize) -> Vec<Chunk> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    (0..n)
+        .map(|i| {
+            let src = &real[i % real.len()];
+            let rep = i / real.len();
+            let mut c = src.clone();
+            let doc = format!("{}~{rep}", src.doc_id);
+            c.chunk_id = format!("{doc}#{}", src.position);
+            c.prev_chunk_id = if src.prev_chunk_id.is_empty() {
+                String::new()
+            } else {
+                format!("{doc}#{}", src.position - 1)
+            };
+            c.next_chunk_id = if src.next_chunk_id.is_empty() {
+                String::new()
+            } else {
+                format!("{doc}#{}", src.position + 1)
+            };
+            c.doc_id = doc;
+            if rep > 0 {
+                perturb(&mut rng, &mut c.embedding);
+            }
+            c
+        })
+        .collect()
+}
+
+/// Adds the benchmark's noise to a vector and re-normalises it.
+pub fn perturb(rng: &mut impl Rng, v: &mut [f32]) {
+    for x in v.iter_mut() {
+        let u: f32 = (0..4).map(|_| rng.random::<f32>() - 0.5).sum::<f32>() * NOISE;
+        *x += u;
+    }
+    normalize(v);
+}
+
+/// Retries a write while the shard's Raft group is still electing its leader.
+pub async fn write_retrying(sc: &mut ShardClient<Channel>, req: WriteBatchRequest) -> Result<()> {
+    for _ in 0..100 {
+        match sc.write_batch(req.clone()).await {
+            Ok(_) => return Ok(()),
+            Err(s) if s.code() == tonic::Code::Unavailable => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(s) => return Err(s.into()),
+        }
+    }
+    anyhow::bail!("shard {:?} has no leader", req.shard)
+}
+
+/// Writes chunks straight to the shard nodes through Shard.WriteBatch, by document, on the shard
+/// the coordinator's placement gives it (3 shards in parallel, 512 chunks per batch).
+pub async fn write_direct(info: &CollectionInfo, chunks: Vec<Chunk>) -> Result<()> {
+    let mut by_shard: HashMap<u32, Vec<DocumentWrite>> = HashMap::new();
+    let mut by_doc: HashMap<String, Vec<Chunk>> = HashMap::new();
+    for c in chunks {
+        by_doc.entry(c.doc_id.clone()).or_default().push(c);
+    }
+    for (doc, cs) in by_doc {
+        let shard = coordinator::placement::shard_for_doc(&doc, info.shard_count);
+        by_shard.entry(shard).or_default().push(DocumentWrite {
+            doc_id: doc,
+            chunks: cs,
+            delete: false,
+        });
+    }
+    let tasks = by_shard.into_iter().map(|(shard, writes)| {
+        // The preferred leader; a fresh group may still be electing it (retried below).
+        let node = info.shards[shard as usize].nodes[0].clone();
+        let coll = info.name.clone();
+        async move {
+            let mut sc = ShardClient::new(Channel::from_shared(node)?.connect().await?)
+                .max_encoding_message_size(256 << 20);
+            let mut batch = Vec::new();
+            let mut n = 0;
+            for w in writes {
+                n += w.chunks.len();
+                batch.push(w);
+                if n >= 512 {
+                    let req = WriteBatchRequest {
+                        shard: Some(ShardRef {
+                            collection: coll.clone(),
+                            shard,
+                        }),
+                        writes: std::mem::take(&mut batch),
+                        request_id: String::new(),
+                    };
+                    write_retrying(&mut sc, req).await?;
+                    n = 0;
+                }
+            }
+            if !batch.is_empty() {
+                let req = WriteBatchRequest {
+                    shard: Some(ShardRef {
+                        collection: coll.clone(),
+                        shard,
+                    }),
+                    writes: batch,
+                    request_id: String::new(),
+                };
+                write_retrying(&mut sc, req).await?;
+            }
+            anyhow::Ok(())
+        }
+    });
+    for r in futures::future::join_all(tasks).await {
+        r?;
+    }
+    Ok(())
+}
+
+pub async fn embed_queries(
+    mw: &mut ModelWorkerClient<Channel>,
+    queries: &[BeirQuery],
+) -> Result<Vec<Vec<f32>>> {
+    let mut out = Vec::with_capacity(queries.len());
+    for b in queries.chunks(64) {
+        let texts = b.iter().map(|q| q.text.clone()).collect();
+        let r = mw
+            .embed(EmbedRequest {
+                model: String::new(),
+                texts,
+            })
+            .await?
+            .into_inner();
+        out.extend(r.embeddings.into_iter().map(|e| e.values));
+    }
+    Ok(out)
+}
+
+pub fn req(
+    coll: &str,
+    q: &BeirQuery,
+    vec: &[f32],
+    mode: SearchMode,
+    fusion: &str,
+    top_k: u32,
+) -> SearchRequest {
+    SearchRequest {
+        collection: coll.into(),
+        query: q.text.clone(),
+        top_k,
+        mode: mode as i32,
+        fusion: fusion.into(),
+        query_vector: if mode == SearchMode::Bm25 {
+            vec![]
+        } else {
+            vec.to_vec()
+        },
+        timeout_ms: 30_000,
+        ..Default::default()
+    }
+}
+
+pub const MODES: [(&str, SearchMode, &str); 5] = [
+    ("bm25", SearchMode::Bm25, ""),
+    ("dense", SearchMode::Dense, ""),
+    ("hybrid-rrf", SearchMode::Hybrid, "rrf"),
+    ("hybrid-cc", SearchMode::Hybrid, "cc"),
+    ("hybrid-dbsf", SearchMode::Hybrid, "dbsf"),
+];
+
+/// Queries per second with `concurrency` requests in flight over one channel.
+pub async fn qps(
+    c: &coordinator_client::CoordinatorClient<Channel>,
+    reqs: Vec<SearchRequest>,
+    concurrency: usize,
+) -> Result<f64> {
+    use futures::stream::{self, StreamExt};
+    let t = std::time::Instant::now();
+    let n = reqs.len();
+    let done: Vec<_> = stream::iter(reqs)
+        .map(|r| {
+            let mut c = c.clone();
+            async move { c.search(r).await }
+        })
+        .buffer_unordered(concurrency)
+        .collect()
+        .await;
+    for d in done {
+        d?;
+    }
+    Ok(n as f64 / t.elapsed().as_secs_f64())
+}
+
+/// Creates a collection and returns its placement (which `write_direct` needs).
+pub async fn create_collection(
+    c: &mut coordinator_client::CoordinatorClient<Channel>,
+    req: CreateCollectionRequest,
+) -> Result<CollectionInfo> {
+    let name = req.name.clone();
+    c.create_collection(req).await?;
+    c.describe_collection(DescribeCollectionRequest { name })
+        .await?
+        .into_inner()
+        .collection
+        .ok_or_else(|| anyhow::anyhow!("DescribeCollection returned no collection"))
+}
