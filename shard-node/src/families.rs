@@ -71,6 +71,16 @@ pub fn all() -> Vec<Family> {
             "HNSW graphs rebuilt from RocksDB at open (no usable dump)",
         ),
         (
+            "shard_hnsw_walks_total",
+            Counter,
+            "HNSW layer-0 walks by kind (flat: the copy taken when writes paused; hnsw_rs: graph changed since; filtered: metadata filter or tombstones)",
+        ),
+        (
+            "shard_hnsw_flat_copy_seconds",
+            Histogram,
+            "time to copy an HNSW graph's bottom layer for fast walks after writes pause",
+        ),
+        (
             "shard_index_group_seconds",
             Histogram,
             "index worker: time per tantivy commit group",

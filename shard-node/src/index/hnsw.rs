@@ -15,12 +15,16 @@ use std::io::{Read, Write};
 use std::path::Path;
 
 use hnsw_rs::api::AnnT;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use hnsw_rs::hnsw::Hnsw;
 use hnsw_rs::hnswio::HnswIo;
 use parking_lot::RwLock;
 
 use super::Filter;
 pub use super::distance::{UnitCosine, dot, normalize};
+use super::hnsw_flat::FlatGraph;
 use crate::error::{Result, ShardError};
 pub use crate::storage::HnswParams;
 
@@ -57,6 +61,49 @@ struct Slots {
 struct Graph {
     hnsw: Hnsw<'static, f32, UnitCosine>,
     slots: RwLock<Slots>,
+    /// Insert batches so far; `flat` is used only while its version equals this.
+    inserts: AtomicU64,
+    /// The bottom layer copied for fast walks (`hnsw_flat`), taken when writes pause.
+    flat: RwLock<Option<Arc<FlatGraph>>>,
+}
+
+impl Graph {
+    fn new(hnsw: Hnsw<'static, f32, UnitCosine>, slots: Slots) -> Self {
+        Self {
+            hnsw,
+            slots: RwLock::new(slots),
+            inserts: AtomicU64::new(0),
+            flat: RwLock::new(None),
+        }
+    }
+
+    /// The flat copy, if it still describes the graph.
+    fn fresh_flat(&self) -> Option<Arc<FlatGraph>> {
+        let f = self.flat.read().clone()?;
+        (f.version == self.inserts.load(Ordering::Acquire)).then_some(f)
+    }
+
+    /// Up to `ef` (slot, distance) pairs of the unfiltered walk, nearest first.
+    fn walk(&self, query: &[f32], ef: usize) -> Vec<(usize, f32)> {
+        if let Some(f) = self.fresh_flat() {
+            // hnsw_rs descends the upper layers (and takes one greedy step below); the flat
+            // copy does the layer-0 beam search.
+            if let Some(entry) = self.hnsw.search_filter(query, 1, 1, None).first() {
+                let found = f.search(query, entry.d_id, ef);
+                // Empty when the entry point is newer than the copy.
+                if !found.is_empty() {
+                    metrics::counter!("shard_hnsw_walks_total", "walk" => "flat").increment(1);
+                    return found;
+                }
+            }
+        }
+        metrics::counter!("shard_hnsw_walks_total", "walk" => "hnsw_rs").increment(1);
+        self.hnsw
+            .search_filter(query, ef, ef, None)
+            .into_iter()
+            .map(|n| (n.d_id, n.distance))
+            .collect()
+    }
 }
 
 pub struct HnswIndex {
@@ -98,20 +145,45 @@ impl HnswIndex {
     fn empty_graph(params: &HnswParams, expected: usize) -> Graph {
         // M is validated in [2, 256] by the coordinator: hnsw_rs exits the process above 256.
         let m = (params.m as usize).clamp(2, 256);
-        Graph {
-            hnsw: Hnsw::new(
+        Graph::new(
+            Hnsw::new(
                 m,
                 expected.max(1024),
                 16,
                 params.ef_construction.max(1) as usize,
                 UnitCosine,
             ),
-            slots: RwLock::new(Slots::default()),
-        }
+            Slots::default(),
+        )
     }
 
     pub fn dim(&self) -> usize {
         self.dim
+    }
+
+    /// Copies the graph's bottom layer for fast walks unless the copy is current; the index
+    /// worker calls it when writes pause. Returns whether it copied.
+    pub fn refresh_flat(&self) -> bool {
+        let g = self.graph.read();
+        if g.fresh_flat().is_some() {
+            return false;
+        }
+        let version = g.inserts.load(Ordering::Acquire);
+        let slots = g.slots.read().slots.len();
+        // hnsw_rs asserts and unwraps inside; a failed copy leaves searches on its own walk.
+        let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            FlatGraph::build(&g.hnsw, slots, version)
+        }));
+        match built {
+            Ok(flat) => {
+                *g.flat.write() = Some(Arc::new(flat));
+                true
+            }
+            Err(_) => {
+                tracing::error!("copying the hnsw bottom layer failed; searches walk hnsw_rs");
+                false
+            }
+        }
     }
 
     /// Inserts points (in parallel inside hnsw_rs); a point whose chunk id is already present
@@ -171,6 +243,9 @@ impl HnswIndex {
             .enumerate()
             .map(|(i, p)| (&p.vector, first + i))
             .collect();
+        // The flat copy goes stale as the graph starts changing (it stays a consistent older
+        // graph for searches already using it).
+        g.inserts.fetch_add(1, Ordering::AcqRel);
         if data.len() >= 32 {
             g.hnsw.parallel_insert(&data);
         } else {
@@ -248,20 +323,22 @@ impl HnswIndex {
         // when fewer than top_k survive walk again with the filter.
         let mut found = Vec::new();
         if filter.is_empty() {
-            found = g.hnsw.search_filter(query, ef, ef, None);
-            found.retain(|n| accept(&n.d_id));
+            found = g.walk(query, ef);
+            found.retain(|n| accept(&n.0));
             found.truncate(top_k);
         }
         if found.len() < top_k {
-            found = g.hnsw.search_filter(query, top_k, ef, Some(&accept));
+            metrics::counter!("shard_hnsw_walks_total", "walk" => "filtered").increment(1);
+            found = g
+                .hnsw
+                .search_filter(query, top_k, ef, Some(&accept))
+                .into_iter()
+                .map(|n| (n.d_id, n.distance))
+                .collect();
         }
         let mut hits: Vec<(String, f32)> = found
             .into_iter()
-            .filter_map(|n| {
-                s.slots
-                    .get(n.d_id)
-                    .map(|sl| (sl.chunk_id.clone(), 1.0 - n.distance))
-            })
+            .filter_map(|n| s.slots.get(n.0).map(|sl| (sl.chunk_id.clone(), 1.0 - n.1)))
             .collect();
         if !pending.is_empty() {
             hits.extend(
@@ -428,10 +505,7 @@ impl HnswIndex {
         Ok(Self {
             dim,
             params,
-            graph: RwLock::new(Graph {
-                hnsw,
-                slots: RwLock::new(slots),
-            }),
+            graph: RwLock::new(Graph::new(hnsw, slots)),
             pending: RwLock::default(),
         })
     }
@@ -471,10 +545,11 @@ fn get_str(input: &mut impl Read) -> Result<String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn unit(seed: u32, dim: usize) -> Vec<f32> {
+    /// A unit vector determined by `seed` (shared with the `hnsw_flat` tests).
+    pub(crate) fn unit(seed: u32, dim: usize) -> Vec<f32> {
         let mut v: Vec<f32> = (0..dim)
             .map(|i| ((seed as f32 + 1.0) * (i as f32 + 0.5)).sin())
             .collect();

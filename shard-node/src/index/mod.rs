@@ -6,6 +6,7 @@ pub mod bm25;
 pub mod distance;
 pub mod hnsw;
 pub mod hnsw_dump;
+pub mod hnsw_flat;
 pub mod recovery;
 pub mod worker;
 

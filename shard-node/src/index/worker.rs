@@ -91,11 +91,19 @@ struct Worker {
     dumping: Dumping,
     state: DumpState,
     last_dump: Instant,
+    /// Write silence before the next flat copy: ten times the last copy's duration (at
+    /// least `FLAT_AFTER_QUIET`), so copying takes at most about a tenth of the worker's
+    /// time and a trickle of writes to a big shard does not keep it copying.
+    flat_quiet: Duration,
     /// The seq the indexes reflect (the last group applied).
     at: u64,
 }
 
 const MAX_GROUP: usize = 256;
+
+/// Least write silence after which the HNSW graph's bottom layer is copied for fast walks
+/// (`hnsw_flat`); short, as searches take hnsw_rs's slower walk until then.
+const FLAT_AFTER_QUIET: Duration = Duration::from_millis(50);
 
 impl IndexWorker {
     /// Starts the worker with everything up to `visible` already in the indexes.
@@ -125,6 +133,7 @@ impl IndexWorker {
             dumping,
             state,
             last_dump: Instant::now(),
+            flat_quiet: FLAT_AFTER_QUIET,
             at: visible,
         };
         let f = failed.clone();
@@ -132,7 +141,14 @@ impl IndexWorker {
         let d = dump_on_stop.clone();
         let thread = std::thread::Builder::new()
             .name(format!("index-{key}"))
-            .spawn(move || w.run(rx, &f, &d))?;
+            .spawn(move || {
+                // A panic (hnsw_rs asserts) fails the worker like an error does: writes then
+                // get a clear UNAVAILABLE instead of waiting for visibility until their deadline.
+                let run = std::panic::AssertUnwindSafe(|| w.run(rx, &f, &d));
+                if std::panic::catch_unwind(run).is_err() {
+                    f.store(true, Ordering::Release);
+                }
+            })?;
         Ok(Self {
             tx: Mutex::new(Some(tx)),
             dump_on_stop,
@@ -210,15 +226,24 @@ impl Worker {
                 "points caught up at open inserted into the hnsw graph");
         }
         self.maybe_dump();
+        // The flat copy of the graph's bottom layer is taken once writes pause this long.
+        let mut flat_due = true;
         loop {
-            let wait = self
+            let mut wait = self
                 .dumping
                 .interval
                 .saturating_sub(self.last_dump.elapsed())
                 .max(Duration::from_millis(10));
+            if flat_due {
+                wait = wait.min(self.flat_quiet);
+            }
             let first = match rx.recv_timeout(wait) {
                 Ok(j) => j,
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    if flat_due {
+                        self.refresh_flat();
+                        flat_due = false;
+                    }
                     self.maybe_dump();
                     continue;
                 }
@@ -238,6 +263,7 @@ impl Worker {
             }
             match self.apply(jobs) {
                 Ok(seq) => {
+                    flat_due = true;
                     self.at = seq;
                     self.visible.send_replace(seq);
                     self.maybe_dump();
@@ -315,6 +341,17 @@ impl Worker {
         tracing::info!(shard = %self.key, chunks = n, ms = t.elapsed().as_millis() as u64,
             "indexes rebuilt from a snapshot");
         Ok(())
+    }
+
+    fn refresh_flat(&mut self) {
+        let started = Instant::now();
+        if self.indexes.hnsw.refresh_flat() {
+            self.flat_quiet = (started.elapsed() * 10).max(FLAT_AFTER_QUIET);
+            let secs = started.elapsed().as_secs_f64();
+            metrics::histogram!("shard_hnsw_flat_copy_seconds").record(secs);
+            tracing::debug!(shard = %self.key, ms = (secs * 1e3) as u64,
+                "hnsw bottom layer copied for fast walks");
+        }
     }
 
     /// Dumps the graph when enough changed, or the interval passed with changes.

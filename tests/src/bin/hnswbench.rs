@@ -11,7 +11,9 @@
 //! - each searched with a filter closure (`filter`, how the shard searched before: hnsw_rs then
 //!   never stops its layer-0 walk early) and without one (`nofilter`);
 //! - `index`: the shard's own `HnswIndex` (fed in groups of 512 like the index worker; ids and
-//!   tombstones resolved through its slot table), i.e. what a shard adds to raw hnsw_rs.
+//!   tombstones resolved through its slot table), i.e. what a shard adds to raw hnsw_rs;
+//!   `search` walks hnsw_rs's graph, `search_flat` the bottom-layer copy the index worker
+//!   takes when writes pause (`index/hnsw_flat.rs`).
 //!
 //! Queries are SciFact's 300 test queries embedded by a model worker process (MiniLM), as a
 //! user's would be.
@@ -232,14 +234,17 @@ fn index_rows(args: &Args, points: &[Chunk], queries: &[Vec<f32>], exact: &[Vec<
         .enumerate()
         .map(|(i, c)| (c.chunk_id.as_str(), i))
         .collect();
-    let rows = sweep(args, queries, exact, |q, ef| {
-        match idx.search(q, 10, ef, &vec![]) {
-            SearchPlan::Hits(h) => h.iter().map(|(id, _)| pos[id.as_str()]).collect(),
-            SearchPlan::Exact(_) => Vec::new(),
-        }
-    });
-    let out =
-        json!({"build_s": build, "points_per_s": points.len() as f64 / build, "search": rows});
+    let search = |q: &[f32], ef: usize| match idx.search(q, 10, ef, &vec![]) {
+        SearchPlan::Hits(h) => h.iter().map(|(id, _)| pos[id.as_str()]).collect(),
+        SearchPlan::Exact(_) => Vec::new(),
+    };
+    let rows = sweep(args, queries, exact, search);
+    let t = Instant::now();
+    idx.refresh_flat();
+    let copy = t.elapsed().as_secs_f64();
+    let flat = sweep(args, queries, exact, search);
+    let out = json!({"build_s": build, "points_per_s": points.len() as f64 / build,
+                     "search": rows, "flat_copy_s": copy, "search_flat": flat});
     eprintln!("{}", serde_json::to_string(&out).unwrap_or_default());
     out
 }

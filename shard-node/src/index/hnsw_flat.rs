@@ -1,0 +1,238 @@
+//! A read-optimised copy of an hnsw_rs graph's bottom layer, which is where a search spends
+//! its time. hnsw_rs's own walk allocates two `Arc`s per accepted candidate and keeps its
+//! visited set in a SipHash map (the profile in docs/bench shows that overhead next to the
+//! distance itself). This copy holds the layer-0 neighbour lists as one flat array indexed by
+//! slot and reuses a per-thread visited array, and walks it with the same beam search.
+//!
+//! hnsw_rs keeps its neighbour lists private and changes existing points' lists on every
+//! insert, so the copy is taken when writes pause (the index worker does it) and used only
+//! while it matches the graph's insert count; otherwise searches take hnsw_rs's walk. The
+//! vectors are not copied: the copy holds hnsw_rs's points.
+
+use std::cell::RefCell;
+use std::cmp::{Ordering, Reverse};
+use std::collections::BinaryHeap;
+use std::sync::Arc;
+
+use hnsw_rs::hnsw::{Hnsw, Point};
+
+use super::distance::{UnitCosine, dot};
+
+pub struct FlatGraph {
+    /// The graph's insert count this copy reflects.
+    pub version: u64,
+    /// hnsw_rs's points by slot (hnsw_rs's origin id); None for a slot not in the graph.
+    points: Vec<Option<Arc<Point<'static, f32>>>>,
+    /// Neighbours of slot i: `adj[offsets[i]..offsets[i + 1]]`.
+    offsets: Vec<u32>,
+    adj: Vec<u32>,
+}
+
+#[derive(PartialEq)]
+struct Dist(f32, u32);
+
+impl Eq for Dist {}
+
+impl PartialOrd for Dist {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Dist {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.0.total_cmp(&other.0).then(self.1.cmp(&other.1))
+    }
+}
+
+thread_local! {
+    /// Visited marks: slot -> the stamp of the search that saw it (no clearing per search).
+    static VISITED: RefCell<(Vec<u32>, u32)> = const { RefCell::new((Vec::new(), 0)) };
+}
+
+impl FlatGraph {
+    /// Copies the bottom layer of `hnsw`, whose points carry slot ids below `slots`.
+    pub fn build(hnsw: &Hnsw<'static, f32, UnitCosine>, slots: usize, version: u64) -> Self {
+        let mut points: Vec<Option<Arc<Point<'static, f32>>>> = vec![None; slots];
+        let mut lists: Vec<Vec<u32>> = vec![Vec::new(); slots];
+        // Layer by layer (hnsw_rs's all-points iterator unwraps the entry point, so it panics
+        // on an empty graph); every point is in exactly one layer list, its top one.
+        let ix = hnsw.get_point_indexation();
+        let layers = ix.get_max_level_observed() as usize;
+        for p in (0..=layers).flat_map(|l| ix.get_layer_iterator(l)) {
+            let id = p.get_origin_id();
+            if id >= slots {
+                continue;
+            }
+            let hood = p.get_neighborhood_id();
+            if let Some(l0) = hood.first() {
+                lists[id] = l0
+                    .iter()
+                    .filter(|n| n.d_id < slots)
+                    .map(|n| n.d_id as u32)
+                    .collect();
+            }
+            points[id] = Some(p);
+        }
+        let mut offsets = Vec::with_capacity(slots + 1);
+        let mut adj = Vec::with_capacity(lists.iter().map(Vec::len).sum());
+        offsets.push(0);
+        for l in lists {
+            adj.extend(l);
+            offsets.push(adj.len() as u32);
+        }
+        Self {
+            version,
+            points,
+            offsets,
+            adj,
+        }
+    }
+
+    /// Beam search of breadth `ef` from slot `entry`: up to `ef` (slot, distance) pairs,
+    /// nearest first.
+    pub fn search(&self, query: &[f32], entry: usize, ef: usize) -> Vec<(usize, f32)> {
+        let dist = |slot: u32| -> Option<f32> {
+            let p = self.points.get(slot as usize)?.as_ref()?;
+            Some((1.0 - dot(query, p.get_v())).max(0.0))
+        };
+        let Some(d0) = dist(entry as u32) else {
+            return Vec::new();
+        };
+        let n = self.points.len();
+        VISITED.with(|v| {
+            let (marks, stamp) = &mut *v.borrow_mut();
+            if marks.len() < n {
+                marks.resize(n, 0);
+            }
+            *stamp = stamp.wrapping_add(1);
+            if *stamp == 0 {
+                marks.iter_mut().for_each(|m| *m = 0);
+                *stamp = 1;
+            }
+            let stamp = *stamp;
+            marks[entry] = stamp;
+            let mut candidates = BinaryHeap::with_capacity(ef * 4);
+            let mut results = BinaryHeap::with_capacity(ef + 1);
+            candidates.push(Reverse(Dist(d0, entry as u32)));
+            results.push(Dist(d0, entry as u32));
+            while let Some(Reverse(Dist(d, c))) = candidates.pop() {
+                if results.len() >= ef && results.peek().is_some_and(|w| d > w.0) {
+                    break;
+                }
+                let (a, b) = (
+                    self.offsets[c as usize] as usize,
+                    self.offsets[c as usize + 1] as usize,
+                );
+                for &nb in &self.adj[a..b] {
+                    let m = &mut marks[nb as usize];
+                    if *m == stamp {
+                        continue;
+                    }
+                    *m = stamp;
+                    let Some(dn) = dist(nb) else { continue };
+                    if results.len() < ef || results.peek().is_some_and(|w| dn < w.0) {
+                        candidates.push(Reverse(Dist(dn, nb)));
+                        results.push(Dist(dn, nb));
+                        if results.len() > ef {
+                            results.pop();
+                        }
+                    }
+                }
+            }
+            results
+                .into_sorted_vec()
+                .into_iter()
+                .map(|Dist(d, s)| (s as usize, d))
+                .collect()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::hnsw::tests::unit;
+    use crate::index::hnsw::{HnswIndex, HnswParams, Point as IndexPoint, SearchPlan};
+
+    fn exact(points: &[Vec<f32>], q: &[f32], k: usize) -> Vec<usize> {
+        let mut s: Vec<(f32, usize)> = points
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (dot(q, p), i))
+            .collect();
+        s.sort_by(|a, b| b.0.total_cmp(&a.0));
+        s.into_iter().take(k).map(|x| x.1).collect()
+    }
+
+    #[test]
+    fn an_empty_graph_copies_to_nothing() {
+        let hnsw: Hnsw<'static, f32, UnitCosine> = Hnsw::new(8, 16, 16, 100, UnitCosine);
+        let flat = FlatGraph::build(&hnsw, 0, 0);
+        assert!(flat.search(&unit(1, 24), 0, 16).is_empty());
+    }
+
+    #[test]
+    fn the_flat_walk_finds_what_hnsw_rs_finds() {
+        let points: Vec<Vec<f32>> = (0..600).map(|i| unit(i, 24)).collect();
+        let hnsw: Hnsw<'static, f32, UnitCosine> = Hnsw::new(8, 600, 16, 100, UnitCosine);
+        for (i, p) in points.iter().enumerate() {
+            hnsw.insert((p.as_slice(), i));
+        }
+        let flat = FlatGraph::build(&hnsw, points.len(), 7);
+        assert_eq!(flat.version, 7);
+        for q in 1000..1020 {
+            let q = unit(q, 24);
+            let entry = hnsw.search_filter(&q, 1, 1, None)[0].d_id;
+            let got = flat.search(&q, entry, 64);
+            assert!(got.len() <= 64 && got.windows(2).all(|w| w[0].1 <= w[1].1));
+            let top: Vec<usize> = got.iter().take(10).map(|x| x.0).collect();
+            assert_eq!(
+                top,
+                exact(&points, &q, 10),
+                "a 600-point graph at ef 64 is exact"
+            );
+            let d = (1.0 - dot(&q, &points[top[0]])).max(0.0);
+            assert!((got[0].1 - d).abs() < 1e-6);
+        }
+        // An entry the copy does not hold gives nothing (the caller walks hnsw_rs instead).
+        assert!(flat.search(&unit(1, 24), 10_000, 16).is_empty());
+    }
+
+    #[test]
+    fn a_stale_copy_is_not_used_and_is_refreshed() {
+        let idx = HnswIndex::new(
+            24,
+            HnswParams {
+                m: 8,
+                ef_construction: 100,
+                ef_search: 64,
+            },
+            100,
+        );
+        let point = |i: u32| IndexPoint {
+            chunk_id: format!("d{i}#0"),
+            doc_id: format!("d{i}"),
+            vector: unit(i, 24),
+            meta: vec![],
+        };
+        assert!(idx.refresh_flat(), "an empty graph copies too");
+        idx.insert((0..100).map(point).collect());
+        assert!(idx.refresh_flat());
+        assert!(!idx.refresh_flat(), "already current");
+        let top = |seed| match idx.search(&unit(seed, 24), 1, 32, &vec![]) {
+            SearchPlan::Hits(h) => h[0].0.clone(),
+            SearchPlan::Exact(_) => panic!(),
+        };
+        assert_eq!(top(42), "d42#0");
+        // A point inserted after the copy is found (the copy is stale, hnsw_rs walks) ...
+        idx.insert(vec![point(500)]);
+        assert_eq!(top(500), "d500#0");
+        // ... and after the next copy.
+        assert!(idx.refresh_flat());
+        assert_eq!(top(500), "d500#0");
+        // Tombstones are dropped from the flat walk's results too.
+        idx.remove(&["d42#0".to_string()]);
+        assert_ne!(top(42), "d42#0");
+    }
+}
