@@ -13,11 +13,10 @@
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::path::Path;
-
-use hnsw_rs::api::AnnT;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use hnsw_rs::api::AnnT;
 use hnsw_rs::hnsw::Hnsw;
 use hnsw_rs::hnswio::HnswIo;
 use parking_lot::RwLock;

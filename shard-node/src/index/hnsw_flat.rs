@@ -14,9 +14,10 @@ use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
 use std::sync::Arc;
 
+use hnsw_rs::anndists::dist::Distance;
 use hnsw_rs::hnsw::{Hnsw, Point};
 
-use super::distance::{UnitCosine, dot};
+use super::distance::UnitCosine;
 
 pub struct FlatGraph {
     /// The graph's insert count this copy reflects.
@@ -94,7 +95,7 @@ impl FlatGraph {
     pub fn search(&self, query: &[f32], entry: usize, ef: usize) -> Vec<(usize, f32)> {
         let dist = |slot: u32| -> Option<f32> {
             let p = self.points.get(slot as usize)?.as_ref()?;
-            Some((1.0 - dot(query, p.get_v())).max(0.0))
+            Some(UnitCosine.eval(query, p.get_v()))
         };
         let Some(d0) = dist(entry as u32) else {
             return Vec::new();
@@ -152,6 +153,7 @@ impl FlatGraph {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::index::distance::dot;
     use crate::index::hnsw::tests::unit;
     use crate::index::hnsw::{HnswIndex, HnswParams, Point as IndexPoint, SearchPlan};
 

@@ -346,8 +346,9 @@ impl Worker {
     fn refresh_flat(&mut self) {
         let started = Instant::now();
         if self.indexes.hnsw.refresh_flat() {
-            self.flat_quiet = (started.elapsed() * 10).max(FLAT_AFTER_QUIET);
-            let secs = started.elapsed().as_secs_f64();
+            let took = started.elapsed();
+            self.flat_quiet = (took * 10).max(FLAT_AFTER_QUIET);
+            let secs = took.as_secs_f64();
             metrics::histogram!("shard_hnsw_flat_copy_seconds").record(secs);
             tracing::debug!(shard = %self.key, ms = (secs * 1e3) as u64,
                 "hnsw bottom layer copied for fast walks");
