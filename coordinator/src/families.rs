@@ -33,6 +33,11 @@ pub fn all() -> Vec<Family> {
             "chunks acknowledged by UpsertDocuments",
         ),
         (
+            "coordinator_ingest_stage_seconds",
+            Histogram,
+            "UpsertDocuments time by stage (chunk, embed, write)",
+        ),
+        (
             "coordinator_ask_seconds",
             Histogram,
             "Ask latency by flow and status",

@@ -211,7 +211,9 @@ impl Ingestor {
         validate_documents(&r.documents, self.max_batch, info.dimension)?;
         let ids: Vec<String> = r.documents.iter().map(|d| d.id.clone()).collect();
         let chunking = info.chunking.unwrap_or_default();
+        let t_chunk = std::time::Instant::now();
         let docs = self.chunk(r.documents, &chunking).await?;
+        let chunk_took = t_chunk.elapsed();
         let label = chunking.label_with_title.unwrap_or(true);
         let texts: Vec<String> = docs
             .iter()
@@ -222,11 +224,13 @@ impl Ingestor {
                     .map(|p| embedding_text(&d.doc.title, &p.section, &p.text, label))
             })
             .collect();
+        let t_embed = std::time::Instant::now();
         let vectors = if texts.is_empty() {
             Vec::new()
         } else {
             self.models.embed(&info.embedding_model, texts).await?
         };
+        let embed_took = t_embed.elapsed();
         let per_shard = writes(docs, vectors, info.shard_count);
         let chunks_of: HashMap<String, usize> = per_shard
             .values()
@@ -234,8 +238,23 @@ impl Ingestor {
             .map(|w| (w.doc_id.clone(), w.chunks.len()))
             .collect();
         let timeout = self.timeout(client_timeout, started);
+        let t_write = std::time::Instant::now();
         let outcomes = self.write_shards(&info, per_shard, timeout).await;
-        let report = Report::new(&ids, &chunks_of, outcomes, &info.name);
+        let timings = IngestTimings {
+            chunk_us: chunk_took.as_micros() as u64,
+            embed_us: embed_took.as_micros() as u64,
+            write_us: t_write.elapsed().as_micros() as u64,
+        };
+        for (stage, took) in [
+            ("chunk", chunk_took),
+            ("embed", embed_took),
+            ("write", t_write.elapsed()),
+        ] {
+            metrics::histogram!("coordinator_ingest_stage_seconds", "stage" => stage)
+                .record(took.as_secs_f64());
+        }
+        let mut report = Report::new(&ids, &chunks_of, outcomes, &info.name);
+        report.response.timings = Some(timings);
         metrics::counter!("coordinator_ingested_documents_total")
             .increment(u64::from(report.response.documents));
         metrics::counter!("coordinator_ingested_chunks_total")
@@ -439,6 +458,7 @@ impl Report {
                 documents: stored.len() as u32,
                 chunks: chunks as u32,
                 results,
+                timings: None,
             },
             failure,
             failed_shards,

@@ -5,7 +5,7 @@
 mod cmd;
 
 use cmd::local::LocalCluster;
-use cmd::{ask, docs, eval, keys, local, ops, optimize, status};
+use cmd::{ask, docs, eval, ingest, keys, local, ops, optimize, status};
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -55,16 +55,29 @@ enum Cmd {
         #[command(subcommand)]
         cmd: LocalCmd,
     },
-    /// Ingest Markdown / text files (directories are walked).
+    /// Ingest Markdown / text files (directories are walked), JSON-lines files (`_id` or `id`,
+    /// `title`, `text`, optional `metadata`) and BEIR datasets (a directory with corpus.jsonl),
+    /// showing chunks/s and where the time goes.
     Ingest {
-        /// Files or directories to ingest.
+        /// Files, directories or BEIR dataset directories to ingest.
         paths: Vec<PathBuf>,
-        /// Collection to write into (created with Markdown chunking when missing).
+        /// Collection to write into (created when missing).
         #[arg(long, default_value = "docs")]
         collection: String,
         /// Documents per upsert call.
-        #[arg(long, default_value_t = 16)]
+        #[arg(long, default_value_t = 32)]
         batch: usize,
+        /// Upsert calls in flight (the coordinator refuses past its admission limit and
+        /// ingest waits out the retry hint).
+        #[arg(long, default_value_t = 4)]
+        concurrency: usize,
+        /// Chunking of a collection ingest creates (default: markdown for files, sentence
+        /// for JSON lines).
+        #[arg(long, value_enum)]
+        chunking: Option<Chunker>,
+        /// Shards of a collection ingest creates (default: the coordinator's).
+        #[arg(long)]
+        shards: Option<u32>,
     },
     /// Search a collection and print a table.
     Search {
@@ -255,6 +268,15 @@ enum Chunker {
 }
 
 impl Chunker {
+    fn strategy(self) -> ragcluster_proto::v1::ChunkingStrategy {
+        use ragcluster_proto::v1::ChunkingStrategy as S;
+        match self {
+            Chunker::Fixed => S::Fixed,
+            Chunker::Sentence => S::Sentence,
+            Chunker::Markdown => S::Markdown,
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Chunker::Fixed => "fixed",
@@ -347,7 +369,20 @@ async fn main() -> Result<()> {
             paths,
             collection,
             batch,
-        } => docs::ingest(&cli, paths, collection, *batch).await,
+            concurrency,
+            chunking,
+            shards,
+        } => {
+            let args = ingest::IngestArgs {
+                paths,
+                collection,
+                batch: *batch,
+                concurrency: *concurrency,
+                chunking: *chunking,
+                shards: *shards,
+            };
+            ingest::ingest(CoordinatorClient::new(channel(&cli).await?), args).await
+        }
         Cmd::Search {
             query,
             collection,

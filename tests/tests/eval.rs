@@ -11,7 +11,7 @@
 use std::process::Command;
 
 use anyhow::{Context, Result, ensure};
-use ragcluster_tests::{Cluster, bin_dir, datasets_dir, python_with, workspace};
+use ragcluster_tests::{Cluster, bin_dir, datasets_dir, python_with, ragctl_at, workspace};
 
 #[test]
 fn eval_retrieval_matches_trec_eval() -> Result<()> {
@@ -355,6 +355,113 @@ fn optimize_the_whole_pipeline_on_the_sample() -> Result<()> {
     ensure!(
         !o.status.success() && err.contains("answer-metric strategy"),
         "{err}"
+    );
+    Ok(())
+}
+
+/// `ragctl ingest` of JSON lines and of a BEIR dataset directory (only its corpus): several
+/// calls in flight, chunks/s and the stage split printed, metadata stored and filterable; a
+/// malformed line is named before anything is written (no collection is created).
+#[test]
+fn ragctl_ingest_reads_jsonl_and_beir_corpora() -> Result<()> {
+    let cluster = Cluster::start(2)?;
+    let at = cluster.coordinator.grpc.as_str();
+    let dir = cluster.dir.path();
+    std::fs::write(
+        dir.join("rows.jsonl"),
+        "{\"id\":\"r1\",\"title\":\"Zebras\",\"text\":\"Zebras graze on the savanna grass.\",\"metadata\":{\"year\":2024}}\n\
+         {\"id\":\"r2\",\"text\":\"Glaciers carve valleys over millennia.\",\"metadata\":{\"year\":1999}}\n\
+         {\"id\":\"r3\",\"title\":\"Volcanoes erupt molten basalt\"}\n",
+    )?;
+    let rows = dir.join("rows.jsonl").display().to_string();
+    let out = ragctl_at(
+        at,
+        &[
+            "ingest",
+            &rows,
+            "--collection",
+            "rows",
+            "--shards",
+            "2",
+            "--batch",
+            "1",
+        ],
+    )?;
+    ensure!(
+        out.contains("ingested 3 documents") && out.contains("chunks/s") && out.contains("embed"),
+        "{out}"
+    );
+    let hits = ragctl_at(
+        at,
+        &[
+            "search",
+            "basalt",
+            "--collection",
+            "rows",
+            "--mode",
+            "bm25",
+            "--json",
+        ],
+    )?;
+    ensure!(hits.contains("\"r3\""), "{hits}");
+    let hits = ragctl_at(
+        at,
+        &[
+            "search",
+            "zebras glaciers",
+            "--collection",
+            "rows",
+            "--mode",
+            "bm25",
+            "--json",
+            "--filter",
+            "year=1999",
+        ],
+    )?;
+    ensure!(
+        hits.contains("\"r2\"") && !hits.contains("\"r1\""),
+        "{hits}"
+    );
+
+    std::fs::write(
+        dir.join("bad.jsonl"),
+        "{\"id\":\"b1\",\"text\":\"fine\"}\n{\"id\": oops\n",
+    )?;
+    let bad = dir.join("bad.jsonl").display().to_string();
+    let o = Command::new(bin_dir().join("ragctl"))
+        .args(["--coordinator", at, "ingest", &bad, "--collection", "never"])
+        .output()?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    ensure!(!o.status.success() && err.contains("bad.jsonl:2"), "{err}");
+    let list = ragctl_at(at, &["collection", "list"])?;
+    ensure!(!list.contains("never"), "{list}");
+
+    // A BEIR directory: its corpus only (queries.jsonl beside it is not ingested).
+    let beir = dir.join("mini-scifact");
+    std::fs::create_dir_all(&beir)?;
+    let corpus = std::fs::read_to_string(datasets_dir().join("scifact/corpus.jsonl"))?;
+    let first: Vec<&str> = corpus.lines().take(30).collect();
+    std::fs::write(beir.join("corpus.jsonl"), first.join("\n"))?;
+    std::fs::copy(
+        datasets_dir().join("scifact/queries.jsonl"),
+        beir.join("queries.jsonl"),
+    )?;
+    let out = ragctl_at(
+        at,
+        &[
+            "ingest",
+            &beir.display().to_string(),
+            "--collection",
+            "mini",
+            "--concurrency",
+            "3",
+            "--batch",
+            "4",
+        ],
+    )?;
+    ensure!(
+        out.contains("ingested 30 documents") && out.contains("sentence chunking"),
+        "{out}"
     );
     Ok(())
 }

@@ -44,7 +44,8 @@ pub enum CoordError {
     /// Valid credentials without the role or collection scope the call needs.
     #[error("{0}")]
     PermissionDenied(String),
-    /// Admission refused: too many requests in flight (for the process or for one key).
+    /// Admission refused: too many requests in flight (for the process or for one key), or
+    /// a model worker's queue is full (its refusal and hint passed on to the client).
     #[error("overloaded: {reason}")]
     Overloaded { reason: String, retry_after_ms: u64 },
     /// A shard call failed (`what` names the shard for the client: no node addresses).
@@ -97,6 +98,18 @@ impl CoordError {
                 retry_after_ms: 200,
             },
             Code::DeadlineExceeded => Self::Deadline(what.to_owned()),
+            // A full queue downstream: the client backs off by the hint (end-to-end
+            // backpressure); without a hint it is a request too large, not load.
+            Code::ResourceExhausted if s.metadata().get("retry-after-ms").is_some() => {
+                Self::Overloaded {
+                    reason: format!("{what}: {}", s.message()),
+                    retry_after_ms: s
+                        .metadata()
+                        .get("retry-after-ms")
+                        .and_then(|v| v.to_str().ok()?.parse().ok())
+                        .unwrap_or(50),
+                }
+            }
             _ => Self::Upstream(Status::new(s.code(), format!("{what}: {}", s.message()))),
         }
     }
@@ -196,6 +209,22 @@ impl From<CoordError> for Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_full_queue_downstream_is_passed_on_with_its_hint() {
+        let mut s = Status::resource_exhausted("queue of all-MiniLM-L6-v2 is full");
+        s.metadata_mut()
+            .insert("retry-after-ms", "75".parse().unwrap());
+        let e = CoordError::upstream("model worker", s);
+        assert_eq!(e.retry_after_ms(), Some(75));
+        let out = Status::from(e);
+        assert_eq!(out.code(), Code::ResourceExhausted);
+        assert_eq!(out.metadata().get("retry-after-ms").unwrap(), "75");
+        // Too large a request: no hint, not load; passed on as it is.
+        let e = CoordError::upstream("model worker", Status::resource_exhausted("too long"));
+        assert_eq!(e.retry_after_ms(), None);
+        assert_eq!(e.to_status_code(), Code::ResourceExhausted);
+    }
 
     #[test]
     fn client_messages_name_no_node_address() {

@@ -1,109 +1,12 @@
-//! Documents and collections: `ragctl ingest`, `search`, `collection ...`.
+//! Search and collections: `ragctl search`, `collection ...`.
 
-use std::path::{Path, PathBuf};
-
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
-use indicatif::{ProgressBar, ProgressStyle};
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::*;
 
 use crate::cmd::status::print_shards;
-use crate::{Chunker, Cli, CollectionCmd, Mode, channel};
-
-fn collect_files(p: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
-    if p.is_dir() {
-        let mut entries: Vec<_> = std::fs::read_dir(p)?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .collect();
-        entries.sort();
-        for e in entries {
-            collect_files(&e, out)?;
-        }
-    } else if matches!(
-        p.extension().and_then(|e| e.to_str()),
-        Some("md" | "markdown" | "txt")
-    ) {
-        out.push(p.to_path_buf());
-    }
-    Ok(())
-}
-
-/// Title of a file: its first Markdown heading, else the file name.
-fn title_of(path: &Path, text: &str) -> String {
-    text.lines()
-        .find_map(|l| l.strip_prefix("# ").map(|t| t.trim().to_owned()))
-        .unwrap_or_else(|| {
-            path.file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default()
-        })
-}
-
-pub async fn ingest(cli: &Cli, paths: &[PathBuf], collection: &str, batch: usize) -> Result<()> {
-    let mut files = Vec::new();
-    for p in paths {
-        collect_files(p, &mut files)?;
-    }
-    if files.is_empty() {
-        bail!("no .md/.txt files under the given paths");
-    }
-    let mut client = CoordinatorClient::new(channel(cli).await?);
-    let exists = client
-        .list_collections(ListCollectionsRequest {})
-        .await?
-        .into_inner()
-        .collections
-        .iter()
-        .any(|c| c.name == collection);
-    if !exists {
-        client
-            .create_collection(CreateCollectionRequest {
-                name: collection.to_owned(),
-                chunking: Some(ChunkingConfig {
-                    strategy: ChunkingStrategy::Markdown as i32,
-                    ..Default::default()
-                }),
-                ..Default::default()
-            })
-            .await?;
-        println!("created collection {collection} (markdown chunking, 3 shards)");
-    }
-    let bar = ProgressBar::new(files.len() as u64);
-    bar.set_style(ProgressStyle::with_template(
-        "{bar:40} {pos}/{len} docs {msg} [{elapsed}]",
-    )?);
-    let (mut docs_n, mut chunks_n) = (0, 0);
-    for group in files.chunks(batch.max(1)) {
-        let mut documents = Vec::new();
-        for f in group {
-            let text = std::fs::read_to_string(f).with_context(|| f.display().to_string())?;
-            let mut metadata = std::collections::HashMap::new();
-            metadata.insert("path".to_string(), f.display().to_string());
-            documents.push(Document {
-                id: f.display().to_string(),
-                title: title_of(f, &text),
-                text,
-                metadata,
-                embedding: vec![],
-            });
-        }
-        let r = client
-            .upsert_documents(UpsertDocumentsRequest {
-                collection: collection.to_owned(),
-                documents,
-            })
-            .await?
-            .into_inner();
-        docs_n += r.documents;
-        chunks_n += r.chunks;
-        bar.inc(group.len() as u64);
-        bar.set_message(format!("{chunks_n} chunks"));
-    }
-    bar.finish();
-    println!("ingested {docs_n} documents as {chunks_n} chunks into {collection}");
-    Ok(())
-}
+use crate::{Cli, CollectionCmd, Mode, channel};
 
 fn snippet(s: &str, n: usize) -> String {
     let flat: String = s.split_whitespace().collect::<Vec<_>>().join(" ");
@@ -174,11 +77,7 @@ pub async fn collection(cli: &Cli, cmd: &CollectionCmd) -> Result<()> {
             chunk_size,
             chunk_overlap,
         } => {
-            let strategy = match chunking {
-                Chunker::Fixed => ChunkingStrategy::Fixed,
-                Chunker::Sentence => ChunkingStrategy::Sentence,
-                Chunker::Markdown => ChunkingStrategy::Markdown,
-            };
+            let strategy = chunking.strategy();
             let r = c
                 .create_collection(CreateCollectionRequest {
                     name: name.clone(),

@@ -120,7 +120,7 @@ fn bar(n: usize, what: &str) -> Result<ProgressBar> {
 }
 
 async fn ingest(
-    c: &mut CoordinatorClient<KeyedChannel>,
+    c: &CoordinatorClient<KeyedChannel>,
     a: &RetrievalArgs,
     judged: &HashSet<String>,
 ) -> Result<()> {
@@ -137,41 +137,30 @@ async fn ingest(
             keep
         })
         .collect();
-    c.create_collection(CreateCollectionRequest {
-        name: a.collection.clone(),
-        shard_count: a.shards,
-        chunking: Some(ChunkingConfig {
-            strategy: ChunkingStrategy::Sentence as i32,
-            ..Default::default()
-        }),
-        ..Default::default()
-    })
-    .await
-    .with_context(|| format!("creating collection {}", a.collection))?;
-    let b = bar(docs.len(), "documents")?;
-    for batch in docs.chunks(32) {
-        let documents = batch
-            .iter()
-            .map(|d| Document {
-                id: d.id.clone(),
-                title: d.title.clone(),
-                text: if d.text.trim().is_empty() {
-                    d.title.clone()
-                } else {
-                    d.text.clone()
-                },
+    c.clone()
+        .create_collection(CreateCollectionRequest {
+            name: a.collection.clone(),
+            shard_count: a.shards,
+            chunking: Some(ChunkingConfig {
+                strategy: ChunkingStrategy::Sentence as i32,
                 ..Default::default()
-            })
-            .filter(|d| !d.text.trim().is_empty())
-            .collect();
-        c.upsert_documents(UpsertDocumentsRequest {
-            collection: a.collection.clone(),
-            documents,
+            }),
+            ..Default::default()
         })
-        .await?;
-        b.inc(batch.len() as u64);
-    }
+        .await
+        .with_context(|| format!("creating collection {}", a.collection))?;
+    let b = bar(docs.len(), "documents")?;
+    let docs = docs.into_iter().filter_map(|d| {
+        super::ingest::corpus_document(d.id, d.title, d.text, HashMap::new()).map(Ok)
+    });
+    let t = super::ingest::upload(c, &a.collection, docs, 32, a.concurrency, &b).await?;
     b.finish();
+    eprintln!(
+        "ingested {} documents as {} chunks ({})",
+        t.documents,
+        t.chunks,
+        t.split()
+    );
     Ok(())
 }
 
@@ -381,7 +370,7 @@ pub async fn retrieval(client: CoordinatorClient<KeyedChannel>, a: &RetrievalArg
             .iter()
             .flat_map(|q| judged.qrels[&q.id].keys().cloned())
             .collect();
-        ingest(&mut client.clone(), a, &ids).await?;
+        ingest(&client, a, &ids).await?;
     }
     std::fs::create_dir_all(&a.out)?;
     let configs = configurations(a)?;

@@ -3,6 +3,7 @@
 pub mod ask;
 pub mod docs;
 pub mod eval;
+pub mod ingest;
 pub mod keys;
 pub mod local;
 pub mod ops;
