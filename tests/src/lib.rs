@@ -230,6 +230,20 @@ impl Proc {
         Some(kb * 1024)
     }
 
+    /// CPU time (user + system) the running process has used so far (Linux `/proc`), for
+    /// CPU-per-operation figures.
+    pub fn cpu_seconds(&self) -> Option<f64> {
+        let pid = self.child.as_ref()?.id();
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // Fields after the command name (which may hold spaces) start at its closing paren;
+        // utime and stime are the 14th and 15th fields of the whole line.
+        let rest = &stat[stat.rfind(')')? + 2..];
+        let f: Vec<&str> = rest.split(' ').collect();
+        let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+        // USER_HZ is 100 on every Linux this runs on (x86-64, arm64).
+        Some(ticks as f64 / 100.0)
+    }
+
     /// Bytes under the process's data directory (`<dir>/<name>/data`).
     pub fn data_bytes(&self) -> u64 {
         fn walk(p: &Path) -> u64 {
@@ -534,6 +548,18 @@ pub struct Cluster {
     pub coordinator: Proc,
     /// The other coordinators, replicas of the catalog.
     pub more_coordinators: Vec<Proc>,
+}
+
+impl Cluster {
+    /// CPU seconds used so far by the coordinator and the shard nodes (the processes a write
+    /// or search goes through; the model worker is left out).
+    pub fn data_path_cpu_seconds(&self) -> f64 {
+        std::iter::once(&self.coordinator)
+            .chain(&self.more_coordinators)
+            .chain(&self.shards)
+            .filter_map(Proc::cpu_seconds)
+            .sum()
+    }
 }
 
 /// What `Cluster::start_opts` starts.

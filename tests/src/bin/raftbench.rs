@@ -4,7 +4,8 @@
 //! transfer: a shard of `--snapshot-docs` documents gets a new learner replica on a second
 //! node, which can only catch up by snapshot (the log was compacted); reports the stream rate
 //! (sender side, file to acknowledged install) and the whole catch-up time. Prints one JSON
-//! object.
+//! object; each write phase also reports the CPU the coordinator and shard nodes used per
+//! chunk and how many cores they kept busy.
 
 use std::time::{Duration, Instant};
 
@@ -62,6 +63,7 @@ async fn main() -> Result<()> {
             documents: vec![doc(u64::MAX / 2)],
         })
         .await?;
+        let cpu_before = cluster.data_path_cpu_seconds();
         let started = Instant::now();
         let lat: Vec<f64> = futures::stream::iter((0..a.docs).step_by(a.batch as usize))
             .map(|s| {
@@ -84,6 +86,8 @@ async fn main() -> Result<()> {
             .into_iter()
             .collect::<Result<_>>()?;
         let secs = started.elapsed().as_secs_f64();
+        let cpu = cluster.data_path_cpu_seconds() - cpu_before;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
         let mut l = lat.clone();
         out.insert(
             name,
@@ -93,6 +97,11 @@ async fn main() -> Result<()> {
                 "concurrency": a.concurrency,
                 "p50_ms": percentile(&mut l, 50.0),
                 "p99_ms": percentile(&mut l, 99.0),
+                // Coordinator + shard nodes: whether the run was bound by the cores (a
+                // replica factor of 3 does three times the indexing).
+                "cpu_ms_per_chunk": 1e3 * cpu / a.docs as f64,
+                "cores_busy": cpu / secs,
+                "cores": cores,
             }),
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
