@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 use ragcluster_proto::v1::{Chunk, DocumentWrite, GlobalBm25Stats};
@@ -24,6 +25,7 @@ use tantivy::tokenizer::{
 use tantivy::{Index, IndexReader, IndexWriter, ReloadPolicy, Searcher, TantivyDocument, Term};
 
 use super::Filter;
+use super::bm25_ids::{CHUNK_ID, IdCache, SegmentIds};
 use crate::error::{Result, ShardError};
 
 /// English analysis as in Lucene's EnglishAnalyzer: split on non-alphanumerics, lowercase,
@@ -40,6 +42,8 @@ pub struct Bm25Index {
     f_doc_id: Field,
     f_body: Field,
     f_meta: Field,
+    /// Chunk ids of hits by segment, decoded once per segment.
+    ids: IdCache,
 }
 
 fn analyzer() -> TextAnalyzer {
@@ -56,7 +60,7 @@ fn analyzer() -> TextAnalyzer {
 fn schema() -> Schema {
     let mut b = Schema::builder();
     // A fast (columnar) field: reading ids of hits avoids decompressing doc-store blocks.
-    b.add_text_field("chunk_id", STRING | FAST);
+    b.add_text_field(CHUNK_ID, STRING | FAST);
     b.add_text_field("doc_id", STRING);
     let body = TextOptions::default().set_indexing_options(
         TextFieldIndexing::default()
@@ -97,13 +101,14 @@ impl Bm25Index {
             .reload_policy(ReloadPolicy::Manual)
             .try_into()?;
         Ok(Self {
-            f_chunk_id: field("chunk_id")?,
+            f_chunk_id: field(CHUNK_ID)?,
             f_doc_id: field("doc_id")?,
             f_body: field("body")?,
             f_meta: field("meta")?,
             index,
             writer: Mutex::new(writer),
             reader,
+            ids: IdCache::default(),
         })
     }
 
@@ -257,24 +262,16 @@ impl Bm25Index {
             }
             None => searcher.search(&*query, &collector)?,
         };
-        let mut columns: Vec<Option<tantivy::columnar::StrColumn>> =
+        let mut segments: Vec<Option<Arc<SegmentIds>>> =
             vec![None; searcher.segment_readers().len()];
         let mut out = Vec::with_capacity(top.len());
-        let mut id = String::new();
         for (score, addr) in top {
             let seg = addr.segment_ord as usize;
-            if columns[seg].is_none() {
-                columns[seg] = searcher
-                    .segment_reader(addr.segment_ord)
-                    .fast_fields()
-                    .str("chunk_id")?;
+            if segments[seg].is_none() {
+                segments[seg] = self.ids.segment(&searcher, addr.segment_ord)?;
             }
-            let Some(col) = &columns[seg] else { continue };
-            if let Some(ord) = col.term_ords(addr.doc_id).next() {
-                id.clear();
-                if col.ord_to_str(ord, &mut id)? {
-                    out.push((id.clone(), score));
-                }
+            if let Some(id) = segments[seg].as_ref().and_then(|s| s.get(addr.doc_id)) {
+                out.push((id.to_owned(), score));
             }
         }
         Ok(out)
@@ -388,5 +385,52 @@ mod tests {
             hits.iter().map(|h| h.0.as_str()).collect::<Vec<_>>(),
             vec!["b#0"]
         );
+    }
+
+    /// Hit ids come from the per-segment id cache: right across many segments, after
+    /// replacements (deleted docs keep their place in a segment) and after a merge.
+    #[test]
+    fn hit_ids_stay_right_across_segments_and_merges() {
+        let dir = tempfile::tempdir().unwrap();
+        let idx = Bm25Index::open(dir.path(), 20_000_000).unwrap();
+        for (seq, doc) in ["p", "q", "r", "s"].iter().enumerate() {
+            let texts: Vec<String> = (0..5).map(|i| format!("common word{i} {doc}x")).collect();
+            let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+            idx.stage(&[write(doc, &refs)]).unwrap();
+            idx.commit(seq as u64 + 1).unwrap();
+        }
+        let ids = |q: &str| -> Vec<String> {
+            let mut v: Vec<String> = idx
+                .search(q, 50, &vec![], None)
+                .unwrap()
+                .into_iter()
+                .map(|h| h.0)
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(
+            ids("rx"),
+            (0..5).map(|i| format!("r#{i}")).collect::<Vec<_>>()
+        );
+        assert_eq!(ids("word3").len(), 4);
+        assert_eq!(ids("word3")[2], "r#3");
+        // q replaced by two chunks: the old five are deleted in their segment.
+        idx.stage(&[write("q", &["fresh qx", "fresh word3"])])
+            .unwrap();
+        idx.commit(5).unwrap();
+        assert_eq!(ids("qx"), vec!["q#0".to_string()]);
+        assert_eq!(ids("word3"), ["p#3", "q#1", "r#3", "s#3"].map(String::from));
+        // One merged segment: new segment ids, ids still right.
+        let segs = idx.index.searchable_segment_ids().unwrap();
+        assert!(segs.len() > 1);
+        let mut w = idx.writer.lock();
+        let _ = futures::executor::block_on(w.merge(&segs));
+        w.commit().unwrap();
+        drop(w);
+        idx.reader.reload().unwrap();
+        assert_eq!(idx.index.searchable_segment_ids().unwrap().len(), 1);
+        assert_eq!(ids("word3"), ["p#3", "q#1", "r#3", "s#3"].map(String::from));
+        assert_eq!(ids("sx").len(), 5);
     }
 }

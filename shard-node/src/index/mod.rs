@@ -3,6 +3,7 @@
 //! the HNSW graph now and then (`hnsw_dump`) so that a restart need not rebuild it.
 
 pub mod bm25;
+pub mod bm25_ids;
 pub mod distance;
 pub mod hnsw;
 pub mod hnsw_dump;

@@ -57,6 +57,12 @@ struct Args {
     /// seconds (for `perf record -a -g` from another shell; "soak" is printed at the start).
     #[arg(long, default_value_t = 0)]
     soak_seconds: u64,
+    /// Search mode of the soak: bm25, dense, hybrid-rrf, hybrid-cc or hybrid-dbsf.
+    #[arg(long, default_value = "dense")]
+    soak_mode: String,
+    /// Shards of the collection (each on its own shard node up to three).
+    #[arg(long, default_value_t = 3)]
+    shards: u32,
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -124,7 +130,7 @@ async fn one_size(
         &mut c,
         CreateCollectionRequest {
             name: "scale".into(),
-            shard_count: 3,
+            shard_count: args.shards,
             hnsw: Some(HnswParams {
                 m: 0,
                 ef_construction: args.ef_construction,
@@ -161,18 +167,37 @@ async fn one_size(
         .filter(|m| n <= args.dense_only_above || m.0 == "dense")
         .collect();
     for &&(name, mode, fusion) in &modes {
-        let (row, top) =
-            latency(&mut c, queries, qvecs, (mode, fusion, 0), args.concurrency).await?;
+        let (row, top) = latency(
+            &cluster,
+            &mut c,
+            queries,
+            qvecs,
+            (mode, fusion, 0),
+            args.concurrency,
+        )
+        .await?;
         out.insert(name.into(), with_recall(row, mode, &exact, &top));
     }
     for &ef in &args.dense_ef {
         let dense = (SearchMode::Dense, "", ef);
-        let (row, top) = latency(&mut c, queries, qvecs, dense, args.concurrency).await?;
+        let (row, top) = latency(&cluster, &mut c, queries, qvecs, dense, args.concurrency).await?;
         let row = with_recall(row, SearchMode::Dense, &exact, &top);
         out.insert(format!("dense_ef{ef}"), row);
     }
     if args.soak_seconds > 0 && Some(&n) == args.sizes.last() {
-        soak(&c, queries, qvecs, args.concurrency, args.soak_seconds).await?;
+        let mode = MODES
+            .iter()
+            .find(|m| m.0 == args.soak_mode)
+            .ok_or_else(|| anyhow::anyhow!("--soak-mode {} is not one of MODES", args.soak_mode))?;
+        soak(
+            &c,
+            queries,
+            qvecs,
+            (mode.1, mode.2),
+            args.concurrency,
+            args.soak_seconds,
+        )
+        .await?;
     }
     let rss: u64 = cluster.shards.iter().filter_map(|s| s.rss_bytes()).sum();
     let disk: u64 = cluster.shards.iter().map(|s| s.data_bytes()).sum();
@@ -191,6 +216,7 @@ async fn one_size(
 /// One client query by query (p50/p99), then `concurrency` clients (QPS); returns the row and
 /// the chunk ids each query got.
 async fn latency(
+    cluster: &Cluster,
     c: &mut CoordinatorClient<Channel>,
     queries: &[BeirQuery],
     qvecs: &[Vec<f32>],
@@ -213,21 +239,26 @@ async fn latency(
         top.push(r.hits.into_iter().map(|h| h.chunk_id).collect());
     }
     let reqs: Vec<SearchRequest> = queries.iter().zip(qvecs).map(|(q, v)| req(q, v)).collect();
+    let cpu_before = cluster.data_path_cpu_seconds();
+    let n = reqs.len();
     let qps = qps(c, reqs, concurrency).await?;
+    // Coordinator + shard nodes CPU per query under load (the bench client is not counted).
+    let cpu_ms = 1e3 * (cluster.data_path_cpu_seconds() - cpu_before) / n as f64;
     let row = json!({"p50_ms": percentile(&mut lat, 50.0), "p99_ms": percentile(&mut lat, 99.0),
-                     "qps": qps});
+                     "qps": qps, "cpu_ms_per_query": cpu_ms});
     Ok((row, top))
 }
 
-/// Dense queries from `concurrency` clients for `seconds`, for a profiler to watch.
+/// Queries of one mode from `concurrency` clients for `seconds`, for a profiler to watch.
 async fn soak(
     c: &CoordinatorClient<Channel>,
     queries: &[BeirQuery],
     qvecs: &[Vec<f32>],
+    (mode, fusion): (SearchMode, &'static str),
     concurrency: usize,
     seconds: u64,
 ) -> Result<()> {
-    eprintln!("soak: {concurrency} clients, dense, {seconds} s");
+    eprintln!("soak: {concurrency} clients, {mode:?}, {seconds} s");
     let end = Instant::now() + Duration::from_secs(seconds);
     let clients = (0..concurrency).map(|k| {
         let mut c = c.clone();
@@ -236,8 +267,7 @@ async fn soak(
             let mut n = 0u64;
             while Instant::now() < end {
                 let (q, v) = (&queries[i % queries.len()], &qvecs[i % qvecs.len()]);
-                c.search(req("scale", q, v, SearchMode::Dense, "", 10))
-                    .await?;
+                c.search(req("scale", q, v, mode, fusion, 10)).await?;
                 i += concurrency;
                 n += 1;
             }
