@@ -240,15 +240,16 @@ impl Ingestor {
         let timeout = self.timeout(client_timeout, started);
         let t_write = std::time::Instant::now();
         let outcomes = self.write_shards(&info, per_shard, timeout).await;
+        let write_took = t_write.elapsed();
         let timings = IngestTimings {
             chunk_us: chunk_took.as_micros() as u64,
             embed_us: embed_took.as_micros() as u64,
-            write_us: t_write.elapsed().as_micros() as u64,
+            write_us: write_took.as_micros() as u64,
         };
         for (stage, took) in [
             ("chunk", chunk_took),
             ("embed", embed_took),
-            ("write", t_write.elapsed()),
+            ("write", write_took),
         ] {
             metrics::histogram!("coordinator_ingest_stage_seconds", "stage" => stage)
                 .record(took.as_secs_f64());
