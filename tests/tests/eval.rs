@@ -11,7 +11,9 @@
 use std::process::Command;
 
 use anyhow::{Context, Result, ensure};
-use ragcluster_tests::{Cluster, bin_dir, datasets_dir, python_with, ragctl_at, workspace};
+use ragcluster_tests::{
+    Cluster, Options, bin_dir, datasets_dir, python_with, ragctl_at, workspace,
+};
 
 #[test]
 fn eval_retrieval_matches_trec_eval() -> Result<()> {
@@ -361,10 +363,18 @@ fn optimize_the_whole_pipeline_on_the_sample() -> Result<()> {
 
 /// `ragctl ingest` of JSON lines and of a BEIR dataset directory (only its corpus): several
 /// calls in flight, chunks/s and the stage split printed, metadata stored and filterable; a
-/// malformed line is named before anything is written (no collection is created).
+/// malformed line is named before anything is written (no collection is created). The model
+/// worker queues one Embed request at most, so a load of them is refused: the refusal
+/// reaches ragctl as RESOURCE_EXHAUSTED with a retry hint and is waited out (backpressure
+/// end to end), and every document is stored.
 #[test]
 fn ragctl_ingest_reads_jsonl_and_beir_corpora() -> Result<()> {
-    let cluster = Cluster::start(2)?;
+    let cluster = Cluster::start_opts(Options {
+        shard_nodes: 2,
+        coordinator_config: Some("[coordinator]\nembed_batch = 2\nembed_concurrency = 4\n"),
+        model_worker_config: Some("[model_worker]\nmax_queue = 1\n"),
+        ..Default::default()
+    })?;
     let at = cluster.coordinator.grpc.as_str();
     let dir = cluster.dir.path();
     std::fs::write(
@@ -461,6 +471,30 @@ fn ragctl_ingest_reads_jsonl_and_beir_corpora() -> Result<()> {
     )?;
     ensure!(
         out.contains("ingested 30 documents") && out.contains("sentence chunking"),
+        "{out}"
+    );
+
+    // Sixteen Embed calls at once against a queue of one: refused, retried, all stored.
+    let many: Vec<String> = (0..64)
+        .map(|i| format!("{{\"id\":\"m{i}\",\"text\":\"Note {i} about tide pools and kelp.\"}}"))
+        .collect();
+    std::fs::write(dir.join("many.jsonl"), many.join("\n"))?;
+    let many = dir.join("many.jsonl").display().to_string();
+    let out = ragctl_at(
+        at,
+        &[
+            "ingest",
+            &many,
+            "--collection",
+            "many",
+            "--batch",
+            "16",
+            "--concurrency",
+            "4",
+        ],
+    )?;
+    ensure!(
+        out.contains("ingested 64 documents") && out.contains("retries after load refusals"),
         "{out}"
     );
     Ok(())

@@ -406,7 +406,7 @@ pub async fn ingest(c: CoordinatorClient<KeyedChannel>, a: IngestArgs<'_>) -> Re
             String::new()
         },
         if t.retries > 0 {
-            format!("; {} calls retried after a load refusal", t.retries)
+            format!("; {} retries after load refusals", t.retries)
         } else {
             String::new()
         },
