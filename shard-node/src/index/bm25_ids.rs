@@ -3,8 +3,9 @@
 //! The `chunk_id` fast field stores its strings in a zstd-compressed sstable; tantivy's
 //! `ord_to_str` decompresses a block with a fresh zstd context for every hit, which was 15% of
 //! the CPU of a one-shard BM25 load (perf, 2026-11-24). Segments never change once written, so
-//! each segment's ids are decoded once, in ordinal order, into one string with offsets (about
-//! 8 bytes per chunk beyond the ids themselves) and looked up by ordinal afterwards.
+//! each segment's ids are decoded once, in ordinal order, into one string with offsets, plus
+//! each document's ordinal (about 12 bytes per chunk beyond the ids themselves), and looked up
+//! by document afterwards. The first search that meets a new segment pays its decoding.
 
 use std::collections::HashMap;
 use std::sync::Arc;
