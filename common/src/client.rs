@@ -11,6 +11,20 @@ use tonic::transport::Channel;
 pub const AUTHORIZATION: &str = "authorization";
 pub const X_API_KEY: &str = "x-api-key";
 
+/// The metadata key of a refusal's retry hint, in milliseconds (every process sets it on
+/// UNAVAILABLE and RESOURCE_EXHAUSTED answers worth retrying later).
+pub const RETRY_AFTER_MS: &str = "retry-after-ms";
+
+/// The retry hint an error status carries, if any.
+pub fn retry_after_ms(s: &tonic::Status) -> Option<u64> {
+    s.metadata()
+        .get(RETRY_AFTER_MS)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
 /// The API key a request carries, if any: `authorization: Bearer KEY` or `x-api-key: KEY`.
 pub fn api_key(md: &MetadataMap) -> Option<&str> {
     if let Some(v) = md.get(AUTHORIZATION).and_then(|v| v.to_str().ok()) {

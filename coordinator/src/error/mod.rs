@@ -2,6 +2,7 @@
 
 pub mod shard;
 
+use ragcluster_common::client::{RETRY_AFTER_MS, retry_after_ms};
 use tonic::{Code, Status};
 
 pub use shard::ShardCallError;
@@ -100,16 +101,10 @@ impl CoordError {
             Code::DeadlineExceeded => Self::Deadline(what.to_owned()),
             // A full queue downstream: the client backs off by the hint (end-to-end
             // backpressure); without a hint it is a request too large, not load.
-            Code::ResourceExhausted if s.metadata().get("retry-after-ms").is_some() => {
-                Self::Overloaded {
-                    reason: format!("{what}: {}", s.message()),
-                    retry_after_ms: s
-                        .metadata()
-                        .get("retry-after-ms")
-                        .and_then(|v| v.to_str().ok()?.parse().ok())
-                        .unwrap_or(50),
-                }
-            }
+            Code::ResourceExhausted if retry_after_ms(&s).is_some() => Self::Overloaded {
+                reason: format!("{what}: {}", s.message()),
+                retry_after_ms: retry_after_ms(&s).unwrap_or(50),
+            },
             _ => Self::Upstream(Status::new(s.code(), format!("{what}: {}", s.message()))),
         }
     }
@@ -200,7 +195,7 @@ impl From<CoordError> for Status {
         if let Some(ms) = retry_after_ms
             && let Ok(v) = ms.to_string().parse()
         {
-            s.metadata_mut().insert("retry-after-ms", v);
+            s.metadata_mut().insert(RETRY_AFTER_MS, v);
         }
         s
     }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use futures::{StreamExt, TryStreamExt, stream};
 use indicatif::{ProgressBar, ProgressStyle};
-use ragcluster_common::client::KeyedChannel;
+use ragcluster_common::client::{KeyedChannel, retry_after_ms};
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::*;
 use serde::Deserialize;
@@ -236,13 +236,7 @@ impl Totals {
 
 /// Load refusals worth waiting out: the coordinator's hint, or None for any other error.
 fn retry_hint(s: &tonic::Status) -> Option<Duration> {
-    let ms = s
-        .metadata()
-        .get("retry-after-ms")?
-        .to_str()
-        .ok()?
-        .parse::<u64>()
-        .ok()?;
+    let ms = retry_after_ms(s)?;
     matches!(
         s.code(),
         tonic::Code::ResourceExhausted | tonic::Code::Unavailable

@@ -57,7 +57,7 @@ struct Args {
     /// seconds (for `perf record -a -g` from another shell; "soak" is printed at the start).
     #[arg(long, default_value_t = 0)]
     soak_seconds: u64,
-    /// Search mode of the soak: bm25, dense, hybrid-rrf, hybrid-cc or hybrid-dbsf.
+    /// Search mode of the soak: bm25, dense or hybrid-rrf.
     #[arg(long, default_value = "dense")]
     soak_mode: String,
     /// Shards of the collection (each on its own shard node up to three).
@@ -76,6 +76,7 @@ const MODES: [(&str, SearchMode, &str); 3] = [
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<()> {
     let args = Args::parse();
+    soak_mode(&args)?; // a wrong name fails now, not after the measurements
     let real = GetChunksResponse::decode(
         &*std::fs::read(&args.chunks).with_context(|| args.chunks.display().to_string())?,
     )?
@@ -185,10 +186,7 @@ async fn one_size(
         out.insert(format!("dense_ef{ef}"), row);
     }
     if args.soak_seconds > 0 && Some(&n) == args.sizes.last() {
-        let mode = MODES
-            .iter()
-            .find(|m| m.0 == args.soak_mode)
-            .ok_or_else(|| anyhow::anyhow!("--soak-mode {} is not one of MODES", args.soak_mode))?;
+        let mode = soak_mode(args)?;
         soak(
             &c,
             queries,
@@ -247,6 +245,17 @@ async fn latency(
     let row = json!({"p50_ms": percentile(&mut lat, 50.0), "p99_ms": percentile(&mut lat, 99.0),
                      "qps": qps, "cpu_ms_per_query": cpu_ms});
     Ok((row, top))
+}
+
+fn soak_mode(args: &Args) -> Result<&'static (&'static str, SearchMode, &'static str)> {
+    MODES.iter().find(|m| m.0 == args.soak_mode).ok_or_else(|| {
+        let names: Vec<&str> = MODES.iter().map(|m| m.0).collect();
+        anyhow::anyhow!(
+            "--soak-mode {}: one of {}",
+            args.soak_mode,
+            names.join(", ")
+        )
+    })
 }
 
 /// Queries of one mode from `concurrency` clients for `seconds`, for a profiler to watch.
