@@ -703,8 +703,10 @@ mod tests {
         assert_eq!(top(&shard, 7.0), "d7#0");
         shard.flush().unwrap();
         drop(shard);
+        // The dump holds no second copy of the live vectors (RocksDB has them).
+        assert!(!dir.path().join("hnsw/dump-2/graph.hnsw.data").exists());
         // A damaged dump is refused and the graph rebuilt: same answers, no tombstones.
-        let data = dir.path().join("hnsw/dump-2/graph.hnsw.data");
+        let data = dir.path().join("hnsw/dump-2/graph.hnsw.graph");
         let mut bytes = std::fs::read(&data).unwrap();
         let mid = bytes.len() / 2;
         bytes[mid] ^= 0xff;

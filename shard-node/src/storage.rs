@@ -415,15 +415,24 @@ impl Store {
             })
             .collect::<Result<Vec<_>>>()?;
         if with_embedding {
-            let cf = self.cf(CF_VECTORS);
-            let keys: Vec<_> = ids.iter().map(|id| (cf, key.key(id.as_bytes()))).collect();
-            for (c, v) in chunks.iter_mut().zip(self.db.multi_get_cf(keys)) {
-                if let (Some(c), Some(v)) = (c.as_mut(), v?) {
-                    c.embedding = decode_vector(&v);
+            for (c, v) in chunks.iter_mut().zip(self.get_vectors(key, ids)?) {
+                if let (Some(c), Some(v)) = (c.as_mut(), v) {
+                    c.embedding = v;
                 }
             }
         }
         Ok(chunks)
+    }
+
+    /// The stored embeddings of chunk ids, in order (None where none is stored).
+    pub fn get_vectors(&self, key: &ShardKey, ids: &[String]) -> Result<Vec<Option<Vec<f32>>>> {
+        let cf = self.cf(CF_VECTORS);
+        let keys: Vec<_> = ids.iter().map(|id| (cf, key.key(id.as_bytes()))).collect();
+        self.db
+            .multi_get_cf(keys)
+            .into_iter()
+            .map(|v| Ok(v?.map(|v| decode_vector(&v))))
+            .collect()
     }
 
     /// Commits one write batch atomically together with its sequence number and op-log entry.

@@ -24,6 +24,7 @@ use parking_lot::RwLock;
 use super::Filter;
 pub use super::distance::{UnitCosine, dot, normalize};
 use super::hnsw_flat::FlatGraph;
+use super::hnsw_vectors::{self, FetchVectors};
 use crate::error::{Result, ShardError};
 pub use crate::storage::HnswParams;
 
@@ -382,7 +383,7 @@ impl HnswIndex {
 }
 
 /// File names inside a dump directory: hnsw_rs writes `<GRAPH_BASENAME>.hnsw.graph` and
-/// `.hnsw.data` (the vectors); the slot table is ours.
+/// `.hnsw.data` (the vectors; replaced by `hnsw_vectors`' files); the slot table is ours.
 pub const GRAPH_BASENAME: &str = "graph";
 pub const SLOTS_FILE: &str = "slots.bin";
 
@@ -428,6 +429,9 @@ impl HnswIndex {
             g.hnsw
                 .file_dump(dir, GRAPH_BASENAME)
                 .map_err(|e| ShardError::Corrupt(format!("hnsw dump: {e}")))?;
+            // Live points' vectors are in RocksDB: the dump keeps only the dead ones'.
+            let alive = |id: usize| s.slots.get(id).is_some_and(|sl| sl.alive);
+            hnsw_vectors::strip(dir, GRAPH_BASENAME, self.dim, &alive)?;
         }
         let mut out = std::io::BufWriter::new(std::fs::File::create(dir.join(SLOTS_FILE))?);
         out.write_all(&(s.slots.len() as u64).to_le_bytes())?;
@@ -445,9 +449,16 @@ impl HnswIndex {
         Ok(points)
     }
 
-    /// Reads what `write_parts` wrote. The caller has checked the files' checksums; a panic in
-    /// hnsw_rs's reader (it asserts on malformed input) still comes back as an error.
-    pub fn read_parts(dir: &Path, dim: usize, params: HnswParams) -> Result<Self> {
+    /// Reads what `write_parts` wrote, taking live points' vectors from `fetch`. The caller has
+    /// checked the files' checksums; a panic in hnsw_rs's reader (it asserts on malformed input)
+    /// still comes back as an error. Also returns the documents of live points whose vector
+    /// changed since the dump (`hnsw_vectors`): the caller must re-index them.
+    pub fn read_parts(
+        dir: &Path,
+        dim: usize,
+        params: HnswParams,
+        fetch: FetchVectors,
+    ) -> Result<(Self, HashSet<String>)> {
         let corrupt = |m: String| ShardError::Corrupt(format!("hnsw dump {}: {m}", dir.display()));
         let mut input = std::io::BufReader::new(std::fs::File::open(dir.join(SLOTS_FILE))?);
         let n = get_u64(&mut input)? as usize;
@@ -474,8 +485,43 @@ impl HnswIndex {
             });
         }
         if n == 0 {
-            return Ok(Self::new(dim, params, 0));
+            return Ok((Self::new(dim, params, 0), HashSet::new()));
         }
+        // Dumps written before `hnsw_vectors` carry hnsw_rs's data file themselves.
+        let mut stale = HashSet::new();
+        let restored = dir.join(hnsw_vectors::ORDER_FILE).exists();
+        if restored {
+            let chunk_id = |id: usize| slots.slots.get(id).map(|s| s.chunk_id.clone());
+            let r = hnsw_vectors::restore(dir, GRAPH_BASENAME, &chunk_id, fetch)?;
+            if r.points != n {
+                return Err(corrupt(format!("{} vectors for {n} slots", r.points)));
+            }
+            stale.extend(r.stale.iter().map(|&i| slots.slots[i].doc_id.clone()));
+        }
+        let loaded = Self::load_graph(dir, dim, n);
+        if restored {
+            // Only a copy: the dump stays graph-only on disk.
+            let _ = std::fs::remove_file(dir.join(hnsw_vectors::data_file(GRAPH_BASENAME)));
+        }
+        let hnsw = loaded.map_err(corrupt)?;
+        Ok((
+            Self {
+                dim,
+                params,
+                graph: RwLock::new(Graph::new(hnsw, slots)),
+                pending: RwLock::default(),
+            },
+            stale,
+        ))
+    }
+
+    /// hnsw_rs's reader over the graph and data files in `dir`, checked against the slot count
+    /// and dimension.
+    fn load_graph(
+        dir: &Path,
+        dim: usize,
+        n: usize,
+    ) -> std::result::Result<Hnsw<'static, f32, UnitCosine>, String> {
         // A loaded graph borrows its loader for as long as it lives ('static here): the loader
         // is a few paths and flags, leaked once per load (at open).
         let io: &'static mut HnswIo = Box::leak(Box::new(HnswIo::new(dir, GRAPH_BASENAME)));
@@ -485,28 +531,23 @@ impl HnswIndex {
         }));
         let mut hnsw = match loaded {
             Ok(Ok(h)) => h,
-            Ok(Err(e)) => return Err(corrupt(e.to_string())),
-            Err(_) => return Err(corrupt("the graph reader panicked".into())),
+            Ok(Err(e)) => return Err(e.to_string()),
+            Err(_) => return Err("the graph reader panicked".into()),
         };
         hnsw.set_extend_candidates(false);
         if hnsw.get_nb_point() != n {
-            return Err(corrupt(format!(
+            return Err(format!(
                 "graph holds {} points, slot table {n}",
                 hnsw.get_nb_point()
-            )));
+            ));
         }
         let stored_dim = hnsw.get_point_indexation().get_data_dimension();
         if stored_dim != dim {
-            return Err(corrupt(format!(
+            return Err(format!(
                 "vectors have dimension {stored_dim}, shard expects {dim}"
-            )));
+            ));
         }
-        Ok(Self {
-            dim,
-            params,
-            graph: RwLock::new(Graph::new(hnsw, slots)),
-            pending: RwLock::default(),
-        })
+        Ok(hnsw)
     }
 }
 

@@ -1,19 +1,22 @@
 //! On-disk dumps of a shard's HNSW graph, so that a restart loads the graph instead of
 //! rebuilding it from RocksDB (minutes at 100k points on 2 cores).
 //!
-//! A dump is a directory `dump-<seq>` holding the graph files, the slot table and, written last,
+//! A dump is a directory `dump-<seq>` holding the graph (without the live points' vectors,
+//! which RocksDB holds: `hnsw_vectors`), the slot table and, written last,
 //! `manifest.json` with the applied seq the dump reflects and a CRC32 of every file. It is
 //! written as `tmp-<seq>` and renamed once complete and fsynced, so a crash mid-dump leaves at
 //! worst a `tmp-` directory (removed later) and the previous dump. At open the newest dump whose
 //! manifest and checksums hold is loaded and caught up from the op log (`Shard::open`); any
 //! other is removed. A missing or corrupt dump means a rebuild, never a wrong graph.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
 use super::hnsw::{HnswIndex, HnswParams};
+use super::hnsw_vectors::FetchVectors;
 use crate::error::{Result, ShardError};
 
 const MANIFEST: &str = "manifest.json";
@@ -26,6 +29,16 @@ struct Manifest {
     points: usize,
     /// (file name, length, crc32) of every other file in the directory.
     files: Vec<(String, u64, u32)>,
+}
+
+/// A dump as loaded.
+pub struct Loaded {
+    pub index: HnswIndex,
+    /// The applied seq the dump reflects.
+    pub seq: u64,
+    /// Documents of live points whose stored vector changed after the dump: the catch-up must
+    /// cover them, or the dump is not usable.
+    pub stale_docs: HashSet<String>,
 }
 
 /// The dump directory of one shard replica.
@@ -56,19 +69,31 @@ impl Dumps {
     }
 
     /// Loads the newest intact dump with seq <= `max_seq` (a dump ahead of the applied index
-    /// cannot be caught up and is ignored). Returns the index and its seq, or None (no dump, or
-    /// none intact: the caller rebuilds). Failures are logged, not returned.
-    pub fn load(&self, dim: usize, params: HnswParams, max_seq: u64) -> Option<(HnswIndex, u64)> {
+    /// cannot be caught up and is ignored), with live points' vectors from `fetch` (RocksDB).
+    /// Returns None when there is no dump or none intact (the caller rebuilds). Failures are
+    /// logged, not returned.
+    pub fn load(
+        &self,
+        dim: usize,
+        params: HnswParams,
+        max_seq: u64,
+        fetch: FetchVectors,
+    ) -> Option<Loaded> {
         for (seq, path) in self.listed("dump-") {
             if seq > max_seq {
                 continue;
             }
             let started = Instant::now();
-            match load_dir(&path, dim, params) {
-                Ok(idx) => {
-                    tracing::info!(dir = %path.display(), seq, points = idx.counts().0,
+            match load_dir(&path, dim, params, fetch) {
+                Ok((index, stale_docs)) => {
+                    tracing::info!(dir = %path.display(), seq, points = index.counts().0,
+                        stale_docs = stale_docs.len(),
                         ms = started.elapsed().as_millis() as u64, "hnsw graph loaded from dump");
-                    return Some((idx, seq));
+                    return Some(Loaded {
+                        index,
+                        seq,
+                        stale_docs,
+                    });
                 }
                 Err(e) => {
                     metrics::counter!("shard_hnsw_dump_rejected_total").increment(1);
@@ -148,7 +173,12 @@ impl Dumps {
     }
 }
 
-fn load_dir(path: &Path, dim: usize, params: HnswParams) -> Result<HnswIndex> {
+fn load_dir(
+    path: &Path,
+    dim: usize,
+    params: HnswParams,
+    fetch: FetchVectors,
+) -> Result<(HnswIndex, HashSet<String>)> {
     let corrupt = |m: String| ShardError::Corrupt(m);
     let body = std::fs::read(path.join(MANIFEST))?;
     let m: Manifest =
@@ -167,7 +197,7 @@ fn load_dir(path: &Path, dim: usize, params: HnswParams) -> Result<HnswIndex> {
             )));
         }
     }
-    let idx = HnswIndex::read_parts(path, dim, params)?;
+    let (idx, stale) = HnswIndex::read_parts(path, dim, params, fetch)?;
     let (live, dead) = idx.counts();
     if live + dead != m.points {
         return Err(corrupt(format!(
@@ -176,7 +206,7 @@ fn load_dir(path: &Path, dim: usize, params: HnswParams) -> Result<HnswIndex> {
             m.points
         )));
     }
-    Ok(idx)
+    Ok((idx, stale))
 }
 
 /// (length, crc32) of a file; fsyncs it first when `sync`.

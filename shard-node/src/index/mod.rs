@@ -8,6 +8,7 @@ pub mod distance;
 pub mod hnsw;
 pub mod hnsw_dump;
 pub mod hnsw_flat;
+pub mod hnsw_vectors;
 pub mod recovery;
 pub mod worker;
 

@@ -23,18 +23,23 @@ pub fn open_hnsw(
 ) -> Result<(HnswIndex, DumpState)> {
     let started = Instant::now();
     let dim = meta.dimension as usize;
-    if let Some((idx, seq)) = dumps.load(dim, meta.hnsw, applied) {
+    let fetch = |ids: &[String]| store.get_vectors(key, ids);
+    if let Some(loaded) = dumps.load(dim, meta.hnsw, applied, &fetch) {
+        let (idx, seq) = (loaded.index, loaded.seq);
         let log = store.oplog_after(key, seq)?;
         let reaches = seq == applied
             || (log.first().is_some_and(|(s, _)| *s == seq + 1)
                 && log.last().is_some_and(|(s, _)| *s == applied));
-        if reaches {
-            // The final state of every document an entry after the dump wrote is in RocksDB:
-            // its old points go, its current chunks come back (as pending points).
-            let touched: std::collections::HashSet<String> = log
-                .iter()
-                .flat_map(|(_, r)| r.writes.iter().map(|w| w.doc_id.clone()))
-                .collect();
+        // The final state of every document an entry after the dump wrote is in RocksDB: its
+        // old points go, its current chunks come back (as pending points).
+        let touched: std::collections::HashSet<String> = log
+            .iter()
+            .flat_map(|(_, r)| r.writes.iter().map(|w| w.doc_id.clone()))
+            .collect();
+        // A vector that changed without an entry after the dump means the dump and RocksDB
+        // disagree: never serve such a graph.
+        let unexplained = loaded.stale_docs.difference(&touched).count();
+        if reaches && unexplained == 0 {
             let removed = idx.tombstone_docs(&touched);
             let mut points = Vec::new();
             for doc in &touched {
@@ -55,8 +60,9 @@ pub fn open_hnsw(
             };
             return Ok((idx, state));
         }
-        tracing::warn!(shard = %key, dump = seq, applied,
-            "op log does not reach back to the hnsw dump; rebuilding the graph");
+        tracing::warn!(shard = %key, dump = seq, applied, reaches, unexplained,
+            "hnsw dump cannot be caught up (op log does not reach back to it, or vectors \
+             changed outside it); rebuilding the graph");
     }
     dumps.remove_except(None);
     let mut points = Vec::new();
