@@ -28,13 +28,15 @@ pub struct ModelWorkerConfig {
     /// Optional OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`,
     /// `/v1/embeddings`, `/v1/models`) on this address; empty = off.
     pub http_listen: String,
-    /// Generations decoding at once (each on its own thread with its own KV cache); more wait.
+    /// Generations decoding at once (batched: one forward per step over all of them, each
+    /// with its own KV cache); more wait.
     pub max_concurrent_generations: usize,
     /// Generations waiting for a slot before Generate answers RESOURCE_EXHAUSTED.
     pub max_queued_generations: usize,
-    /// How quantized GGUF weights are held: "f16" (dequantized at load, 2 bytes per weight:
-    /// fastest decoding here), "f32" (4 bytes) or "none" (kept quantized: least memory, prompt
-    /// processing ~7x slower). `genbench` compares them.
+    /// How quantized GGUF weights are held: "f32" (dequantized at load, 4 bytes per weight:
+    /// concurrent streams and prompts fastest, as candle's CPU matmul batches rows well only
+    /// in f32), "f16" (2 bytes: one lone stream decodes ~25% faster, many streams ~2x slower)
+    /// or "none" (kept quantized: least memory, prompts ~7x slower). `genbench` compares them.
     pub dequantize: String,
     pub port_file: Option<PathBuf>,
     /// Mutual TLS (`[model_worker.tls]`) for the gRPC port and `http_listen`: with a
@@ -135,9 +137,9 @@ impl Default for ModelWorkerConfig {
             shutdown_timeout: std::time::Duration::from_secs(10),
             batching: true,
             http_listen: String::new(),
-            max_concurrent_generations: 4,
+            max_concurrent_generations: 16,
             max_queued_generations: 64,
-            dequantize: "f16".into(),
+            dequantize: "f32".into(),
             port_file: None,
             tls: Default::default(),
             coordinators: Vec::new(),

@@ -28,6 +28,11 @@ pub fn all() -> Vec<Family> {
             Histogram,
             "generation: request to first token",
         ),
+        (
+            "model_decode_step_rows",
+            Histogram,
+            "generation: rows per batched forward (decoding streams + prompt rows)",
+        ),
     ]));
     f
 }

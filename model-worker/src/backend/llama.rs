@@ -1,68 +1,30 @@
-//! Text generation with a llama-architecture GGUF model (SmolLM2-135M-Instruct) on candle's
-//! quantized llama. The weights are loaded once; every generation runs on its own clone (the
-//! tensors are shared, only the KV cache is per generation) on the calling thread.
+//! Text generation with a llama-architecture GGUF model (SmolLM2-135M-Instruct). The weights
+//! are loaded once (`llama_batch`); generations are decoded together, one forward per step
+//! over every active stream, on the model's decode thread (`llama_engine`). Scoring calls
+//! (LLM relevance, UPR) run one forward on the calling thread.
 
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::quantized::gguf_file;
 use candle_core::quantized::tokenizer::TokenizerFromGguf;
-use candle_core::{DType, Device, Tensor};
-use candle_transformers::generation::LogitsProcessor;
-use candle_transformers::models::quantized_llama::{MAX_SEQ_LEN, ModelWeights};
 use tokenizers::Tokenizer;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 
+use super::llama_batch::{LlamaModel, Row};
+use super::llama_engine::{Engine, Event, Job, logprob};
+pub use super::llama_engine::{Finish, GenParams, Piece};
 use crate::error::ModelError;
 
-/// Context window: prompt plus generated tokens (candle's rotary table for quantized llama).
-pub const CONTEXT: usize = MAX_SEQ_LEN;
-
-/// How a generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Finish {
-    /// End-of-sequence token or a stop string.
-    Stop,
-    /// `max_tokens` reached.
-    Length,
-    /// The client went away.
-    Cancelled,
-}
-
-impl Finish {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Finish::Stop => "stop",
-            Finish::Length => "length",
-            Finish::Cancelled => "cancelled",
-        }
-    }
-}
-
-/// Decoding parameters, validated by the service.
-#[derive(Debug, Clone)]
-pub struct GenParams {
-    pub max_tokens: usize,
-    /// 0 = greedy.
-    pub temperature: f64,
-    pub top_p: f64,
-    pub stop: Vec<String>,
-    pub seed: u64,
-}
-
-/// One generated token as streamed: the text it adds (possibly empty while a multi-byte
-/// character or a possible stop string is incomplete) and its log-probability under the
-/// model's distribution (temperature 1, before top-p).
-pub struct Piece {
-    pub text: String,
-    pub token_id: u32,
-    pub logprob: f32,
-}
+/// Context window: prompt plus generated tokens (the length of the rotary table).
+pub const CONTEXT: usize = 4096;
 
 pub struct LlamaGenerator {
     pub name: String,
-    weights: ModelWeights,
-    tokenizer: Tokenizer,
-    eos: Vec<u32>,
+    model: Arc<LlamaModel>,
+    engine: Engine,
+    tokenizer: Arc<Tokenizer>,
     chatml: bool,
     /// Single-token spellings of "yes" / "no" (for LLM relevance scoring).
     yes: Vec<u32>,
@@ -116,8 +78,10 @@ impl LlamaGenerator {
                 eos.push(id);
             }
         }
-        let weights = ModelWeights::from_gguf(content, &mut f, &Device::Cpu)
-            .map_err(|e| load_err(format!("weights: {e}")))?;
+        let model = Arc::new(
+            LlamaModel::from_gguf(&content, &mut f, CONTEXT)
+                .map_err(|e| load_err(format!("weights: {e}")))?,
+        );
         let single = |words: &[&str]| -> Vec<u32> {
             words
                 .iter()
@@ -129,11 +93,13 @@ impl LlamaGenerator {
         };
         let yes = single(&["yes", "Yes", " yes", " Yes"]);
         let no = single(&["no", "No", " no", " No"]);
+        let tokenizer = Arc::new(tokenizer);
+        let engine = Engine::start(name, model.clone(), tokenizer.clone(), eos)?;
         Ok(Self {
             name: name.to_owned(),
-            weights,
+            model,
+            engine,
             tokenizer,
-            eos,
             chatml: template.contains("<|im_start|>"),
             yes,
             no,
@@ -170,19 +136,15 @@ impl LlamaGenerator {
                 self.name
             )));
         }
-        let mut model = self.weights.clone();
-        model.clear_kv_cache();
-        let input = Tensor::new(prompt, &Device::Cpu)?.unsqueeze(0)?;
-        let logits = model.forward(&input, 0)?.squeeze(0)?.to_dtype(DType::F32)?;
-        let lp = candle_nn::ops::log_softmax(&logits, 0)?.to_vec1::<f32>()?;
+        let logits = self.score(prompt, &[], 1)?.remove(0);
         let lse = |ids: &[u32]| {
             let m = ids
                 .iter()
-                .map(|&i| lp[i as usize])
+                .map(|&i| logprob(&logits, i))
                 .fold(f32::NEG_INFINITY, f32::max);
             m + ids
                 .iter()
-                .map(|&i| (lp[i as usize] - m).exp())
+                .map(|&i| (logprob(&logits, i) - m).exp())
                 .sum::<f32>()
                 .ln()
         };
@@ -193,28 +155,35 @@ impl LlamaGenerator {
 
     /// Mean natural log-probability of `target` following `prompt` (teacher forcing): the
     /// UPR reranker (Sachan et al., AutoRAG seed) scores a passage by how likely the model is
-    /// to write the query after reading it. One prefill, then one step per target token
-    /// (candle's quantized llama yields the last position's logits only).
+    /// to write the query after reading it. One forward over the prompt and the target.
     pub fn continuation_logprob(&self, prompt: &[u32], target: &[u32]) -> Result<f32, ModelError> {
         if target.is_empty() {
             return Err(ModelError::InvalidArgument("empty target".into()));
         }
-        let mut model = self.weights.clone();
-        model.clear_kv_cache();
-        let input = Tensor::new(prompt, &Device::Cpu)?.unsqueeze(0)?;
-        let mut logits = model.forward(&input, 0)?.squeeze(0)?;
-        let mut total = 0.0f32;
-        for (i, &t) in target.iter().enumerate() {
-            let lp = candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, 0)?
-                .get(t as usize)?
-                .to_scalar::<f32>()?;
-            total += lp;
-            if i + 1 < target.len() {
-                let input = Tensor::new(&[t], &Device::Cpu)?.unsqueeze(0)?;
-                logits = model.forward(&input, prompt.len() + i)?.squeeze(0)?;
-            }
-        }
+        let logits = self.score(prompt, &target[..target.len() - 1], target.len())?;
+        let total: f32 = logits.iter().zip(target).map(|(l, &t)| logprob(l, t)).sum();
         Ok(total / target.len() as f32)
+    }
+
+    /// Logits after each of the last `last` tokens of `prompt` followed by `more`, from one
+    /// forward on the calling thread.
+    fn score(
+        &self,
+        prompt: &[u32],
+        more: &[u32],
+        last: usize,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let rows: Vec<Row> = prompt
+            .iter()
+            .chain(more)
+            .map(|&token| Row { seq: 0, token })
+            .collect();
+        if rows.is_empty() || last > rows.len() {
+            return Err(ModelError::InvalidArgument("empty prompt".into()));
+        }
+        let want: Vec<usize> = (rows.len() - last..rows.len()).collect();
+        let mut cache = self.model.new_cache();
+        self.model.forward(&rows, &mut [&mut cache], &want)
     }
 
     /// Token ids of plain text (no special tokens).
@@ -274,88 +243,43 @@ impl LlamaGenerator {
     }
 
     /// Generates after `prompt` and hands each token to `emit`, which returns false once the
-    /// client has gone (the generation then stops).
+    /// client has gone (the generation then stops). Blocks the calling thread; the decoding
+    /// happens on the model's decode thread, batched with every other stream.
     pub fn generate(
         &self,
         prompt: &[u32],
         p: &GenParams,
         mut emit: impl FnMut(Piece) -> bool,
     ) -> Result<(Finish, usize), ModelError> {
-        let mut model = self.weights.clone();
-        model.clear_kv_cache();
-        let temperature = (p.temperature > 0.0).then_some(p.temperature);
-        let top_p = (p.top_p < 1.0).then_some(p.top_p);
-        let mut sampler = LogitsProcessor::new(p.seed, temperature, top_p);
-        let input = Tensor::new(prompt, &Device::Cpu)?.unsqueeze(0)?;
-        let mut logits = model.forward(&input, 0)?.squeeze(0)?;
-        let mut ids: Vec<u32> = Vec::new();
-        let mut sent = 0usize;
-        let longest_stop = p.stop.iter().map(String::len).max().unwrap_or(0);
-        for step in 0..p.max_tokens {
-            let logits32 = logits.to_dtype(DType::F32)?;
-            let next = sampler.sample(&logits32)?;
-            let logprob = candle_nn::ops::log_softmax(&logits32, 0)?
-                .get(next as usize)?
-                .to_scalar::<f32>()?;
-            if self.eos.contains(&next) {
-                emit(Piece {
-                    text: String::new(),
-                    token_id: next,
-                    logprob,
-                });
-                return Ok((Finish::Stop, step + 1));
-            }
-            ids.push(next);
-            let text = self
-                .tokenizer
-                .decode(&ids, true)
-                .map_err(|e| ModelError::Inference(format!("detokenize: {e}")))?;
-            // A stop string ends the text just before it.
-            let from = sent.saturating_sub(longest_stop);
-            let stop_at = p
-                .stop
-                .iter()
-                .filter_map(|s| text.get(from..)?.find(s.as_str()).map(|i| from + i))
-                .min();
-            if let Some(end) = stop_at {
-                let delta = text.get(sent..end).unwrap_or_default().to_owned();
-                emit(Piece {
-                    text: delta,
-                    token_id: next,
-                    logprob,
-                });
-                return Ok((Finish::Stop, step + 1));
-            }
-            // Hold back an incomplete character and any tail that could start a stop string.
-            let mut ready = text.len();
-            if text.ends_with('\u{FFFD}') {
-                ready = text.rfind('\u{FFFD}').unwrap_or(ready);
-            }
-            for s in &p.stop {
-                for k in (1..s.len()).rev() {
-                    if s.is_char_boundary(k) && text[..ready].ends_with(&s[..k]) {
-                        ready = (ready - k).max(sent);
-                        break;
+        if prompt.is_empty() {
+            return Err(ModelError::InvalidArgument("empty prompt".into()));
+        }
+        if p.max_tokens == 0 {
+            return Ok((Finish::Length, 0));
+        }
+        let (events, rx) = std::sync::mpsc::channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        self.engine.submit(Job {
+            prompt: prompt.to_vec(),
+            params: p.clone(),
+            events,
+            cancel: cancel.clone(),
+        })?;
+        let mut n = 0;
+        for e in rx {
+            match e {
+                Event::Piece(piece) => {
+                    n += 1;
+                    if !emit(piece) {
+                        cancel.store(true, Ordering::Release);
+                        return Ok((Finish::Cancelled, n));
                     }
                 }
+                Event::Done(r) => return r,
             }
-            let last = step + 1 == p.max_tokens;
-            let end = if last { text.len() } else { ready.max(sent) };
-            let delta = text.get(sent..end).unwrap_or_default().to_owned();
-            sent = end.max(sent);
-            if !emit(Piece {
-                text: delta,
-                token_id: next,
-                logprob,
-            }) {
-                return Ok((Finish::Cancelled, step + 1));
-            }
-            if last {
-                break;
-            }
-            let input = Tensor::new(&[next], &Device::Cpu)?.unsqueeze(0)?;
-            logits = model.forward(&input, prompt.len() + step)?.squeeze(0)?;
         }
-        Ok((Finish::Length, p.max_tokens))
+        Err(ModelError::Inference(
+            "the decode thread has stopped".into(),
+        ))
     }
 }

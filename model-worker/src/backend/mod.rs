@@ -4,6 +4,8 @@ pub mod bert;
 pub mod cuda;
 pub mod device;
 pub mod llama;
+pub mod llama_batch;
+pub mod llama_engine;
 pub mod transformer;
 
 /// One tokenised input: token ids (with special tokens), segment ids, and whether the text

@@ -1,0 +1,383 @@
+//! A llama-architecture decoder (SmolLM2's GGUF) that runs one forward over the rows of many
+//! sequences at once, each at its own position with its own KV cache.
+//!
+//! candle's `quantized_llama` keeps one KV cache inside the model and one position per call,
+//! so concurrent streams each ran their own forward: every decode step read all the weights
+//! once per stream and paid candle's per-op overhead per stream. Here the seven weight
+//! matrices of a layer are applied to all rows in one matmul (candle's `QMatMul`, so weights
+//! are held exactly as before: dequantized to f16/f32 or quantized), and the per-row parts
+//! (RMSNorm, RoPE, attention over the row's own cache, SiLU gate) are plain loops over
+//! contiguous buffers. A prompt is the same thing: many rows of one sequence.
+
+use std::path::Path;
+
+use candle_core::quantized::{QMatMul, gguf_file};
+use candle_core::{Device, Module, Tensor};
+use rayon::prelude::*;
+
+use crate::error::ModelError;
+
+/// The model's shapes, from the GGUF metadata.
+#[derive(Debug, Clone, Copy)]
+pub struct Dims {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub eps: f32,
+    /// Longest sequence (rotary table length).
+    pub context: usize,
+}
+
+impl Dims {
+    fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+}
+
+struct Layer {
+    wq: QMatMul,
+    wk: QMatMul,
+    wv: QMatMul,
+    wo: QMatMul,
+    gate: QMatMul,
+    up: QMatMul,
+    down: QMatMul,
+    attn_norm: Vec<f32>,
+    ffn_norm: Vec<f32>,
+}
+
+/// The weights, shared by every sequence.
+pub struct LlamaModel {
+    pub dims: Dims,
+    embed: Vec<f32>,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    output: QMatMul,
+    /// cos / sin of position x frequency, `context` x `head_dim / 2`.
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+/// One sequence's keys and values: per layer, position-major rows of `kv_heads * head_dim`.
+#[derive(Default)]
+pub struct KvCache {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    len: usize,
+}
+
+impl KvCache {
+    /// Positions cached so far (the next row's position).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// One token of one sequence in a forward.
+#[derive(Debug, Clone, Copy)]
+pub struct Row {
+    /// Index into the caches passed to [`LlamaModel::forward`].
+    pub seq: usize,
+    pub token: u32,
+}
+
+fn infer(e: candle_core::Error) -> ModelError {
+    ModelError::Inference(e.to_string())
+}
+
+impl LlamaModel {
+    /// Reads the weights of a llama GGUF (already parsed as `content`).
+    pub fn from_gguf<R: std::io::Read + std::io::Seek>(
+        content: &gguf_file::Content,
+        reader: &mut R,
+        context: usize,
+    ) -> Result<Self, ModelError> {
+        let dev = Device::Cpu;
+        let md = |k: &str| {
+            content
+                .metadata
+                .get(k)
+                .ok_or_else(|| ModelError::Inference(format!("GGUF metadata {k} missing")))
+        };
+        let num =
+            |k: &str| -> Result<usize, ModelError> { Ok(md(k)?.to_u32().map_err(infer)? as usize) };
+        let hidden = num("llama.embedding_length")?;
+        let heads = num("llama.attention.head_count")?;
+        let kv_heads = num("llama.attention.head_count_kv")?;
+        let blocks = num("llama.block_count")?;
+        let head_dim = num("llama.rope.dimension_count")?;
+        let eps = md("llama.attention.layer_norm_rms_epsilon")?
+            .to_f32()
+            .map_err(infer)?;
+        let base = md("llama.rope.freq_base")
+            .and_then(|v| v.to_f32().map_err(infer))
+            .unwrap_or(10_000.0);
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || head_dim * heads != hidden {
+            return Err(ModelError::Inference(format!(
+                "unsupported shapes: {heads} heads, {kv_heads} kv heads, head dim {head_dim}, hidden {hidden}"
+            )));
+        }
+        let mut tensor = |name: &str| content.tensor(reader, name, &dev).map_err(infer);
+        let vector = |t: &candle_core::quantized::QTensor| -> Result<Vec<f32>, ModelError> {
+            t.dequantize(&dev)
+                .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
+                .map_err(infer)
+        };
+        let mm = |t| QMatMul::from_qtensor(t).map_err(infer);
+        let embed_q = tensor("token_embd.weight")?;
+        let embed = vector(&embed_q)?;
+        let vocab = embed.len() / hidden;
+        let norm = vector(&tensor("output_norm.weight")?)?;
+        // Tied embeddings when the file has no output matrix (SmolLM2).
+        let output = match tensor("output.weight") {
+            Ok(t) => mm(t)?,
+            Err(_) => mm(embed_q)?,
+        };
+        let mut layers = Vec::with_capacity(blocks);
+        for i in 0..blocks {
+            let mut w = |n: &str| tensor(&format!("blk.{i}.{n}.weight"));
+            layers.push(Layer {
+                wq: mm(w("attn_q")?)?,
+                wk: mm(w("attn_k")?)?,
+                wv: mm(w("attn_v")?)?,
+                wo: mm(w("attn_output")?)?,
+                gate: mm(w("ffn_gate")?)?,
+                up: mm(w("ffn_up")?)?,
+                down: mm(w("ffn_down")?)?,
+                attn_norm: vector(&w("attn_norm")?)?,
+                ffn_norm: vector(&w("ffn_norm")?)?,
+            });
+        }
+        let half = head_dim / 2;
+        let (mut cos, mut sin) = (Vec::with_capacity(context * half), Vec::new());
+        for pos in 0..context {
+            for i in 0..half {
+                let theta = 1.0 / base.powf((2 * i) as f32 / head_dim as f32);
+                let a = pos as f32 * theta;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        Ok(Self {
+            dims: Dims {
+                hidden,
+                heads,
+                kv_heads,
+                head_dim,
+                vocab,
+                eps,
+                context,
+            },
+            embed,
+            layers,
+            norm,
+            output,
+            cos,
+            sin,
+        })
+    }
+
+    /// A fresh cache for one sequence.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache {
+            k: vec![Vec::new(); self.layers.len()],
+            v: vec![Vec::new(); self.layers.len()],
+            len: 0,
+        }
+    }
+
+    /// Runs `rows` through the model. Each sequence's rows must be contiguous and continue its
+    /// cache (its first row is at position `caches[seq].len()`). Returns the logits of the
+    /// rows named in `want` (indexes into `rows`), in that order.
+    pub fn forward(
+        &self,
+        rows: &[Row],
+        caches: &mut [&mut KvCache],
+        want: &[usize],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let d = self.dims;
+        let positions = self.positions(rows, caches)?;
+        let n = rows.len();
+        let mut x = Vec::with_capacity(n * d.hidden);
+        for r in rows {
+            let t = r.token as usize;
+            if t >= d.vocab {
+                return Err(ModelError::InvalidArgument(format!(
+                    "token id {t} out of vocabulary"
+                )));
+            }
+            x.extend_from_slice(&self.embed[t * d.hidden..(t + 1) * d.hidden]);
+        }
+        for (l, layer) in self.layers.iter().enumerate() {
+            let h = rms_norm(&x, &layer.attn_norm, d.eps);
+            let mut q = matmul(&layer.wq, &h, n, d.hidden)?;
+            let mut k = matmul(&layer.wk, &h, n, d.hidden)?;
+            let v = matmul(&layer.wv, &h, n, d.hidden)?;
+            for (i, &pos) in positions.iter().enumerate() {
+                self.rope(&mut q[i * d.hidden..(i + 1) * d.hidden], pos);
+                self.rope(&mut k[i * d.kv_width()..(i + 1) * d.kv_width()], pos);
+            }
+            for (i, r) in rows.iter().enumerate() {
+                let c = &mut caches[r.seq];
+                c.k[l].extend_from_slice(&k[i * d.kv_width()..(i + 1) * d.kv_width()]);
+                c.v[l].extend_from_slice(&v[i * d.kv_width()..(i + 1) * d.kv_width()]);
+            }
+            let attn = self.attention(rows, &positions, caches, l, &q);
+            let o = matmul(&layer.wo, &attn, n, d.hidden)?;
+            add(&mut x, &o);
+            let h = rms_norm(&x, &layer.ffn_norm, d.eps);
+            let g = matmul(&layer.gate, &h, n, d.hidden)?;
+            let u = matmul(&layer.up, &h, n, d.hidden)?;
+            let a: Vec<f32> = g
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let down = matmul(&layer.down, &a, n, a.len() / n)?;
+            add(&mut x, &down);
+        }
+        for c in caches.iter_mut() {
+            c.len = c.k.first().map_or(0, |k| k.len() / d.kv_width());
+        }
+        let mut last = Vec::with_capacity(want.len() * d.hidden);
+        for &i in want {
+            last.extend_from_slice(&x[i * d.hidden..(i + 1) * d.hidden]);
+        }
+        let last = rms_norm(&last, &self.norm, d.eps);
+        let logits = matmul(&self.output, &last, want.len(), d.hidden)?;
+        Ok(logits.chunks(d.vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Each row's position; checks that sequences continue their caches and fit the context.
+    fn positions(&self, rows: &[Row], caches: &[&mut KvCache]) -> Result<Vec<usize>, ModelError> {
+        let mut next: Vec<Option<usize>> = vec![None; caches.len()];
+        let mut out = Vec::with_capacity(rows.len());
+        let mut prev_seq = None;
+        for r in rows {
+            let c = caches.get(r.seq).ok_or_else(|| {
+                ModelError::InvalidArgument(format!("row of sequence {} without a cache", r.seq))
+            })?;
+            let p = match next[r.seq] {
+                None => c.len,
+                Some(_) if prev_seq != Some(r.seq) => {
+                    return Err(ModelError::InvalidArgument(format!(
+                        "rows of sequence {} are not contiguous",
+                        r.seq
+                    )));
+                }
+                Some(p) => p,
+            };
+            if p >= self.dims.context {
+                return Err(ModelError::InvalidArgument(format!(
+                    "position {p} beyond the context of {}",
+                    self.dims.context
+                )));
+            }
+            next[r.seq] = Some(p + 1);
+            prev_seq = Some(r.seq);
+            out.push(p);
+        }
+        Ok(out)
+    }
+
+    /// Rotates consecutive pairs of every head in `x` by the angles of `pos` (GGUF llama
+    /// weights are permuted for this interleaved form).
+    fn rope(&self, x: &mut [f32], pos: usize) {
+        let half = self.dims.head_dim / 2;
+        let (cos, sin) = (
+            &self.cos[pos * half..(pos + 1) * half],
+            &self.sin[pos * half..(pos + 1) * half],
+        );
+        for head in x.chunks_exact_mut(self.dims.head_dim) {
+            for i in 0..half {
+                let (a, b) = (head[2 * i], head[2 * i + 1]);
+                head[2 * i] = a * cos[i] - b * sin[i];
+                head[2 * i + 1] = a * sin[i] + b * cos[i];
+            }
+        }
+    }
+
+    /// Causal attention of every row over its own sequence's cache up to its position, one
+    /// task per (row, head).
+    fn attention(
+        &self,
+        rows: &[Row],
+        positions: &[usize],
+        caches: &[&mut KvCache],
+        layer: usize,
+        q: &[f32],
+    ) -> Vec<f32> {
+        let d = self.dims;
+        let group = d.heads / d.kv_heads;
+        let scale = 1.0 / (d.head_dim as f32).sqrt();
+        let mut out = vec![0f32; rows.len() * d.hidden];
+        out.par_chunks_mut(d.head_dim)
+            .enumerate()
+            .for_each(|(task, o)| {
+                let (i, head) = (task / d.heads, task % d.heads);
+                let cache = &caches[rows[i].seq];
+                let (keys, values) = (&cache.k[layer], &cache.v[layer]);
+                let qh = &q[i * d.hidden + head * d.head_dim..][..d.head_dim];
+                let off = (head / group) * d.head_dim;
+                let span = positions[i] + 1;
+                let mut scores: Vec<f32> = (0..span)
+                    .map(|p| dot(qh, &keys[p * d.kv_width() + off..][..d.head_dim]) * scale)
+                    .collect();
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0.0;
+                for s in &mut scores {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                for (p, s) in scores.iter().enumerate() {
+                    let w = s / sum;
+                    let vrow = &values[p * d.kv_width() + off..][..d.head_dim];
+                    for (o, v) in o.iter_mut().zip(vrow) {
+                        *o += w * v;
+                    }
+                }
+            });
+        out
+    }
+}
+
+/// `x` (rows x cols) times a weight matrix, through candle.
+fn matmul(w: &QMatMul, x: &[f32], rows: usize, cols: usize) -> Result<Vec<f32>, ModelError> {
+    let t = Tensor::from_slice(x, (rows, cols), &Device::Cpu).map_err(infer)?;
+    w.forward(&t)
+        .and_then(|y| y.flatten_all()?.to_vec1::<f32>())
+        .map_err(infer)
+}
+
+fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(w.len()) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        out.extend(row.iter().zip(w).map(|(v, w)| v * r * w));
+    }
+    out
+}
+
+fn add(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Loads only the decoder from a GGUF file (for tests and benchmarks).
+pub fn load(path: &Path, context: usize) -> Result<LlamaModel, ModelError> {
+    let mut f = std::fs::File::open(path).map_err(|e| ModelError::Inference(e.to_string()))?;
+    let content = gguf_file::Content::read(&mut f).map_err(infer)?;
+    LlamaModel::from_gguf(&content, &mut f, context)
+}

@@ -1,0 +1,335 @@
+//! Continuous batching for generation: one decode thread per model runs every active stream
+//! in one forward per step (`llama_batch`). New streams join at step boundaries; their
+//! prompts are prefilled in chunks within the same forwards, so a long prompt does not stall
+//! the streams already decoding. A stream leaves when it finishes, when its caller stops
+//! listening, or when it is cancelled.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+
+use candle_core::{Device, Tensor};
+use candle_transformers::generation::LogitsProcessor;
+
+use super::llama_batch::{KvCache, LlamaModel, Row};
+use crate::error::ModelError;
+
+/// Prompt rows per forward (shared by the streams still prefilling): bounds how long one step
+/// takes while a long prompt comes in.
+const PREFILL_ROWS: usize = 256;
+
+/// How a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// End-of-sequence token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The client went away.
+    Cancelled,
+}
+
+impl Finish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Decoding parameters, validated by the service.
+#[derive(Debug, Clone)]
+pub struct GenParams {
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    pub temperature: f64,
+    pub top_p: f64,
+    pub stop: Vec<String>,
+    pub seed: u64,
+}
+
+/// One generated token as streamed: the text it adds (possibly empty while a multi-byte
+/// character or a possible stop string is incomplete) and its log-probability under the
+/// model's distribution (temperature 1, before top-p).
+pub struct Piece {
+    pub text: String,
+    pub token_id: u32,
+    pub logprob: f32,
+}
+
+/// What a stream hears from the decode thread.
+pub enum Event {
+    Piece(Piece),
+    Done(Result<(Finish, usize), ModelError>),
+}
+
+/// One generation handed to the decode thread.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub params: GenParams,
+    pub events: mpsc::Sender<Event>,
+    /// Set by the caller when its client has gone.
+    pub cancel: Arc<AtomicBool>,
+}
+
+/// Turns a stream's sampled tokens into text pieces: detokenises incrementally, holds back
+/// incomplete characters and possible starts of stop strings, and ends at a stop string.
+pub struct Detok<'a> {
+    tokenizer: &'a tokenizers::Tokenizer,
+    stop: Vec<String>,
+    longest_stop: usize,
+    ids: Vec<u32>,
+    sent: usize,
+}
+
+impl<'a> Detok<'a> {
+    pub fn new(tokenizer: &'a tokenizers::Tokenizer, stop: Vec<String>) -> Self {
+        Self {
+            tokenizer,
+            longest_stop: stop.iter().map(String::len).max().unwrap_or(0),
+            stop,
+            ids: Vec::new(),
+            sent: 0,
+        }
+    }
+
+    /// The text `next` adds, and whether a stop string ended the stream. `last`: no more
+    /// tokens follow, so nothing is held back.
+    pub fn push(&mut self, next: u32, last: bool) -> Result<(String, bool), ModelError> {
+        self.ids.push(next);
+        let text = self
+            .tokenizer
+            .decode(&self.ids, true)
+            .map_err(|e| ModelError::Inference(format!("detokenize: {e}")))?;
+        let sent = self.sent;
+        // A stop string ends the text just before it.
+        let from = sent.saturating_sub(self.longest_stop);
+        let stop_at = self
+            .stop
+            .iter()
+            .filter_map(|s| text.get(from..)?.find(s.as_str()).map(|i| from + i))
+            .min();
+        if let Some(end) = stop_at {
+            return Ok((text.get(sent..end).unwrap_or_default().to_owned(), true));
+        }
+        // Hold back an incomplete character and any tail that could start a stop string.
+        let mut ready = text.len();
+        if text.ends_with('\u{FFFD}') {
+            ready = text.rfind('\u{FFFD}').unwrap_or(ready);
+        }
+        for s in &self.stop {
+            for k in (1..s.len()).rev() {
+                if s.is_char_boundary(k) && text[..ready].ends_with(&s[..k]) {
+                    ready = (ready - k).max(sent);
+                    break;
+                }
+            }
+        }
+        let end = if last { text.len() } else { ready.max(sent) };
+        let delta = text.get(sent..end).unwrap_or_default().to_owned();
+        self.sent = end.max(sent);
+        Ok((delta, false))
+    }
+}
+
+/// Natural log-probability of `token` under `logits` (temperature 1).
+pub fn logprob(logits: &[f32], token: u32) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f32>().ln();
+    logits[token as usize] - lse
+}
+
+struct Stream<'a> {
+    job: Job,
+    cache: KvCache,
+    /// Prompt tokens not yet run through the model.
+    prefill_at: usize,
+    sampler: LogitsProcessor,
+    detok: Detok<'a>,
+    /// The token to feed next (decoding) and how many were generated.
+    next: u32,
+    generated: usize,
+}
+
+impl Stream<'_> {
+    /// Samples from `logits` and tells the caller. Returns how the stream ended, if it did.
+    fn on_logits(&mut self, logits: &[f32], eos: &[u32]) -> Result<Option<Finish>, ModelError> {
+        let next = self.sampler.sample(&Tensor::new(logits, &Device::Cpu)?)?;
+        let logprob = logprob(logits, next);
+        self.generated += 1;
+        let last = self.generated == self.job.params.max_tokens;
+        let (text, stopped) = if eos.contains(&next) {
+            (String::new(), true)
+        } else {
+            self.detok.push(next, last)?
+        };
+        let piece = Piece {
+            text,
+            token_id: next,
+            logprob,
+        };
+        if self.job.events.send(Event::Piece(piece)).is_err() {
+            return Ok(Some(Finish::Cancelled));
+        }
+        self.next = next;
+        Ok(if stopped {
+            Some(Finish::Stop)
+        } else if last {
+            Some(Finish::Length)
+        } else {
+            None
+        })
+    }
+
+    fn prefilling(&self) -> bool {
+        self.prefill_at < self.job.prompt.len()
+    }
+}
+
+/// The decode thread of one model.
+pub struct Engine {
+    jobs: mpsc::Sender<Job>,
+}
+
+impl Engine {
+    /// Starts the decode thread; it ends when the engine is dropped and its streams are done.
+    pub fn start(
+        name: &str,
+        model: Arc<LlamaModel>,
+        tokenizer: Arc<tokenizers::Tokenizer>,
+        eos: Vec<u32>,
+    ) -> Result<Self, ModelError> {
+        let (jobs, rx) = mpsc::channel();
+        let label = name.to_owned();
+        std::thread::Builder::new()
+            .name(format!("decode-{name}"))
+            .spawn(move || run(&label, &model, &tokenizer, &eos, rx))
+            .map_err(|e| ModelError::Inference(format!("decode thread: {e}")))?;
+        Ok(Self { jobs })
+    }
+
+    pub fn submit(&self, job: Job) -> Result<(), ModelError> {
+        self.jobs
+            .send(job)
+            .map_err(|_| ModelError::Inference("the decode thread has stopped".into()))
+    }
+}
+
+fn run(
+    label: &str,
+    model: &LlamaModel,
+    tokenizer: &tokenizers::Tokenizer,
+    eos: &[u32],
+    jobs: mpsc::Receiver<Job>,
+) {
+    let mut active: Vec<Stream> = Vec::new();
+    loop {
+        // Wait only when idle; otherwise take whatever arrived since the last step.
+        let arrived: Vec<Job> = if active.is_empty() {
+            match jobs.recv() {
+                Ok(j) => std::iter::once(j).chain(jobs.try_iter()).collect(),
+                Err(_) => return,
+            }
+        } else {
+            jobs.try_iter().collect()
+        };
+        for job in arrived {
+            let p = &job.params;
+            let temperature = (p.temperature > 0.0).then_some(p.temperature);
+            let top_p = (p.top_p < 1.0).then_some(p.top_p);
+            let sampler = LogitsProcessor::new(p.seed, temperature, top_p);
+            active.push(Stream {
+                cache: model.new_cache(),
+                prefill_at: 0,
+                sampler,
+                detok: Detok::new(tokenizer, job.params.stop.clone()),
+                next: 0,
+                generated: 0,
+                job,
+            });
+        }
+        active.retain(|s| {
+            let gone = s.job.cancel.load(Ordering::Acquire);
+            if gone {
+                let _ = s
+                    .job
+                    .events
+                    .send(Event::Done(Ok((Finish::Cancelled, s.generated))));
+            }
+            !gone
+        });
+        if active.is_empty() {
+            continue;
+        }
+        if let Err(e) = step(model, eos, &mut active, label) {
+            // A failed forward fails every stream in it; the thread goes on for new ones.
+            for s in active.drain(..) {
+                let e = ModelError::Inference(e.to_string());
+                let _ = s.job.events.send(Event::Done(Err(e)));
+            }
+        }
+    }
+}
+
+/// One forward over every decoding stream plus up to [`PREFILL_ROWS`] prompt rows; streams
+/// that end leave `active`.
+fn step(
+    model: &LlamaModel,
+    eos: &[u32],
+    active: &mut Vec<Stream>,
+    label: &str,
+) -> Result<(), ModelError> {
+    let mut rows = Vec::new();
+    // (stream, row whose logits it samples from)
+    let mut sample_at = Vec::new();
+    let mut budget = PREFILL_ROWS;
+    for (i, s) in active.iter_mut().enumerate() {
+        if s.prefilling() {
+            if budget == 0 {
+                continue;
+            }
+            let take = budget.min(s.job.prompt.len() - s.prefill_at);
+            for &token in &s.job.prompt[s.prefill_at..s.prefill_at + take] {
+                rows.push(Row { seq: i, token });
+            }
+            s.prefill_at += take;
+            budget -= take;
+            if !s.prefilling() {
+                sample_at.push((i, rows.len() - 1));
+            }
+        } else {
+            rows.push(Row {
+                seq: i,
+                token: s.next,
+            });
+            sample_at.push((i, rows.len() - 1));
+        }
+    }
+    if rows.is_empty() {
+        return Ok(());
+    }
+    metrics::histogram!("model_decode_step_rows", "model" => label.to_owned())
+        .record(rows.len() as f64);
+    let want: Vec<usize> = sample_at.iter().map(|&(_, r)| r).collect();
+    let logits = {
+        let mut caches: Vec<&mut KvCache> = active.iter_mut().map(|s| &mut s.cache).collect();
+        model.forward(&rows, &mut caches, &want)?
+    };
+    let mut ended = Vec::new();
+    for ((i, _), l) in sample_at.into_iter().zip(logits) {
+        match active[i].on_logits(&l, eos) {
+            Ok(None) => {}
+            Ok(Some(f)) => ended.push((i, Ok((f, active[i].generated)))),
+            Err(e) => ended.push((i, Err(e))),
+        }
+    }
+    // Highest index first, so the indexes still to remove stay valid.
+    ended.sort_by_key(|e| std::cmp::Reverse(e.0));
+    for (i, result) in ended {
+        let s = active.swap_remove(i);
+        let _ = s.job.events.send(Event::Done(result));
+    }
+    Ok(())
+}
