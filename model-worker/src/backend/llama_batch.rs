@@ -37,12 +37,11 @@ impl Dims {
 }
 
 struct Layer {
-    wq: QMatMul,
-    wk: QMatMul,
-    wv: QMatMul,
+    /// q, k, v.
+    qkv: Group,
     wo: QMatMul,
-    gate: QMatMul,
-    up: QMatMul,
+    /// gate, up.
+    gate_up: Group,
     down: QMatMul,
     attn_norm: Vec<f32>,
     ffn_norm: Vec<f32>,
@@ -143,12 +142,13 @@ impl LlamaModel {
         for i in 0..blocks {
             let mut w = |n: &str| tensor(&format!("blk.{i}.{n}.weight"));
             layers.push(Layer {
-                wq: mm(w("attn_q")?)?,
-                wk: mm(w("attn_k")?)?,
-                wv: mm(w("attn_v")?)?,
+                qkv: Group::new(vec![
+                    mm(w("attn_q")?)?,
+                    mm(w("attn_k")?)?,
+                    mm(w("attn_v")?)?,
+                ])?,
                 wo: mm(w("attn_output")?)?,
-                gate: mm(w("ffn_gate")?)?,
-                up: mm(w("ffn_up")?)?,
+                gate_up: Group::new(vec![mm(w("ffn_gate")?)?, mm(w("ffn_up")?)?])?,
                 down: mm(w("ffn_down")?)?,
                 attn_norm: vector(&w("attn_norm")?)?,
                 ffn_norm: vector(&w("ffn_norm")?)?,
@@ -216,9 +216,11 @@ impl LlamaModel {
         }
         for (l, layer) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &layer.attn_norm, d.eps);
-            let mut q = matmul(&layer.wq, &h, n, d.hidden)?;
-            let mut k = matmul(&layer.wk, &h, n, d.hidden)?;
-            let v = matmul(&layer.wv, &h, n, d.hidden)?;
+            let [mut q, mut k, v]: [Vec<f32>; 3] = layer
+                .qkv
+                .apply(&h, n, d.hidden)?
+                .try_into()
+                .map_err(|_| ModelError::Inference("q/k/v projection".into()))?;
             for (i, &pos) in positions.iter().enumerate() {
                 self.rope(&mut q[i * d.hidden..(i + 1) * d.hidden], pos);
                 self.rope(&mut k[i * d.kv_width()..(i + 1) * d.kv_width()], pos);
@@ -232,8 +234,11 @@ impl LlamaModel {
             let o = matmul(&layer.wo, &attn, n, d.hidden)?;
             add(&mut x, &o);
             let h = rms_norm(&x, &layer.ffn_norm, d.eps);
-            let g = matmul(&layer.gate, &h, n, d.hidden)?;
-            let u = matmul(&layer.up, &h, n, d.hidden)?;
+            let [g, u]: [Vec<f32>; 2] = layer
+                .gate_up
+                .apply(&h, n, d.hidden)?
+                .try_into()
+                .map_err(|_| ModelError::Inference("gate/up projection".into()))?;
             let a: Vec<f32> = g
                 .iter()
                 .zip(&u)
@@ -344,6 +349,62 @@ impl LlamaModel {
                 }
             });
         out
+    }
+}
+
+/// Weight matrices applied to the same input. When candle holds them dense (dequantized
+/// weights) they are stacked into one matrix at load, so one matmul call (one pass of the
+/// thread pool) replaces two or three; quantized ones stay apart.
+enum Group {
+    Fused { w: QMatMul, widths: Vec<usize> },
+    Apart(Vec<QMatMul>),
+}
+
+impl Group {
+    fn new(parts: Vec<QMatMul>) -> Result<Self, ModelError> {
+        let dense: Option<Vec<&Tensor>> = parts
+            .iter()
+            .map(|p| match p {
+                QMatMul::Tensor(t) | QMatMul::TensorF16(t) => Some(t),
+                QMatMul::QTensor(_) => None,
+            })
+            .collect();
+        let Some(ts) = dense.filter(|ts| ts.iter().all(|t| t.dtype() == ts[0].dtype())) else {
+            return Ok(Self::Apart(parts));
+        };
+        let widths = ts
+            .iter()
+            .map(|t| t.dim(0))
+            .collect::<candle_core::Result<Vec<_>>>()
+            .map_err(infer)?;
+        let stacked = Tensor::cat(&ts, 0).map_err(infer)?;
+        let w = match parts[0] {
+            QMatMul::TensorF16(_) => QMatMul::TensorF16(stacked),
+            _ => QMatMul::Tensor(stacked),
+        };
+        Ok(Self::Fused { w, widths })
+    }
+
+    /// Each matrix's output for `x` (rows x cols), row-major.
+    fn apply(&self, x: &[f32], rows: usize, cols: usize) -> Result<Vec<Vec<f32>>, ModelError> {
+        let (w, widths) = match self {
+            Self::Apart(ws) => return ws.iter().map(|w| matmul(w, x, rows, cols)).collect(),
+            Self::Fused { w, widths } => (w, widths),
+        };
+        let y = matmul(w, x, rows, cols)?;
+        let total: usize = widths.iter().sum();
+        let mut out: Vec<Vec<f32>> = widths
+            .iter()
+            .map(|w| Vec::with_capacity(w * rows))
+            .collect();
+        for row in y.chunks_exact(total) {
+            let mut at = 0;
+            for (o, w) in out.iter_mut().zip(widths) {
+                o.extend_from_slice(&row[at..at + w]);
+                at += w;
+            }
+        }
+        Ok(out)
     }
 }
 
