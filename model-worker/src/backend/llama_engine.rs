@@ -263,8 +263,14 @@ fn run(
         if active.is_empty() {
             continue;
         }
-        if let Err(e) = step(model, eos, &mut active, label) {
-            // A failed forward fails every stream in it; the thread goes on for new ones.
+        // A failed (or panicking) forward fails every stream in it; the thread goes on for
+        // new ones, so one bad step never leaves the model without a decode thread.
+        let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            step(model, eos, &mut active, label)
+        }))
+        .unwrap_or_else(|_| Err(ModelError::Inference("decode step panicked".into())));
+        if let Err(e) = stepped {
+            tracing::error!(model = label, error = %e, streams = active.len(), "decode step failed");
             for s in active.drain(..) {
                 let e = ModelError::Inference(e.to_string());
                 let _ = s.job.events.send(Event::Done(Err(e)));
