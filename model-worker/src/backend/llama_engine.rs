@@ -10,6 +10,7 @@ use std::sync::mpsc;
 
 use candle_core::{Device, Tensor};
 use candle_transformers::generation::LogitsProcessor;
+use rayon::prelude::*;
 
 use super::llama_batch::{KvCache, LlamaModel, Row};
 use crate::error::ModelError;
@@ -59,10 +60,13 @@ pub struct Piece {
     pub logprob: f32,
 }
 
+/// How a stream ended and how many tokens it generated.
+type Outcome = Result<(Finish, usize), ModelError>;
+
 /// What a stream hears from the decode thread.
 pub enum Event {
     Piece(Piece),
-    Done(Result<(Finish, usize), ModelError>),
+    Done(Outcome),
 }
 
 /// One generation handed to the decode thread.
@@ -323,14 +327,22 @@ fn step(
         let mut caches: Vec<&mut KvCache> = active.iter_mut().map(|s| &mut s.cache).collect();
         model.forward(&rows, &mut caches, &want)?
     };
-    let mut ended = Vec::new();
+    // Sampling, detokenising and sending run per stream in parallel: on the decode thread
+    // alone they left the cores idle between forwards.
+    let mut by_stream: Vec<Option<Vec<f32>>> = vec![None; active.len()];
     for ((i, _), l) in sample_at.into_iter().zip(logits) {
-        match active[i].on_logits(&l, eos) {
-            Ok(None) => {}
-            Ok(Some(f)) => ended.push((i, Ok((f, active[i].generated)))),
-            Err(e) => ended.push((i, Err(e))),
-        }
+        by_stream[i] = Some(l);
     }
+    let mut ended: Vec<(usize, Outcome)> = active
+        .par_iter_mut()
+        .zip(by_stream)
+        .enumerate()
+        .filter_map(|(i, (s, l))| match s.on_logits(&l?, eos) {
+            Ok(None) => None,
+            Ok(Some(f)) => Some((i, Ok((f, s.generated)))),
+            Err(e) => Some((i, Err(e))),
+        })
+        .collect();
     // Highest index first, so the indexes still to remove stay valid.
     ended.sort_by_key(|e| std::cmp::Reverse(e.0));
     for (i, result) in ended {
