@@ -137,14 +137,15 @@ impl LlamaGenerator {
             )));
         }
         let logits = self.score(prompt, &[], 1)?.remove(0);
+        // Only the ratio matters, so raw logits do: the softmax normaliser cancels.
         let lse = |ids: &[u32]| {
             let m = ids
                 .iter()
-                .map(|&i| logprob(&logits, i))
+                .map(|&i| logits[i as usize])
                 .fold(f32::NEG_INFINITY, f32::max);
             m + ids
                 .iter()
-                .map(|&i| (logprob(&logits, i) - m).exp())
+                .map(|&i| (logits[i as usize] - m).exp())
                 .sum::<f32>()
                 .ln()
         };
