@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale
+.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -27,9 +27,12 @@ down:
 # corrupted snapshots in the Raft fault tests.
 TEST_FEATURES := --features shard-node/failpoints
 
+# NVRTC from scripts/setup.sh: the unit tests compile every CUDA kernel with it (no GPU needed).
+NVRTC_LIB := $(HOME)/.cache/ragcluster-nvrtc/lib
+
 test:             ## every test: unit, model reference, black-box cluster tests
 	cargo build --release --workspace $(TEST_FEATURES)
-	cargo test --release --workspace $(TEST_FEATURES)
+	LD_LIBRARY_PATH="$(NVRTC_LIB)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" cargo test --release --workspace $(TEST_FEATURES)
 
 test-faults:       ## Raft fault schedules: 200 random seeds (CI runs 20)
 	cargo build --release --workspace $(TEST_FEATURES)
@@ -73,6 +76,9 @@ bench-raft: build ## write throughput + commit latency (rf 1 vs 3), snapshot tra
 
 bench-gen: build  ## generation tokens/s, 1 vs 8 streams, f16 / f32 / quantized weights
 	$(BIN)/genbench
+
+bench-gpu: build  ## every model-worker figure of the GPU issue in one run (CUDA encoder, served Embed, generation, references)
+	$(BIN)/gpubench --python "$${RAGCLUSTER_PYTHON:-python3}" --cluster
 
 bench-embed: build ## MiniLM sentences/s vs sentence-transformers at batch 1/8/32/128; 64 clients, batching on vs off
 	$(BIN)/embedbench --python "$${RAGCLUSTER_PYTHON:-python3}"

@@ -2,8 +2,8 @@
 # Installs everything a fresh Debian machine needs to build, run and test ragcluster:
 # system packages (libclang for rocksdb's bindgen, protoc for raft-rs' prost-build),
 # then the models (scripts/fetch-models.sh), then a small Python venv with pytrec_eval and the
-# Helm chart checkers (tests skip those checks with a message where Python or PyPI is
-# missing). Idempotent: safe to run again.
+# Helm chart checkers, then NVRTC (tests skip those checks with a message where Python or
+# PyPI is missing). Idempotent: safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,5 +36,21 @@ if ! "$pyenv/bin/python" -c "import pytrec_eval, helm_python, kubernetes_validat
   else
     echo "setup: WARNING: no Python check packages (needs python3-venv and PyPI); those checks will be skipped"
   fi
+fi
+# NVRTC alone (the CUDA runtime compiler, a PyPI wheel; no driver, no GPU): with it the tests
+# compile every CUDA kernel source on machines without a GPU (`make test` puts it on
+# LD_LIBRARY_PATH). Without it those checks skip with a message.
+nvrtc="$HOME/.cache/ragcluster-nvrtc"
+if [ ! -e "$nvrtc/lib/libnvrtc.so.13" ]; then
+  tmp="$(mktemp -d)"
+  if python3 -m pip download -q --no-deps -d "$tmp" "nvidia-cuda-nvrtc==13.*" 2>/dev/null &&
+    unzip -q -o "$tmp"/nvidia_cuda_nvrtc-*.whl -d "$tmp/x"; then
+    mkdir -p "$nvrtc/lib"
+    cp "$tmp"/x/nvidia/cu13/lib/libnvrtc* "$nvrtc/lib/"
+    echo "setup: NVRTC in $nvrtc/lib"
+  else
+    echo "setup: WARNING: no NVRTC wheel (needs PyPI); the CUDA kernel compile checks will be skipped"
+  fi
+  rm -rf "$tmp"
 fi
 echo "setup: done"

@@ -41,6 +41,22 @@ pub struct EncoderModel {
     pub max_len: usize,
 }
 
+/// A local GGUF generator on its configured device. Under `device = "auto"` a GPU decoder
+/// that fails to load, or disagrees with the CPU at load, leaves the model on the CPU. The
+/// GPU's KV cache pool holds a full context for every concurrent generation, plus a few for
+/// scoring calls.
+fn load_generator(spec: &ModelSpec, cfg: &ModelWorkerConfig) -> Result<LlamaGenerator, ModelError> {
+    let wanted = device::resolve(&spec.name, &spec.device, true)?;
+    let pool = (cfg.max_concurrent_generations + 4) * CONTEXT;
+    match LlamaGenerator::load_on(&spec.name, &spec.path, wanted, pool) {
+        Err(e) if wanted == Placement::Cuda && spec.device == "auto" => {
+            tracing::warn!(model = %spec.name, error = %e, "device auto: CUDA decoder failed, using cpu");
+            LlamaGenerator::load_on(&spec.name, &spec.path, Placement::Cpu, 0)
+        }
+        r => r,
+    }
+}
+
 impl EncoderModel {
     fn load(
         spec: &ModelSpec,
@@ -190,8 +206,8 @@ impl Registry {
                     info.method = method.into();
                     let rr = match method {
                         "llm" | "upr" => {
-                            device::resolve(&spec.name, &spec.device, false)?;
-                            let g = Arc::new(LlamaGenerator::load(&spec.name, &spec.path)?);
+                            let g = Arc::new(load_generator(spec, cfg)?);
+                            info.device = g.placement().as_str().into();
                             info.max_sequence_length = CONTEXT as u32;
                             if method == "llm" {
                                 Reranker::Llm(g)
@@ -226,10 +242,11 @@ impl Registry {
                 }
                 _ => {
                     let g = if spec.endpoint.is_empty() {
-                        device::resolve(&spec.name, &spec.device, false)?;
+                        let g = load_generator(spec, cfg)?;
                         info.method = "local".into();
+                        info.device = g.placement().as_str().into();
                         info.max_sequence_length = CONTEXT as u32;
-                        Generator::Local(Arc::new(LlamaGenerator::load(&spec.name, &spec.path)?))
+                        Generator::Local(Arc::new(g))
                     } else {
                         info.method = "openai".into();
                         info.state = "remote".into();

@@ -11,6 +11,7 @@ pub mod inproc;
 pub mod load;
 pub mod metrics;
 pub mod scale;
+pub mod workerload;
 
 use anyhow::{Context, Result, bail};
 use ragcluster_proto::v1::admin_client::AdminClient;

@@ -17,14 +17,17 @@ use candle_transformers::models::bert::Config;
 use tokenizers::{Tokenizer, TruncationParams, TruncationStrategy};
 
 use super::cuda::CudaTransformer;
+use super::cuda_half::CudaHalfTransformer;
 use super::device::Placement;
 use super::transformer::Transformer;
 use super::{Encoder, Seq};
 
-/// The transformer stack on the CPU (candle) or the GPU (cudarc).
+/// The transformer stack on the CPU (candle) or the GPU (cudarc): f16 on tensor cores, or
+/// f32 when the f16 path fails its load-time check.
 enum Stack {
     Cpu(Transformer),
     Cuda(Box<CudaTransformer>),
+    CudaHalf(Box<CudaHalfTransformer>),
 }
 use crate::error::ModelError;
 
@@ -143,21 +146,9 @@ impl BertEncoder {
         let model = match placement {
             Placement::Cpu => Stack::Cpu(cpu),
             Placement::Cuda => {
-                let gpu = CudaTransformer::load(vb.clone(), &config, 0)
-                    .map_err(|e| fail(&weights, e.to_string()))?;
-                let probe = tokenize(
-                    &tokenizer,
-                    &["CUDA and CPU must agree on this probe sentence.".to_owned()],
-                )?;
-                let cos = cuda_agreement(&cpu, &gpu, &probe[0])?;
-                if cos < 0.999 {
-                    return Err(fail(
-                        &weights,
-                        format!("CUDA output differs from CPU on the probe (cosine {cos})"),
-                    ));
-                }
-                tracing::info!(model = name, gpu = %gpu.device_name, cosine = cos, "encoder on CUDA, checked against CPU");
-                Stack::Cuda(Box::new(gpu))
+                let probe = tokenize(&tokenizer, &PROBES.map(str::to_owned))?;
+                cuda_stack(name, vb.clone(), &config, &cpu, &probe)
+                    .map_err(|e| fail(&weights, e.to_string()))?
             }
         };
         let head = match kind {
@@ -204,7 +195,7 @@ impl BertEncoder {
     pub fn placement(&self) -> Placement {
         match self.model {
             Stack::Cpu(_) => Placement::Cpu,
-            Stack::Cuda(_) => Placement::Cuda,
+            Stack::Cuda(_) | Stack::CudaHalf(_) => Placement::Cuda,
         }
     }
 
@@ -278,6 +269,7 @@ impl Encoder for BertEncoder {
                 let m = mask_t.flatten_all()?.to_vec1::<f32>()?;
                 g.forward(&ids, &types, &m, n, len)?
             }
+            Stack::CudaHalf(g) => g.forward(batch)?,
         }; // (n, len, dim)
         match &self.head {
             Head::MeanPool => {
@@ -320,27 +312,108 @@ impl Encoder for BertEncoder {
     }
 }
 
-/// Cosine between the CPU and GPU mean-pooled outputs for one sequence.
-fn cuda_agreement(cpu: &Transformer, gpu: &CudaTransformer, s: &Seq) -> Result<f32, ModelError> {
-    let n = s.ids.len();
+/// Probe sentences of different lengths: the GPU path must agree with the CPU on each, alone
+/// and packed into one batch.
+const PROBES: [&str; 3] = [
+    "CUDA and CPU must agree on this probe sentence.",
+    "A short one.",
+    "Retrieval-augmented generation fetches passages from a corpus and hands them to a \
+     language model, which then answers from what it was given instead of from memory alone.",
+];
+
+/// The encoder stack on GPU 0: f16 on tensor cores when it agrees with the CPU on the probes
+/// (cosine > 0.999), else f32 under the same check.
+fn cuda_stack(
+    name: &str,
+    vb: VarBuilder,
+    config: &Config,
+    cpu: &Transformer,
+    probe: &[Seq],
+) -> Result<Stack, ModelError> {
+    let half = CudaHalfTransformer::load(vb.clone(), config, 0).and_then(|g| {
+        let cos = cuda_agreement(cpu, probe, |b| g.forward(b))?;
+        Ok((g, cos))
+    });
+    match half {
+        Ok((g, cos)) if cos > 0.999 => {
+            tracing::info!(model = name, gpu = %g.device_name, cosine = cos, precision = "f16", "encoder on CUDA, checked against CPU");
+            return Ok(Stack::CudaHalf(Box::new(g)));
+        }
+        Ok((_, cos)) => {
+            tracing::warn!(
+                model = name,
+                cosine = cos,
+                "f16 CUDA encoder disagrees with the CPU; using f32"
+            )
+        }
+        Err(e) => {
+            tracing::warn!(model = name, error = %e, "f16 CUDA encoder failed to load; using f32")
+        }
+    }
+    let g = CudaTransformer::load(vb, config, 0)?;
+    let cos = cuda_agreement(cpu, probe, |b| {
+        let len = b.iter().map(|s| s.ids.len()).max().unwrap_or(0);
+        let (ids, types, mask) = pad(b, len);
+        g.forward(&ids, &types, &mask, b.len(), len)
+    })?;
+    if cos <= 0.999 {
+        return Err(ModelError::Inference(format!(
+            "CUDA output differs from CPU on the probe (cosine {cos})"
+        )));
+    }
+    tracing::info!(model = name, gpu = %g.device_name, cosine = cos, precision = "f32", "encoder on CUDA, checked against CPU");
+    Ok(Stack::Cuda(Box::new(g)))
+}
+
+/// Ids, type ids and a 0/1 mask for `batch` padded to `len`.
+fn pad(batch: &[&Seq], len: usize) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
+    let n = batch.len();
+    let (mut ids, mut types, mut mask) = (
+        vec![0u32; n * len],
+        vec![0u32; n * len],
+        vec![0f32; n * len],
+    );
+    for (r, s) in batch.iter().enumerate() {
+        let row = r * len;
+        ids[row..row + s.ids.len()].copy_from_slice(&s.ids);
+        types[row..row + s.type_ids.len()].copy_from_slice(&s.type_ids);
+        mask[row..row + s.ids.len()].fill(1.0);
+    }
+    (ids, types, mask)
+}
+
+/// Lowest cosine between the CPU's and `gpu`'s mean-pooled outputs over the probes, each
+/// alone and all in one (padded or packed) batch.
+fn cuda_agreement(
+    cpu: &Transformer,
+    probe: &[Seq],
+    gpu: impl Fn(&[&Seq]) -> Result<Tensor, ModelError>,
+) -> Result<f32, ModelError> {
     let dev = Device::Cpu;
-    let ids = Tensor::from_vec(s.ids.clone(), (1, n), &dev)?;
-    let types = Tensor::from_vec(s.type_ids.clone(), (1, n), &dev)?;
-    let mask = Tensor::ones((1, n), DType::F32, &dev)?;
-    let a = cpu
-        .forward(&ids, &types, &mask)?
-        .mean(1)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    let b = gpu
-        .forward(&s.ids, &s.type_ids, &vec![1.0; n], 1, n)?
-        .mean(1)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    let dot: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
-    let na = a.iter().map(|x| x * x).sum::<f32>().sqrt();
-    let nb = b.iter().map(|x| x * x).sum::<f32>().sqrt();
-    Ok(dot / (na * nb).max(1e-12))
+    let pooled = |hidden: &Tensor, i: usize, len: usize| -> Result<Vec<f32>, ModelError> {
+        Ok(hidden
+            .get(i)?
+            .narrow(0, 0, len)?
+            .mean(0)?
+            .to_vec1::<f32>()?)
+    };
+    let all: Vec<&Seq> = probe.iter().collect();
+    let together = gpu(&all)?;
+    let mut worst = 1f32;
+    for (i, s) in probe.iter().enumerate() {
+        let n = s.ids.len();
+        let ids = Tensor::from_vec(s.ids.clone(), (1, n), &dev)?;
+        let types = Tensor::from_vec(s.type_ids.clone(), (1, n), &dev)?;
+        let mask = Tensor::ones((1, n), DType::F32, &dev)?;
+        let a = pooled(&cpu.forward(&ids, &types, &mask)?, 0, n)?;
+        for b in [pooled(&gpu(&[s])?, 0, n)?, pooled(&together, i, n)?] {
+            let dot: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+            let na = a.iter().map(|x| x * x).sum::<f32>().sqrt();
+            let nb = b.iter().map(|x| x * x).sum::<f32>().sqrt();
+            worst = worst.min(dot / (na * nb).max(1e-12));
+        }
+    }
+    Ok(worst)
 }
 
 fn l2_normalize(t: &Tensor) -> candle_core::Result<Tensor> {

@@ -42,7 +42,7 @@ pub fn available() -> bool {
     libs && CudaContext::device_count().is_ok_and(|n| n > 0)
 }
 
-const KERNELS: &str = r#"
+pub(crate) const KERNELS: &str = r#"
 extern "C" __global__ void embed(float* out, const unsigned* ids, const unsigned* types,
     const float* word, const float* pos, const float* type_emb, int rows, int seq, int h) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -204,8 +204,44 @@ fn err(e: impl std::fmt::Display) -> ModelError {
     ModelError::Inference(format!("cuda: {e}"))
 }
 
-fn elems(n: usize) -> LaunchConfig {
+/// One thread per element.
+pub(crate) fn elems(n: usize) -> LaunchConfig {
     LaunchConfig::for_num_elems(n as u32)
+}
+
+/// NVRTC options of every kernel: PTX for the oldest architecture CUDA 13 targets, which
+/// the driver JIT-compiles for newer GPUs.
+pub(crate) fn nvrtc_options() -> cudarc::nvrtc::CompileOptions {
+    cudarc::nvrtc::CompileOptions {
+        arch: Some("compute_75"),
+        ..Default::default()
+    }
+}
+
+/// Compiles kernel source with NVRTC and loads it on `ctx`.
+pub(crate) fn compile(
+    ctx: &Arc<CudaContext>,
+    src: &str,
+) -> Result<Arc<cudarc::driver::CudaModule>, String> {
+    let ptx =
+        cudarc::nvrtc::compile_ptx_with_opts(src, nvrtc_options()).map_err(|e| format!("{e:?}"))?;
+    ctx.load_module(ptx).map_err(|e| e.to_string())
+}
+
+/// A tensor's values as f16 bits on the device (weights of the f16 paths).
+pub(crate) fn upload_f16(
+    stream: &Arc<CudaStream>,
+    t: &Tensor,
+) -> Result<CudaSlice<u16>, ModelError> {
+    let host: Vec<u16> = t
+        .contiguous()?
+        .flatten_all()?
+        .to_dtype(candle_core::DType::F16)?
+        .to_vec1::<half::f16>()?
+        .into_iter()
+        .map(half::f16::to_bits)
+        .collect();
+    stream.clone_htod(&host).map_err(err)
 }
 
 fn rows_cfg(rows: usize, shared_per_thread: usize) -> LaunchConfig {
@@ -257,17 +293,7 @@ impl CudaTransformer {
         let device_name = ctx.name().map_err(err)?;
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone()).map_err(err)?;
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(
-            KERNELS,
-            cudarc::nvrtc::CompileOptions {
-                // The oldest architecture CUDA 13 targets; the driver JIT-compiles it for
-                // newer GPUs.
-                arch: Some("compute_75"),
-                ..Default::default()
-            },
-        )
-        .map_err(err)?;
-        let module = ctx.load_module(ptx).map_err(err)?;
+        let module = compile(&ctx, KERNELS).map_err(err)?;
         let f = |name: &str| module.load_function(name).map_err(err);
         let k = Kernels {
             embed: f("embed")?,
@@ -560,4 +586,12 @@ impl CudaTransformer {
         let host = st.clone_dtoh(&x).map_err(err)?;
         Ok(Tensor::from_vec(host, (n, s, h), &Device::Cpu)?)
     }
+}
+
+/// The name of GPU 0, when one is usable.
+pub fn device_name() -> Option<String> {
+    if !available() {
+        return None;
+    }
+    CudaContext::new(0).ok()?.name().ok()
 }

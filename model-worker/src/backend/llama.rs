@@ -12,7 +12,9 @@ use candle_core::quantized::tokenizer::TokenizerFromGguf;
 use tokenizers::Tokenizer;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 
-use super::llama_batch::{LlamaModel, Row};
+use super::decoder::Decoder;
+use super::device::Placement;
+use super::llama_batch::Row;
 use super::llama_engine::{Engine, Event, Job, logprob};
 pub use super::llama_engine::{Finish, GenParams, Piece};
 use crate::error::ModelError;
@@ -20,9 +22,12 @@ use crate::error::ModelError;
 /// Context window: prompt plus generated tokens (the length of the rotary table).
 pub const CONTEXT: usize = 4096;
 
+/// Text the GPU decoder must score like the CPU one before it serves.
+const PROBE: &str = "<|im_start|>user\nWhy do retrieval systems rerank their candidates?<|im_end|>\n<|im_start|>assistant\nBecause";
+
 pub struct LlamaGenerator {
     pub name: String,
-    model: Arc<LlamaModel>,
+    model: Arc<Decoder>,
     engine: Engine,
     tokenizer: Arc<Tokenizer>,
     chatml: bool,
@@ -33,6 +38,18 @@ pub struct LlamaGenerator {
 
 impl LlamaGenerator {
     pub fn load(name: &str, path: &Path) -> Result<Self, ModelError> {
+        Self::load_on(name, path, Placement::Cpu, 0)
+    }
+
+    /// As `load`, decoding on `placement`; on CUDA the KV cache pool holds `pool_tokens`
+    /// positions shared by every sequence, and the GPU decoder is checked against the CPU
+    /// one at load.
+    pub fn load_on(
+        name: &str,
+        path: &Path,
+        placement: Placement,
+        pool_tokens: usize,
+    ) -> Result<Self, ModelError> {
         let load_err = |reason: String| ModelError::Load {
             name: name.to_owned(),
             path: path.display().to_string(),
@@ -78,8 +95,13 @@ impl LlamaGenerator {
                 eos.push(id);
             }
         }
+        let probe = tokenizer
+            .encode(PROBE, false)
+            .map_err(|e| load_err(format!("tokenize the probe: {e}")))?
+            .get_ids()
+            .to_vec();
         let model = Arc::new(
-            LlamaModel::from_gguf(&content, &mut f, CONTEXT)
+            Decoder::load(&content, &mut f, CONTEXT, placement, pool_tokens, &probe)
                 .map_err(|e| load_err(format!("weights: {e}")))?,
         );
         let single = |words: &[&str]| -> Vec<u32> {
@@ -104,6 +126,11 @@ impl LlamaGenerator {
             yes,
             no,
         })
+    }
+
+    /// Where the decoder runs.
+    pub fn placement(&self) -> Placement {
+        self.model.placement()
     }
 
     /// The first `max_tokens` tokens of `text` as text, and whether anything was cut.

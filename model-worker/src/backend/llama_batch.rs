@@ -12,8 +12,10 @@
 use std::path::Path;
 
 use candle_core::quantized::{QMatMul, gguf_file};
-use candle_core::{Device, Module, Tensor};
+use candle_core::{CpuStorage, Device, Module, Storage, Tensor};
 use rayon::prelude::*;
+
+use super::skinny;
 
 use crate::error::ModelError;
 
@@ -202,7 +204,8 @@ impl LlamaModel {
         want: &[usize],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let d = self.dims;
-        let positions = self.positions(rows, caches)?;
+        let lens: Vec<usize> = caches.iter().map(|c| c.len).collect();
+        let positions = positions(rows, &lens, d.context)?;
         let n = rows.len();
         let mut x = Vec::with_capacity(n * d.hidden);
         for r in rows {
@@ -257,38 +260,6 @@ impl LlamaModel {
         let last = rms_norm(&last, &self.norm, d.eps);
         let logits = matmul(&self.output, &last, want.len(), d.hidden)?;
         Ok(logits.chunks(d.vocab).map(<[f32]>::to_vec).collect())
-    }
-
-    /// Each row's position; checks that sequences continue their caches and fit the context.
-    fn positions(&self, rows: &[Row], caches: &[&mut KvCache]) -> Result<Vec<usize>, ModelError> {
-        let mut next: Vec<Option<usize>> = vec![None; caches.len()];
-        let mut out = Vec::with_capacity(rows.len());
-        let mut prev_seq = None;
-        for r in rows {
-            let c = caches.get(r.seq).ok_or_else(|| {
-                ModelError::InvalidArgument(format!("row of sequence {} without a cache", r.seq))
-            })?;
-            let p = match next[r.seq] {
-                None => c.len,
-                Some(_) if prev_seq != Some(r.seq) => {
-                    return Err(ModelError::InvalidArgument(format!(
-                        "rows of sequence {} are not contiguous",
-                        r.seq
-                    )));
-                }
-                Some(p) => p,
-            };
-            if p >= self.dims.context {
-                return Err(ModelError::InvalidArgument(format!(
-                    "position {p} beyond the context of {}",
-                    self.dims.context
-                )));
-            }
-            next[r.seq] = Some(p + 1);
-            prev_seq = Some(r.seq);
-            out.push(p);
-        }
-        Ok(out)
     }
 
     /// Rotates consecutive pairs of every head in `x` by the angles of `pos` (GGUF llama
@@ -352,6 +323,42 @@ impl LlamaModel {
     }
 }
 
+/// Each row's position, given each sequence's cached length; checks that a sequence's rows
+/// are contiguous and fit the context.
+pub(crate) fn positions(
+    rows: &[Row],
+    lens: &[usize],
+    context: usize,
+) -> Result<Vec<usize>, ModelError> {
+    let mut next: Vec<Option<usize>> = vec![None; lens.len()];
+    let mut out = Vec::with_capacity(rows.len());
+    let mut prev_seq = None;
+    for r in rows {
+        let len = *lens.get(r.seq).ok_or_else(|| {
+            ModelError::InvalidArgument(format!("row of sequence {} without a cache", r.seq))
+        })?;
+        let p = match next[r.seq] {
+            None => len,
+            Some(_) if prev_seq != Some(r.seq) => {
+                return Err(ModelError::InvalidArgument(format!(
+                    "rows of sequence {} are not contiguous",
+                    r.seq
+                )));
+            }
+            Some(p) => p,
+        };
+        if p >= context {
+            return Err(ModelError::InvalidArgument(format!(
+                "position {p} beyond the context of {context}"
+            )));
+        }
+        next[r.seq] = Some(p + 1);
+        prev_seq = Some(r.seq);
+        out.push(p);
+    }
+    Ok(out)
+}
+
 /// Weight matrices applied to the same input. When candle holds them dense (dequantized
 /// weights) they are stacked into one matrix at load, so one matmul call (one pass of the
 /// thread pool) replaces two or three; quantized ones stay apart.
@@ -408,12 +415,35 @@ impl Group {
     }
 }
 
-/// `x` (rows x cols) times a weight matrix, through candle.
+/// `x` (rows x cols) times a weight matrix: dense weights and few rows (decode steps) through
+/// the skinny kernel, everything else through candle.
 fn matmul(w: &QMatMul, x: &[f32], rows: usize, cols: usize) -> Result<Vec<f32>, ModelError> {
+    if rows <= skinny::MAX_ROWS
+        && let QMatMul::Tensor(t) | QMatMul::TensorF16(t) = w
+        && let Some(y) = skinny_matmul(t, x, rows, cols)
+    {
+        return Ok(y);
+    }
     let t = Tensor::from_slice(x, (rows, cols), &Device::Cpu).map_err(infer)?;
     w.forward(&t)
         .and_then(|y| y.flatten_all()?.to_vec1::<f32>())
         .map_err(infer)
+}
+
+/// The skinny kernel over a dense candle weight `(n, cols)`, read in place.
+fn skinny_matmul(w: &Tensor, x: &[f32], rows: usize, cols: usize) -> Option<Vec<f32>> {
+    let (n, k) = w.dims2().ok()?;
+    if k != cols {
+        return None;
+    }
+    let (storage, layout) = w.storage_and_layout();
+    let (start, end) = layout.contiguous_offsets()?;
+    let weights = match &*storage {
+        Storage::Cpu(CpuStorage::F32(v)) => skinny::Weights::F32(&v[start..end]),
+        Storage::Cpu(CpuStorage::F16(v)) => skinny::Weights::F16(&v[start..end]),
+        _ => return None,
+    };
+    skinny::matmul(weights, n, k, x, rows)
 }
 
 fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {

@@ -1,5 +1,5 @@
 //! Continuous batching for generation: one decode thread per model runs every active stream
-//! in one forward per step (`llama_batch`). New streams join at step boundaries; their
+//! in one forward per step (`decoder`: the CPU or CUDA llama decoder). New streams join at step boundaries; their
 //! prompts are prefilled in chunks within the same forwards, so a long prompt does not stall
 //! the streams already decoding. A stream leaves when it finishes, when its caller stops
 //! listening, or when it is cancelled.
@@ -12,7 +12,8 @@ use candle_core::{Device, Tensor};
 use candle_transformers::generation::LogitsProcessor;
 use rayon::prelude::*;
 
-use super::llama_batch::{KvCache, LlamaModel, Row};
+use super::decoder::{Cache, Decoder};
+use super::llama_batch::Row;
 use crate::error::ModelError;
 
 /// Prompt rows per forward (shared by the streams still prefilling): bounds how long one step
@@ -147,7 +148,7 @@ pub fn logprob(logits: &[f32], token: u32) -> f32 {
 
 struct Stream<'a> {
     job: Job,
-    cache: KvCache,
+    cache: Cache,
     /// Prompt tokens not yet run through the model.
     prefill_at: usize,
     sampler: LogitsProcessor,
@@ -201,7 +202,7 @@ impl Engine {
     /// Starts the decode thread; it ends when the engine is dropped and its streams are done.
     pub fn start(
         name: &str,
-        model: Arc<LlamaModel>,
+        model: Arc<Decoder>,
         tokenizer: Arc<tokenizers::Tokenizer>,
         eos: Vec<u32>,
     ) -> Result<Self, ModelError> {
@@ -223,7 +224,7 @@ impl Engine {
 
 fn run(
     label: &str,
-    model: &LlamaModel,
+    model: &Decoder,
     tokenizer: &tokenizers::Tokenizer,
     eos: &[u32],
     jobs: mpsc::Receiver<Job>,
@@ -286,7 +287,7 @@ fn run(
 /// One forward over every decoding stream plus up to [`PREFILL_ROWS`] prompt rows; streams
 /// that end leave `active`.
 fn step(
-    model: &LlamaModel,
+    model: &Decoder,
     eos: &[u32],
     active: &mut Vec<Stream>,
     label: &str,
@@ -324,7 +325,7 @@ fn step(
         .record(rows.len() as f64);
     let want: Vec<usize> = sample_at.iter().map(|&(_, r)| r).collect();
     let logits = {
-        let mut caches: Vec<&mut KvCache> = active.iter_mut().map(|s| &mut s.cache).collect();
+        let mut caches: Vec<&mut Cache> = active.iter_mut().map(|s| &mut s.cache).collect();
         model.forward(&rows, &mut caches, &want)?
     };
     // Sampling, detokenising and sending run per stream in parallel: on the decode thread

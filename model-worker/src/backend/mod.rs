@@ -1,11 +1,16 @@
 //! Inference backends behind synchronous traits, run on their own threads.
 
 pub mod bert;
+mod cpu_ops;
 pub mod cuda;
+pub mod cuda_half;
+pub mod decoder;
 pub mod device;
 pub mod llama;
 pub mod llama_batch;
+pub mod llama_cuda;
 pub mod llama_engine;
+pub mod skinny;
 pub mod transformer;
 
 /// One tokenised input: token ids (with special tokens), segment ids, and whether the text

@@ -16,8 +16,8 @@ use clap::Parser;
 use model_worker::backend::bert::{self, BertEncoder, HeadKind};
 use model_worker::backend::{Encoder, Seq};
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
-use ragcluster_proto::v1::*;
-use ragcluster_tests::{Proc, datasets_dir, embed_model, percentile, workspace};
+use ragcluster_tests::workerload::embed_load;
+use ragcluster_tests::{Proc, datasets_dir, embed_model, workspace};
 use serde_json::json;
 use tonic::transport::Channel;
 
@@ -108,36 +108,9 @@ async fn concurrent(
     let worker = Proc::model_worker(dir.path(), false, Some(&cfg))?;
     let ch = Channel::from_shared(worker.grpc.clone())?.connect().await?;
     let c = ModelWorkerClient::new(ch);
-    let t = Instant::now();
-    let tasks = (0..clients).map(|k| {
-        let mut c = c.clone();
-        let texts = texts.to_vec();
-        tokio::spawn(async move {
-            let mut lat = Vec::new();
-            for i in 0..requests {
-                let text = texts[(k * requests + i) % texts.len()].clone();
-                let s = Instant::now();
-                c.embed(EmbedRequest {
-                    texts: vec![text],
-                    ..Default::default()
-                })
-                .await?;
-                lat.push(s.elapsed().as_secs_f64() * 1e3);
-            }
-            anyhow::Ok(lat)
-        })
-    });
-    let mut lat = Vec::new();
-    for r in futures::future::join_all(tasks).await {
-        lat.extend(r??);
-    }
-    let secs = t.elapsed().as_secs_f64();
-    Ok(json!({
-        "batching": batching,
-        "sentences_per_s": lat.len() as f64 / secs,
-        "latency_ms_p50": percentile(&mut lat, 50.0),
-        "latency_ms_p99": percentile(&mut lat, 99.0),
-    }))
+    let mut out = embed_load(&c, texts, clients, requests, 1).await?;
+    out["batching"] = json!(batching);
+    Ok(out)
 }
 
 #[tokio::main]

@@ -3,14 +3,11 @@
 //! Reports decode tokens/s (aggregate and per stream), time to first token and prompt size.
 //! Prints one JSON object.
 
-use std::time::Instant;
-
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Parser;
-use futures::StreamExt;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
-use ragcluster_proto::v1::*;
-use ragcluster_tests::{Proc, percentile};
+use ragcluster_tests::Proc;
+use ragcluster_tests::workerload::{generate_load, generate_stream};
 use tonic::transport::Channel;
 
 #[derive(Parser)]
@@ -29,36 +26,6 @@ const PROMPT: &str = "Retrieval-augmented generation combines a retriever with a
 model. Explain in a few sentences why retrieving passages before generating an answer helps \
 a small model answer factual questions.";
 
-/// One stream: (time to first token, tokens, total seconds).
-async fn stream(
-    mut c: ModelWorkerClient<Channel>,
-    tokens: u32,
-    seed: u64,
-) -> Result<(f64, u32, f64)> {
-    let t = Instant::now();
-    let mut s = c
-        .generate(GenerateRequest {
-            prompt: PROMPT.into(),
-            max_tokens: tokens,
-            temperature: 0.7,
-            seed,
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
-    let mut first = None;
-    let mut n = 0;
-    while let Some(m) = s.next().await {
-        let m = m?;
-        first.get_or_insert(t.elapsed().as_secs_f64());
-        n += 1;
-        if m.finished {
-            break;
-        }
-    }
-    Ok((first.context("no token")?, n, t.elapsed().as_secs_f64()))
-}
-
 #[tokio::main]
 async fn main() -> Result<()> {
     let a = Args::parse();
@@ -75,30 +42,12 @@ async fn main() -> Result<()> {
         )?;
         let worker = Proc::model_worker(dir.path(), true, Some(&cfg))?;
         let c = ModelWorkerClient::new(Channel::from_shared(worker.grpc.clone())?.connect().await?);
-        stream(c.clone(), 4, 0).await?; // warm-up
+        generate_stream(c.clone(), PROMPT.into(), 4, 0.7, 0).await?; // warm-up
         let mut row = serde_json::Map::new();
         for n in [1usize, a.streams] {
-            let t = Instant::now();
-            let runs =
-                futures::future::join_all((0..n).map(|i| stream(c.clone(), a.tokens, i as u64)))
-                    .await
-                    .into_iter()
-                    .collect::<Result<Vec<_>>>()?;
-            let wall = t.elapsed().as_secs_f64();
-            let total: u32 = runs.iter().map(|r| r.1).sum();
-            let mut ttft: Vec<f64> = runs.iter().map(|r| r.0 * 1e3).collect();
-            let per_stream: Vec<f64> = runs
-                .iter()
-                .map(|r| f64::from(r.1.saturating_sub(1)) / (r.2 - r.0).max(1e-9))
-                .collect();
             row.insert(
                 format!("streams_{n}"),
-                serde_json::json!({
-                    "tokens_per_s": f64::from(total) / wall,
-                    "decode_tokens_per_s_per_stream": per_stream.iter().sum::<f64>() / n as f64,
-                    "ttft_p50_ms": percentile(&mut ttft, 50.0),
-                    "tokens": total,
-                }),
+                generate_load(&c, PROMPT, n, a.tokens, 0.7).await?,
             );
         }
         out.insert(format!("dequantize_{dq}"), serde_json::Value::Object(row));

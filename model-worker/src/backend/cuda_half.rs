@@ -1,0 +1,609 @@
+//! The BERT encoder on NVIDIA tensor cores: f16 weights and activations, every projection a
+//! cuBLAS `GemmEx` (f16 inputs, f32 accumulation), sequences packed back to back without
+//! padding (per-sequence offsets, as text-embeddings-inference does), one fused attention
+//! kernel (scores, online softmax and the weighted sum of values per query, keys and values
+//! staged through shared memory), and a workspace kept between batches, so a forward
+//! allocates nothing on the device but its small index arrays.
+//!
+//! Element-wise work keeps f32 arithmetic and rounds to f16 only when it stores; embeddings,
+//! biases and LayerNorm parameters stay f32. The f16 kernels are header-free (conversions are
+//! PTX `cvt` instructions), so NVRTC needs no CUDA include directory. `bert` checks this path
+//! against the CPU at load (cosine > 0.999) and falls back to `cuda` (f32) otherwise.
+
+// cudarc marks kernel launches, raw device pointers, cuBLAS calls and uninitialised
+// allocations as `unsafe`; every block below states why its arguments are in bounds.
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models::bert::{Config, HiddenAct, PositionEmbeddingType};
+use cudarc::cublas::CudaBlas;
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
+};
+
+use super::Seq;
+use super::cuda::{compile, elems, upload_f16};
+use crate::error::ModelError;
+
+/// Keys per shared-memory tile of the attention kernel (and its threads per block).
+const TILE: usize = 64;
+/// The attention kernel keeps a query and its accumulator in registers: head sizes up to
+/// this (MiniLM 32, BERT-base 64).
+const MAX_HEAD_DIM: usize = 64;
+
+/// f16 <-> f32 as PTX conversions on `unsigned short` bits: no cuda_fp16.h (NVRTC then
+/// needs no CUDA include directory). Shared with `llama_cuda`.
+pub(crate) const HALF_HELPERS: &str = r#"
+__device__ __forceinline__ float h2f(unsigned short h) {
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+}
+__device__ __forceinline__ unsigned short f2h(float f) {
+  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+"#;
+
+/// Kernel source; `HEAD_DIM` is defined per model before compiling.
+const KERNELS: &str = r#"
+#define TILE 64
+
+// Sum of v over the block (blockDim.x a power of two); buf holds blockDim.x floats.
+__device__ float block_sum(float v, float* buf) {
+  buf[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) buf[threadIdx.x] += buf[threadIdx.x + s];
+    __syncthreads();
+  }
+  float total = buf[0];
+  __syncthreads();
+  return total;
+}
+
+// LayerNorm of the h floats in row (shared), written as f16 (and as f32 when out32).
+__device__ void norm_store(const float* row, int h, float eps, const float* g, const float* b,
+    unsigned short* out, float* out32, float* buf) {
+  float s = 0.f;
+  for (int c = threadIdx.x; c < h; c += blockDim.x) s += row[c];
+  float mean = block_sum(s, buf) / h;
+  float q = 0.f;
+  for (int c = threadIdx.x; c < h; c += blockDim.x) { float d = row[c] - mean; q += d * d; }
+  float inv = rsqrtf(block_sum(q, buf) / h + eps);
+  for (int c = threadIdx.x; c < h; c += blockDim.x) {
+    float v = (row[c] - mean) * inv * g[c] + b[c];
+    out[c] = f2h(v);
+    if (out32) out32[c] = v;
+  }
+}
+
+// One block per packed token: word + type + position embeddings, LayerNorm.
+// Shared: blockDim.x + h floats.
+extern "C" __global__ void embed_ln(unsigned short* out, const unsigned* ids,
+    const unsigned* types, const unsigned* pos, const float* word, const float* pos_emb,
+    const float* type_emb, const float* g, const float* b, int h, float eps) {
+  extern __shared__ float sh[];
+  float* buf = sh;
+  float* row = sh + blockDim.x;
+  size_t r = blockIdx.x;
+  for (int c = threadIdx.x; c < h; c += blockDim.x)
+    row[c] = word[(size_t)ids[r] * h + c] + type_emb[(size_t)types[r] * h + c]
+           + pos_emb[(size_t)pos[r] * h + c];
+  __syncthreads();
+  norm_store(row, h, eps, g, b, out + r * h, 0, buf);
+}
+
+// One block per row: out = LayerNorm(x + bias + res), f16 (and f32 into out32 if non-null).
+// Shared: blockDim.x + h floats.
+extern "C" __global__ void bias_res_ln(unsigned short* out, float* out32,
+    const unsigned short* x, const unsigned short* res, const float* bias, const float* g,
+    const float* b, int h, float eps) {
+  extern __shared__ float sh[];
+  float* buf = sh;
+  float* row = sh + blockDim.x;
+  size_t r = blockIdx.x;
+  for (int c = threadIdx.x; c < h; c += blockDim.x)
+    row[c] = h2f(x[r * h + c]) + bias[c] + h2f(res[r * h + c]);
+  __syncthreads();
+  norm_store(row, h, eps, g, b, out + r * h, out32 ? out32 + r * h : 0, buf);
+}
+
+// x[r, c] = act(x[r, c] + bias[c]) in place; act 1 = GELU (erf), 2 = GELU (tanh), 3 = ReLU.
+extern "C" __global__ void bias_act(unsigned short* x, const float* bias, int rows, int cols,
+    int act) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)rows * cols) return;
+  float v = h2f(x[i]) + bias[i % cols];
+  if (act == 1) v = 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
+  else if (act == 2) v = 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+  else if (act == 3) v = fmaxf(v, 0.f);
+  x[i] = f2h(v);
+}
+
+// Self-attention over packed sequences. qkv rows are [q | k | v] (h each, no bias; q is
+// pre-scaled by 1/sqrt(d)); offsets[s]..offsets[s+1] are sequence s's rows. Grid
+// (sequences * heads, ceil(longest / TILE)), TILE threads: one query row per thread, keys
+// and values staged per tile in shared memory, softmax computed online.
+extern "C" __global__ void attention(unsigned short* ctx, const unsigned short* qkv,
+    const float* bias, const int* offsets, int heads) {
+  __shared__ float ks[TILE * HEAD_DIM];
+  __shared__ float vs[TILE * HEAD_DIM];
+  int seq = blockIdx.x / heads, head = blockIdx.x % heads;
+  int start = offsets[seq], len = offsets[seq + 1] - start;
+  if ((int)(blockIdx.y * blockDim.x) >= len) return;  // uniform over the block
+  int t = blockIdx.y * blockDim.x + threadIdx.x;
+  int h = heads * HEAD_DIM, w = 3 * h, col = head * HEAD_DIM;
+  bool live = t < len;
+  float q[HEAD_DIM], acc[HEAD_DIM];
+  float m = -1e30f, l = 0.f;
+  if (live) {
+    const unsigned short* qr = qkv + (size_t)(start + t) * w + col;
+    for (int j = 0; j < HEAD_DIM; j++) { q[j] = h2f(qr[j]) + bias[col + j]; acc[j] = 0.f; }
+  }
+  for (int k0 = 0; k0 < len; k0 += TILE) {
+    int n = min(TILE, len - k0);
+    for (int i = threadIdx.x; i < n * HEAD_DIM; i += blockDim.x) {
+      int kr = i / HEAD_DIM, j = i % HEAD_DIM;
+      const unsigned short* row = qkv + (size_t)(start + k0 + kr) * w;
+      ks[i] = h2f(row[h + col + j]) + bias[h + col + j];
+      vs[i] = h2f(row[2 * h + col + j]) + bias[2 * h + col + j];
+    }
+    __syncthreads();
+    if (live) {
+      for (int kr = 0; kr < n; kr++) {
+        float s = 0.f;
+        for (int j = 0; j < HEAD_DIM; j++) s += q[j] * ks[kr * HEAD_DIM + j];
+        float mn = fmaxf(m, s);
+        float corr = __expf(m - mn), p = __expf(s - mn);
+        l = l * corr + p;
+        for (int j = 0; j < HEAD_DIM; j++) acc[j] = acc[j] * corr + p * vs[kr * HEAD_DIM + j];
+        m = mn;
+      }
+    }
+    __syncthreads();
+  }
+  if (live) {
+    unsigned short* o = ctx + (size_t)(start + t) * h + col;
+    float inv = 1.f / l;
+    for (int j = 0; j < HEAD_DIM; j++) o[j] = f2h(acc[j] * inv);
+  }
+}
+"#;
+
+/// The kernel source for one head size.
+pub(crate) fn kernel_source(head_dim: usize) -> String {
+    format!("#define HEAD_DIM {head_dim}\n{HALF_HELPERS}\n{KERNELS}")
+}
+
+struct Dense {
+    /// Row-major (in, out) f16 bits: the transposed HF weight.
+    w_t: CudaSlice<u16>,
+    b: CudaSlice<f32>,
+    inp: usize,
+    out: usize,
+}
+
+struct Norm {
+    g: CudaSlice<f32>,
+    b: CudaSlice<f32>,
+}
+
+struct Layer {
+    qkv: Dense,
+    attn_out: Dense,
+    ln1: Norm,
+    inter: Dense,
+    out: Dense,
+    ln2: Norm,
+}
+
+struct Kernels {
+    embed_ln: CudaFunction,
+    bias_res_ln: CudaFunction,
+    bias_act: CudaFunction,
+    attention: CudaFunction,
+}
+
+/// Activations for up to `tokens` packed rows, reused across forwards.
+struct Workspace {
+    tokens: usize,
+    x: CudaSlice<u16>,
+    a: CudaSlice<u16>,
+    qkv: CudaSlice<u16>,
+    ctx: CudaSlice<u16>,
+    inter: CudaSlice<u16>,
+    o: CudaSlice<u16>,
+    out32: CudaSlice<f32>,
+}
+
+pub struct CudaHalfTransformer {
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    k: Kernels,
+    word: CudaSlice<f32>,
+    position: CudaSlice<f32>,
+    token_type: CudaSlice<f32>,
+    emb_ln: Norm,
+    layers: Vec<Layer>,
+    heads: usize,
+    hidden: usize,
+    intermediate: usize,
+    max_positions: usize,
+    act: i32,
+    eps: f32,
+    work: Mutex<Option<Workspace>>,
+    pub device_name: String,
+}
+
+fn err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Inference(format!("cuda f16: {e}"))
+}
+
+/// One block of 128 threads per row, shared memory for the reduction and one row of `h`.
+fn rows_cfg(rows: usize, h: usize) -> LaunchConfig {
+    let threads = 128u32;
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: (threads as usize + h) as u32 * 4,
+    }
+}
+
+fn up_f32(stream: &Arc<CudaStream>, t: &Tensor) -> Result<CudaSlice<f32>, ModelError> {
+    let host = t.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+    stream.clone_htod(&host).map_err(err)
+}
+
+impl CudaHalfTransformer {
+    /// Uploads the weights found through `vb` (CPU tensors, HF names) to GPU `ordinal` as f16
+    /// and compiles the kernels for this model's head size.
+    pub fn load(vb: VarBuilder, c: &Config, ordinal: usize) -> Result<Self, ModelError> {
+        if c.position_embedding_type != PositionEmbeddingType::Absolute {
+            return Err(err("only absolute position embeddings are supported"));
+        }
+        let h = c.hidden_size;
+        let head_dim = h / c.num_attention_heads;
+        if head_dim > MAX_HEAD_DIM || head_dim * c.num_attention_heads != h {
+            return Err(err(format!("head size {head_dim} is not supported")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(err)?;
+        let device_name = ctx.name().map_err(err)?;
+        let stream = ctx.new_stream().map_err(err)?;
+        let blas = CudaBlas::new(stream.clone()).map_err(err)?;
+        let module = compile(&ctx, &kernel_source(head_dim)).map_err(err)?;
+        let f = |name: &str| module.load_function(name).map_err(err);
+        let k = Kernels {
+            embed_ln: f("embed_ln")?,
+            bias_res_ln: f("bias_res_ln")?,
+            bias_act: f("bias_act")?,
+            attention: f("attention")?,
+        };
+        let vb = super::transformer::encoder_root(vb);
+        let dense = |w: &Tensor, b: &Tensor| -> Result<Dense, ModelError> {
+            let (out, inp) = w.dims2()?;
+            Ok(Dense {
+                w_t: upload_f16(&stream, &w.t()?)?,
+                b: up_f32(&stream, b)?,
+                inp,
+                out,
+            })
+        };
+        let linear = |vb: VarBuilder, inp: usize, out: usize| -> Result<Dense, ModelError> {
+            dense(&vb.get((out, inp), "weight")?, &vb.get(out, "bias")?)
+        };
+        let norm = |vb: VarBuilder| -> Result<Norm, ModelError> {
+            Ok(Norm {
+                g: up_f32(&stream, &vb.get(h, "weight")?)?,
+                b: up_f32(&stream, &vb.get(h, "bias")?)?,
+            })
+        };
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let l = vb.pp(format!("encoder.layer.{i}"));
+            let a = l.pp("attention");
+            let (qkv_w, qkv_b) = super::transformer::fused_qkv(&a.pp("self"), h, head_dim)?;
+            layers.push(Layer {
+                qkv: dense(&qkv_w, &qkv_b)?,
+                attn_out: linear(a.pp("output.dense"), h, h)?,
+                ln1: norm(a.pp("output.LayerNorm"))?,
+                inter: linear(l.pp("intermediate.dense"), h, c.intermediate_size)?,
+                out: linear(l.pp("output.dense"), c.intermediate_size, h)?,
+                ln2: norm(l.pp("output.LayerNorm"))?,
+            });
+        }
+        let e = vb.pp("embeddings");
+        Ok(Self {
+            word: up_f32(
+                &stream,
+                &e.get((c.vocab_size, h), "word_embeddings.weight")?,
+            )?,
+            position: up_f32(
+                &stream,
+                &e.get((c.max_position_embeddings, h), "position_embeddings.weight")?,
+            )?,
+            token_type: up_f32(
+                &stream,
+                &e.get((c.type_vocab_size, h), "token_type_embeddings.weight")?,
+            )?,
+            emb_ln: norm(e.pp("LayerNorm"))?,
+            layers,
+            heads: c.num_attention_heads,
+            hidden: h,
+            intermediate: c.intermediate_size,
+            max_positions: c.max_position_embeddings,
+            act: match c.hidden_act {
+                HiddenAct::Gelu => 1,
+                HiddenAct::GeluApproximate => 2,
+                HiddenAct::Relu => 3,
+            },
+            eps: c.layer_norm_eps as f32,
+            work: Mutex::new(None),
+            stream,
+            blas,
+            k,
+            device_name,
+        })
+    }
+
+    fn workspace(&self, tokens: usize) -> Result<Workspace, ModelError> {
+        let (h, st) = (self.hidden, &self.stream);
+        // SAFETY: every buffer is written by a kernel or GEMM before it is read (rows beyond
+        // a forward's token count are never read).
+        let buf = |n: usize| unsafe { st.alloc::<u16>(n) }.map_err(err);
+        Ok(Workspace {
+            tokens,
+            x: buf(tokens * h)?,
+            a: buf(tokens * h)?,
+            qkv: buf(tokens * 3 * h)?,
+            ctx: buf(tokens * h)?,
+            inter: buf(tokens * self.intermediate)?,
+            o: buf(tokens * h)?,
+            // SAFETY: as above.
+            out32: unsafe { st.alloc::<f32>(tokens * h) }.map_err(err)?,
+        })
+    }
+
+    /// `y (rows, out) = x (rows, in) . w_t` in f16 with f32 accumulation (tensor cores).
+    fn gemm(
+        &self,
+        x: &CudaSlice<u16>,
+        d: &Dense,
+        rows: usize,
+        y: &mut CudaSlice<u16>,
+    ) -> Result<(), ModelError> {
+        let st = &self.stream;
+        let (xp, _gx) = x.device_ptr(st);
+        let (wp, _gw) = d.w_t.device_ptr(st);
+        let (yp, _gy) = y.device_ptr_mut(st);
+        let (alpha, beta) = (1f32, 0f32);
+        let f16 = cudaDataType_t::CUDA_R_16F;
+        // SAFETY: w_t holds inp*out halves, x at least rows*inp and y rows*out (workspace
+        // sized for rows); column-major C^T (out x rows) = W_t^T . X^T with no transposes,
+        // leading dimensions out / inp / out; alpha and beta are host f32 scalars as
+        // CUBLAS_COMPUTE_32F expects.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_N,
+                cublasOperation_t::CUBLAS_OP_N,
+                d.out as i32,
+                rows as i32,
+                d.inp as i32,
+                (&alpha as *const f32).cast::<c_void>(),
+                wp as *const c_void,
+                f16,
+                d.out as i32,
+                xp as *const c_void,
+                f16,
+                d.inp as i32,
+                (&beta as *const f32).cast::<c_void>(),
+                yp as *mut c_void,
+                f16,
+                d.out as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(err)
+    }
+
+    /// `out = LayerNorm(x + bias + res)` per row (and its f32 copy into `out32`).
+    #[allow(clippy::too_many_arguments)]
+    fn bias_res_ln(
+        &self,
+        out: &mut CudaSlice<u16>,
+        out32: Option<&mut CudaSlice<f32>>,
+        x: &CudaSlice<u16>,
+        res: &CudaSlice<u16>,
+        bias: &CudaSlice<f32>,
+        n: &Norm,
+        rows: usize,
+    ) -> Result<(), ModelError> {
+        let h = self.hidden as i32;
+        let null = 0u64;
+        let mut l = self.stream.launch_builder(&self.k.bias_res_ln);
+        l.arg(out);
+        match out32 {
+            Some(o) => l.arg(o),
+            None => l.arg(&null),
+        };
+        l.arg(x)
+            .arg(res)
+            .arg(bias)
+            .arg(&n.g)
+            .arg(&n.b)
+            .arg(&h)
+            .arg(&self.eps);
+        // SAFETY: one block per row of `hidden` elements in every buffer (rows within the
+        // workspace); a null out32 is checked by the kernel; shared memory as rows_cfg.
+        unsafe { l.launch(rows_cfg(rows, self.hidden)) }.map_err(err)?;
+        Ok(())
+    }
+
+    /// Embeds the packed tokens of `batch` into `w.x`; returns the sequence offsets.
+    fn embed(&self, batch: &[&Seq], w: &mut Workspace) -> Result<CudaSlice<i32>, ModelError> {
+        let st = &self.stream;
+        let rows: usize = batch.iter().map(|s| s.ids.len()).sum();
+        let mut ids = Vec::with_capacity(rows);
+        let mut types = Vec::with_capacity(rows);
+        let mut pos = Vec::with_capacity(rows);
+        let mut offsets = Vec::with_capacity(batch.len() + 1);
+        offsets.push(0i32);
+        for s in batch {
+            ids.extend_from_slice(&s.ids);
+            if s.type_ids.len() == s.ids.len() {
+                types.extend_from_slice(&s.type_ids);
+            } else {
+                types.extend(std::iter::repeat_n(0u32, s.ids.len()));
+            }
+            pos.extend(0..s.ids.len() as u32);
+            offsets.push(offsets[offsets.len() - 1] + s.ids.len() as i32);
+        }
+        let (ids_d, types_d, pos_d) = (
+            st.clone_htod(&ids).map_err(err)?,
+            st.clone_htod(&types).map_err(err)?,
+            st.clone_htod(&pos).map_err(err)?,
+        );
+        let h = self.hidden as i32;
+        let mut l = st.launch_builder(&self.k.embed_ln);
+        l.arg(&mut w.x)
+            .arg(&ids_d)
+            .arg(&types_d)
+            .arg(&pos_d)
+            .arg(&self.word)
+            .arg(&self.position)
+            .arg(&self.token_type)
+            .arg(&self.emb_ln.g)
+            .arg(&self.emb_ln.b)
+            .arg(&h)
+            .arg(&self.eps);
+        // SAFETY: ids and types come from this model's tokenizer (in vocabulary and type
+        // range), positions are below max_positions (checked by forward); one block per row.
+        unsafe { l.launch(rows_cfg(rows, self.hidden)) }.map_err(err)?;
+        st.clone_htod(&offsets).map_err(err)
+    }
+
+    /// Hidden states `(n, longest, hidden)` on the CPU (rows past a sequence's end are zero)
+    /// for a batch of tokenised sequences.
+    pub fn forward(&self, batch: &[&Seq]) -> Result<Tensor, ModelError> {
+        let n = batch.len();
+        let longest = batch.iter().map(|s| s.ids.len()).max().unwrap_or(0);
+        if longest > self.max_positions {
+            return Err(ModelError::InvalidArgument(format!(
+                "sequence of {longest} tokens is longer than the position table"
+            )));
+        }
+        let (h, rows) = (
+            self.hidden,
+            batch.iter().map(|s| s.ids.len()).sum::<usize>(),
+        );
+        if rows == 0 {
+            return Ok(Tensor::zeros(
+                (n, longest, h),
+                DType::F32,
+                &candle_core::Device::Cpu,
+            )?);
+        }
+        let mut guard = self
+            .work
+            .lock()
+            .map_err(|_| err("workspace lock poisoned"))?;
+        if guard.as_ref().is_none_or(|w| w.tokens < rows) {
+            let grown = guard.as_ref().map_or(0, |w| w.tokens * 2);
+            *guard = Some(self.workspace(rows.max(grown).max(1024))?);
+        }
+        let w = guard.as_mut().ok_or_else(|| err("no workspace"))?;
+        let offsets = self.embed(batch, w)?;
+        let last = self.layers.len().saturating_sub(1);
+        for (i, layer) in self.layers.iter().enumerate() {
+            self.gemm(&w.x, &layer.qkv, rows, &mut w.qkv)?;
+            {
+                let heads = self.heads as i32;
+                let mut l = self.stream.launch_builder(&self.k.attention);
+                l.arg(&mut w.ctx)
+                    .arg(&w.qkv)
+                    .arg(&layer.qkv.b)
+                    .arg(&offsets)
+                    .arg(&heads);
+                let cfg = LaunchConfig {
+                    grid_dim: ((n * self.heads) as u32, longest.div_ceil(TILE) as u32, 1),
+                    block_dim: (TILE as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: offsets has n+1 entries ending at rows; qkv holds rows*3h and ctx
+                // rows*h halves; blocks past a sequence's end return before any access.
+                unsafe { l.launch(cfg) }.map_err(err)?;
+            }
+            self.gemm(&w.ctx, &layer.attn_out, rows, &mut w.o)?;
+            self.bias_res_ln(
+                &mut w.a,
+                None,
+                &w.o,
+                &w.x,
+                &layer.attn_out.b,
+                &layer.ln1,
+                rows,
+            )?;
+            self.gemm(&w.a, &layer.inter, rows, &mut w.inter)?;
+            {
+                let (r, c) = (rows as i32, layer.inter.out as i32);
+                let mut l = self.stream.launch_builder(&self.k.bias_act);
+                l.arg(&mut w.inter)
+                    .arg(&layer.inter.b)
+                    .arg(&r)
+                    .arg(&c)
+                    .arg(&self.act);
+                // SAFETY: inter holds rows*intermediate halves; guarded by i < rows*cols.
+                unsafe { l.launch(elems(rows * layer.inter.out)) }.map_err(err)?;
+            }
+            self.gemm(&w.inter, &layer.out, rows, &mut w.o)?;
+            let out32 = (i == last).then_some(&mut w.out32);
+            self.bias_res_ln(&mut w.x, out32, &w.o, &w.a, &layer.out.b, &layer.ln2, rows)?;
+        }
+        let packed = self
+            .stream
+            .clone_dtoh(&w.out32.slice(..rows * h))
+            .map_err(err)?;
+        drop(guard);
+        let mut padded = vec![0f32; n * longest * h];
+        let mut at = 0;
+        for (i, s) in batch.iter().enumerate() {
+            let len = s.ids.len() * h;
+            padded[i * longest * h..][..len].copy_from_slice(&packed[at..at + len]);
+            at += len;
+        }
+        Ok(Tensor::from_vec(
+            padded,
+            (n, longest, h),
+            &candle_core::Device::Cpu,
+        )?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every CUDA kernel source compiles with NVRTC (needs only libnvrtc, no GPU: `make
+    /// test` puts the copy from scripts/setup.sh on LD_LIBRARY_PATH). Running them needs a
+    /// GPU: tests/cuda_parity.rs.
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        // SAFETY: only tries to dlopen libnvrtc.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipped: no libnvrtc on LD_LIBRARY_PATH (scripts/setup.sh fetches one)");
+            return;
+        }
+        let opts = super::super::cuda::nvrtc_options;
+        for d in [32, 64] {
+            cudarc::nvrtc::compile_ptx_with_opts(super::kernel_source(d), opts())
+                .unwrap_or_else(|e| panic!("f16 kernels, head size {d}: {e:?}"));
+        }
+        cudarc::nvrtc::compile_ptx_with_opts(super::super::cuda::KERNELS, opts())
+            .unwrap_or_else(|e| panic!("f32 kernels: {e:?}"));
+    }
+}

@@ -1,0 +1,156 @@
+//! Where a generator's llama decoder runs: the CPU (`llama_batch`, candle weights) or an
+//! NVIDIA GPU (`llama_cuda`, f16 weights and a paged KV cache). The decode engine and the
+//! scoring calls see one interface: a cache per sequence and a forward over rows.
+
+use candle_core::quantized::gguf_file;
+
+use super::device::Placement;
+use super::llama_batch::{KvCache, LlamaModel, Row};
+use super::llama_cuda::{CudaLlama, PagedCache};
+use crate::error::ModelError;
+
+pub enum Decoder {
+    Cpu(LlamaModel),
+    Cuda(Box<CudaLlama>),
+}
+
+/// One sequence's keys and values, where its decoder keeps them.
+pub enum Cache {
+    Cpu(KvCache),
+    Cuda(PagedCache),
+}
+
+impl Cache {
+    /// Positions cached so far.
+    pub fn len(&self) -> usize {
+        match self {
+            Cache::Cpu(c) => c.len(),
+            Cache::Cuda(c) => c.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn mismatch() -> ModelError {
+    ModelError::Inference("a cache of another decoder was passed".into())
+}
+
+impl Decoder {
+    pub fn placement(&self) -> Placement {
+        match self {
+            Decoder::Cpu(_) => Placement::Cpu,
+            Decoder::Cuda(_) => Placement::Cuda,
+        }
+    }
+
+    pub fn new_cache(&self) -> Cache {
+        match self {
+            Decoder::Cpu(m) => Cache::Cpu(m.new_cache()),
+            Decoder::Cuda(m) => Cache::Cuda(m.new_cache()),
+        }
+    }
+
+    /// Runs `rows` (each sequence's rows contiguous, continuing its cache) and returns the
+    /// logits of the rows named in `want`, in that order.
+    pub fn forward(
+        &self,
+        rows: &[Row],
+        caches: &mut [&mut Cache],
+        want: &[usize],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        match self {
+            Decoder::Cpu(m) => {
+                let mut cs = caches
+                    .iter_mut()
+                    .map(|c| match &mut **c {
+                        Cache::Cpu(c) => Ok(c),
+                        Cache::Cuda(_) => Err(mismatch()),
+                    })
+                    .collect::<Result<Vec<&mut KvCache>, _>>()?;
+                m.forward(rows, &mut cs, want)
+            }
+            Decoder::Cuda(m) => {
+                let mut cs = caches
+                    .iter_mut()
+                    .map(|c| match &mut **c {
+                        Cache::Cuda(c) => Ok(c),
+                        Cache::Cpu(_) => Err(mismatch()),
+                    })
+                    .collect::<Result<Vec<&mut PagedCache>, _>>()?;
+                m.forward(rows, &mut cs, want)
+            }
+        }
+    }
+
+    /// The decoder of a llama GGUF on `placement`. On CUDA the GPU decoder must agree with
+    /// the CPU one on `probe` (prompt tokens): cosine of the logits after every probe token
+    /// above 0.999 and the GPU's top token among the CPU's top 5 at each; otherwise the load
+    /// fails (the registry then falls back to the CPU under `device = "auto"`).
+    pub fn load<R: std::io::Read + std::io::Seek>(
+        content: &gguf_file::Content,
+        reader: &mut R,
+        context: usize,
+        placement: Placement,
+        pool_tokens: usize,
+        probe: &[u32],
+    ) -> Result<Self, ModelError> {
+        let cpu = LlamaModel::from_gguf(content, reader, context)?;
+        if placement == Placement::Cpu {
+            return Ok(Decoder::Cpu(cpu));
+        }
+        let gpu = CudaLlama::from_gguf(content, reader, context, pool_tokens, 0)?;
+        let rows: Vec<Row> = probe.iter().map(|&token| Row { seq: 0, token }).collect();
+        let want: Vec<usize> = (0..rows.len()).collect();
+        let a = cpu.forward(&rows, &mut [&mut cpu.new_cache()], &want)?;
+        let b = gpu.forward(&rows, &mut [&mut gpu.new_cache()], &want)?;
+        let (cos, top_ok) = agreement(&a, &b);
+        if cos <= 0.999 || !top_ok {
+            return Err(ModelError::Inference(format!(
+                "the CUDA decoder disagrees with the CPU on the probe (lowest logits cosine {cos}, top tokens agree: {top_ok})"
+            )));
+        }
+        tracing::info!(gpu = %gpu.device_name, cosine = cos, "decoder on CUDA, checked against CPU");
+        Ok(Decoder::Cuda(Box::new(gpu)))
+    }
+}
+
+/// Lowest cosine between matching logit rows, and whether each GPU top token is among the
+/// CPU's five best.
+fn agreement(cpu: &[Vec<f32>], gpu: &[Vec<f32>]) -> (f32, bool) {
+    let mut worst = if cpu.len() == gpu.len() { 1f32 } else { 0f32 };
+    let mut top_ok = true;
+    for (a, b) in cpu.iter().zip(gpu) {
+        let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+        let n = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        worst = worst.min(dot / (n(a) * n(b)).max(1e-12));
+        let argmax = |v: &[f32]| {
+            v.iter()
+                .enumerate()
+                .max_by(|x, y| x.1.total_cmp(y.1))
+                .map_or(0, |(i, _)| i)
+        };
+        let g = argmax(b);
+        let better = a.iter().filter(|&&x| x > a[g]).count();
+        top_ok &= better < 5;
+    }
+    (worst, top_ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn agreement_needs_close_logits_and_the_same_leaders() {
+        let cpu = vec![vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]];
+        let (cos, top) = agreement(&cpu, &cpu);
+        assert!(cos > 0.9999 && top);
+        // The GPU's best token is the CPU's sixth best: refused.
+        let gpu = vec![vec![7.0, 2.0, 3.0, 4.0, 5.0, 6.0, 1.0]];
+        assert!(!agreement(&cpu, &gpu).1);
+        assert!(agreement(&cpu, &[]).0 < 0.5);
+    }
+}

@@ -1,0 +1,768 @@
+//! The llama decoder of `llama_batch` on an NVIDIA GPU through cudarc, for continuous
+//! batching: one forward runs the rows of many sequences (decode steps and prompt chunks
+//! alike), each at its own position, against a paged KV cache.
+//!
+//! - Weights are f16 on the device (q/k/v and gate/up stacked, as on the CPU); every
+//!   projection and the logits are cuBLAS `GemmEx` calls (tensor cores, f32 accumulation);
+//!   the residual stream stays f32.
+//! - The KV cache is one pool of fixed pages per layer: a sequence owns a list of pages
+//!   (`PagedCache`), given back to the pool when the sequence ends. Row positions and cache
+//!   slots are computed on the host and uploaded with the tokens, so the kernels only index.
+//! - RMSNorm, RoPE + cache store, attention over the paged cache (one block per row and
+//!   head), residual add and the SiLU gate are NVRTC kernels (header-free f16 as in
+//!   `cuda_half`).
+//!
+//! `llama` checks this decoder against the CPU one on a probe prompt at load and keeps the
+//! CPU decoder when they disagree.
+
+// cudarc marks kernel launches, raw device pointers, cuBLAS calls and uninitialised
+// allocations as `unsafe`; every block below states why its arguments are in bounds.
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use candle_core::quantized::gguf_file;
+use candle_core::{Device, Tensor};
+use cudarc::cublas::CudaBlas;
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
+};
+
+use super::cuda::{compile, elems, upload_f16};
+use super::cuda_half::HALF_HELPERS;
+use super::llama_batch::{Dims, Row};
+use crate::error::ModelError;
+
+/// Tokens per KV-cache page.
+pub const PAGE: usize = 16;
+
+/// Threads per block of the row-wise kernels.
+const THREADS: u32 = 128;
+
+const KERNELS: &str = r#"
+#define PAGE 16
+
+__device__ float block_reduce(float v, float* buf, int is_max) {
+  buf[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) {
+      float o = buf[threadIdx.x + s];
+      buf[threadIdx.x] = is_max ? fmaxf(buf[threadIdx.x], o) : buf[threadIdx.x] + o;
+    }
+    __syncthreads();
+  }
+  float r = buf[0];
+  __syncthreads();
+  return r;
+}
+
+// x[r, :] = table[tokens[r], :] (f16 table, f32 residual stream).
+extern "C" __global__ void embed_rows(float* x, const unsigned short* table,
+    const unsigned* tokens, int rows, int h) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)rows * h) return;
+  size_t r = i / h, c = i % h;
+  x[i] = h2f(table[(size_t)tokens[r] * h + c]);
+}
+
+// out[b] = x[src] * rsqrt(mean(x[src]^2) + eps) * w as f16, src = rows ? rows[b] : b.
+extern "C" __global__ void rms_norm(unsigned short* out, const float* x, const float* w,
+    const int* rows, int h, float eps) {
+  extern __shared__ float buf[];
+  size_t b = blockIdx.x;
+  const float* xr = x + (size_t)(rows ? rows[b] : (int)b) * h;
+  float s = 0.f;
+  for (int c = threadIdx.x; c < h; c += blockDim.x) s += xr[c] * xr[c];
+  float inv = rsqrtf(block_reduce(s, buf, 0) / h + eps);
+  for (int c = threadIdx.x; c < h; c += blockDim.x) out[b * h + c] = f2h(xr[c] * inv * w[c]);
+}
+
+// One block per row: rotates the consecutive pairs of every q and k head by the row's
+// position, then stores the row's k and v into its cache slot. qkv rows are
+// [q (heads*d) | k (kvh*d) | v (kvh*d)]; the caches hold slots of kvh*d.
+extern "C" __global__ void rope_store(unsigned short* qkv, unsigned short* kc,
+    unsigned short* vc, const int* pos, const int* slots, const float* cos_t,
+    const float* sin_t, int heads, int kvh, int d) {
+  int r = blockIdx.x, half = d / 2;
+  int qw = heads * d, kw = kvh * d;
+  unsigned short* row = qkv + (size_t)r * (qw + 2 * kw);
+  const float* cs = cos_t + (size_t)pos[r] * half;
+  const float* sn = sin_t + (size_t)pos[r] * half;
+  for (int i = threadIdx.x; i < (heads + kvh) * half; i += blockDim.x) {
+    int head = i / half, j = i % half;
+    unsigned short* p = row + head * d + 2 * j;  // k heads follow the q heads
+    float a = h2f(p[0]), b = h2f(p[1]);
+    p[0] = f2h(a * cs[j] - b * sn[j]);
+    p[1] = f2h(a * sn[j] + b * cs[j]);
+  }
+  __syncthreads();
+  size_t slot = slots[r];
+  for (int c = threadIdx.x; c < kw; c += blockDim.x) {
+    kc[slot * kw + c] = row[qw + c];
+    vc[slot * kw + c] = row[qw + kw + c];
+  }
+}
+
+// One block per (row, head): causal attention of the row's query over positions
+// 0..=pos[r] of its sequence, whose pages are tables[tstart[r]..]. Shared memory: d + 
+// blockDim.x + the longest span of the batch, in floats.
+extern "C" __global__ void attention(unsigned short* out, const unsigned short* qkv,
+    const unsigned short* kc, const unsigned short* vc, const int* pos, const int* tstart,
+    const int* tables, int heads, int kvh, int d, float scale) {
+  extern __shared__ float sh[];
+  int r = blockIdx.x / heads, head = blockIdx.x % heads;
+  int kvhead = head / (heads / kvh);
+  int qw = heads * d, kw = kvh * d;
+  float* q = sh;
+  float* red = sh + d;
+  float* sc = red + blockDim.x;
+  int span = pos[r] + 1;
+  const unsigned short* qr = qkv + (size_t)r * (qw + 2 * kw) + head * d;
+  for (int j = threadIdx.x; j < d; j += blockDim.x) q[j] = h2f(qr[j]) * scale;
+  __syncthreads();
+  const int* table = tables + tstart[r];
+  float mx = -1e30f;
+  for (int p = threadIdx.x; p < span; p += blockDim.x) {
+    size_t slot = (size_t)table[p / PAGE] * PAGE + p % PAGE;
+    const unsigned short* k = kc + slot * kw + kvhead * d;
+    float s = 0.f;
+    for (int j = 0; j < d; j++) s += q[j] * h2f(k[j]);
+    sc[p] = s;
+    mx = fmaxf(mx, s);
+  }
+  mx = block_reduce(mx, red, 1);
+  float sum = 0.f;
+  for (int p = threadIdx.x; p < span; p += blockDim.x) {
+    float e = __expf(sc[p] - mx);
+    sc[p] = e;
+    sum += e;
+  }
+  float inv = 1.f / block_reduce(sum, red, 0);
+  for (int j = threadIdx.x; j < d; j += blockDim.x) {
+    float acc = 0.f;
+    for (int p = 0; p < span; p++) {
+      size_t slot = (size_t)table[p / PAGE] * PAGE + p % PAGE;
+      acc += sc[p] * h2f(vc[slot * kw + kvhead * d + j]);
+    }
+    out[(size_t)r * qw + head * d + j] = f2h(acc * inv);
+  }
+}
+
+// x += y (f32 += f16).
+extern "C" __global__ void add_rows(float* x, const unsigned short* y, int n) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < (size_t)n) x[i] += h2f(y[i]);
+}
+
+// out[r, i] = silu(gu[r, i]) * gu[r, inter + i] (gate and up stacked per row).
+extern "C" __global__ void silu_mul(unsigned short* out, const unsigned short* gu, int rows,
+    int inter) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)rows * inter) return;
+  size_t r = i / inter, c = i % inter;
+  float g = h2f(gu[r * 2 * inter + c]), u = h2f(gu[r * 2 * inter + inter + c]);
+  out[i] = f2h(g / (1.f + __expf(-g)) * u);
+}
+"#;
+
+/// The kernel source as compiled.
+pub(crate) fn kernel_source() -> String {
+    format!("{HALF_HELPERS}\n{KERNELS}")
+}
+
+struct Layer {
+    /// (q + k + v rows, hidden), row-major f16.
+    qkv: CudaSlice<u16>,
+    wo: CudaSlice<u16>,
+    /// (2 * intermediate, hidden): gate rows then up rows.
+    gate_up: CudaSlice<u16>,
+    down: CudaSlice<u16>,
+    attn_norm: CudaSlice<f32>,
+    ffn_norm: CudaSlice<f32>,
+    /// Cache pages of this layer: `pool_slots` slots of `kv_heads * head_dim` halves each.
+    k_cache: CudaSlice<u16>,
+    v_cache: CudaSlice<u16>,
+}
+
+struct Kernels {
+    embed_rows: CudaFunction,
+    rms_norm: CudaFunction,
+    rope_store: CudaFunction,
+    attention: CudaFunction,
+    add_rows: CudaFunction,
+    silu_mul: CudaFunction,
+}
+
+/// Activations for up to `rows` rows, reused across forwards.
+struct Workspace {
+    rows: usize,
+    x: CudaSlice<f32>,
+    hn: CudaSlice<u16>,
+    qkv: CudaSlice<u16>,
+    att: CudaSlice<u16>,
+    o: CudaSlice<u16>,
+    gu: CudaSlice<u16>,
+    act: CudaSlice<u16>,
+    logits: CudaSlice<f32>,
+}
+
+/// The free pages of the KV pool.
+type FreePages = Arc<Mutex<Vec<i32>>>;
+
+/// One sequence's pages in the device KV pool; they go back to the pool on drop.
+pub struct PagedCache {
+    pages: Vec<i32>,
+    len: usize,
+    free: FreePages,
+}
+
+impl PagedCache {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for PagedCache {
+    fn drop(&mut self) {
+        if let Ok(mut f) = self.free.lock() {
+            f.append(&mut self.pages);
+        }
+    }
+}
+
+pub struct CudaLlama {
+    pub dims: Dims,
+    intermediate: usize,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    k: Kernels,
+    embed: CudaSlice<u16>,
+    /// The output matrix when it is not the (tied) embedding.
+    output: Option<CudaSlice<u16>>,
+    norm: CudaSlice<f32>,
+    layers: Vec<Layer>,
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+    free: FreePages,
+    work: Mutex<Option<Workspace>>,
+    pub device_name: String,
+}
+
+fn err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Inference(format!("cuda llama: {e}"))
+}
+
+fn blocks(n: usize, shared_floats: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: (shared_floats * 4) as u32,
+    }
+}
+
+/// A GGUF llama's shapes (the same metadata `llama_batch` reads).
+fn dims(content: &gguf_file::Content, context: usize) -> Result<(Dims, usize, f32), ModelError> {
+    let md = |k: &str| {
+        content
+            .metadata
+            .get(k)
+            .ok_or_else(|| err(format!("GGUF metadata {k} missing")))
+    };
+    let num = |k: &str| -> Result<usize, ModelError> { Ok(md(k)?.to_u32()? as usize) };
+    let hidden = num("llama.embedding_length")?;
+    let heads = num("llama.attention.head_count")?;
+    let kv_heads = num("llama.attention.head_count_kv")?;
+    let head_dim = num("llama.rope.dimension_count")?;
+    let base = md("llama.rope.freq_base")
+        .and_then(|v| v.to_f32().map_err(err))
+        .unwrap_or(10_000.0);
+    if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || head_dim * heads != hidden {
+        return Err(err("unsupported head shapes"));
+    }
+    let d = Dims {
+        hidden,
+        heads,
+        kv_heads,
+        head_dim,
+        vocab: 0,
+        eps: md("llama.attention.layer_norm_rms_epsilon")?.to_f32()?,
+        context,
+    };
+    Ok((d, num("llama.block_count")?, base))
+}
+
+impl CudaLlama {
+    /// Uploads a llama GGUF's weights to GPU `ordinal` as f16, with a KV pool of
+    /// `pool_tokens` positions (rounded up to whole pages) shared by all sequences.
+    pub fn from_gguf<R: std::io::Read + std::io::Seek>(
+        content: &gguf_file::Content,
+        reader: &mut R,
+        context: usize,
+        pool_tokens: usize,
+        ordinal: usize,
+    ) -> Result<Self, ModelError> {
+        let (mut d, blocks_n, base) = dims(content, context)?;
+        let ctx = CudaContext::new(ordinal).map_err(err)?;
+        let device_name = ctx.name().map_err(err)?;
+        let stream = ctx.new_stream().map_err(err)?;
+        let blas = CudaBlas::new(stream.clone()).map_err(err)?;
+        let module = compile(&ctx, &kernel_source()).map_err(err)?;
+        let f = |name: &str| module.load_function(name).map_err(err);
+        let k = Kernels {
+            embed_rows: f("embed_rows")?,
+            rms_norm: f("rms_norm")?,
+            rope_store: f("rope_store")?,
+            attention: f("attention")?,
+            add_rows: f("add_rows")?,
+            silu_mul: f("silu_mul")?,
+        };
+        let dev = Device::Cpu;
+        let mut tensor = |name: &str| -> Result<Tensor, ModelError> {
+            Ok(content.tensor(reader, name, &dev)?.dequantize(&dev)?)
+        };
+        let embed_t = tensor("token_embd.weight")?;
+        d.vocab = embed_t.dim(0)?;
+        let embed = upload_f16(&stream, &embed_t)?;
+        let output = match tensor("output.weight") {
+            Ok(t) => Some(upload_f16(&stream, &t)?),
+            Err(_) => None,
+        };
+        let norm = stream
+            .clone_htod(&tensor("output_norm.weight")?.to_vec1::<f32>()?)
+            .map_err(err)?;
+        let pages = pool_tokens.div_ceil(PAGE).max(1);
+        let slots = pages * PAGE * d.kv_heads * d.head_dim;
+        let mut layers = Vec::with_capacity(blocks_n);
+        let mut intermediate = 0;
+        for i in 0..blocks_n {
+            let mut w = |n: &str| tensor(&format!("blk.{i}.{n}.weight"));
+            let qkv = Tensor::cat(&[w("attn_q")?, w("attn_k")?, w("attn_v")?], 0)?;
+            let (gate, up) = (w("ffn_gate")?, w("ffn_up")?);
+            intermediate = gate.dim(0)?;
+            let gate_up = Tensor::cat(&[gate, up], 0)?;
+            let vec = |t: Tensor| -> Result<CudaSlice<f32>, ModelError> {
+                stream.clone_htod(&t.to_vec1::<f32>()?).map_err(err)
+            };
+            layers.push(Layer {
+                qkv: upload_f16(&stream, &qkv)?,
+                wo: upload_f16(&stream, &w("attn_output")?)?,
+                gate_up: upload_f16(&stream, &gate_up)?,
+                down: upload_f16(&stream, &w("ffn_down")?)?,
+                attn_norm: vec(w("attn_norm")?)?,
+                ffn_norm: vec(w("ffn_norm")?)?,
+                // SAFETY: a slot is written (rope_store) before any attention reads it.
+                k_cache: unsafe { stream.alloc::<u16>(slots) }.map_err(err)?,
+                v_cache: unsafe { stream.alloc::<u16>(slots) }.map_err(err)?,
+            });
+        }
+        let half = d.head_dim / 2;
+        let (mut cos, mut sin) = (Vec::with_capacity(context * half), Vec::new());
+        for pos in 0..context {
+            for i in 0..half {
+                let theta = 1.0 / base.powf((2 * i) as f32 / d.head_dim as f32);
+                let a = pos as f32 * theta;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        Ok(Self {
+            dims: d,
+            intermediate,
+            cos: stream.clone_htod(&cos).map_err(err)?,
+            sin: stream.clone_htod(&sin).map_err(err)?,
+            free: Arc::new(Mutex::new((0..pages as i32).rev().collect())),
+            work: Mutex::new(None),
+            embed,
+            output,
+            norm,
+            layers,
+            stream,
+            blas,
+            k,
+            device_name,
+        })
+    }
+
+    /// A fresh cache for one sequence (pages are taken as it grows).
+    pub fn new_cache(&self) -> PagedCache {
+        PagedCache {
+            pages: Vec::new(),
+            len: 0,
+            free: self.free.clone(),
+        }
+    }
+
+    fn workspace(&self, rows: usize) -> Result<Workspace, ModelError> {
+        let d = &self.dims;
+        let st = &self.stream;
+        let qkv = d.hidden + 2 * d.kv_heads * d.head_dim;
+        // SAFETY: every buffer is written by a kernel or GEMM before it is read, and only
+        // the rows of the current forward are read.
+        let h = |n: usize| unsafe { st.alloc::<u16>(n) }.map_err(err);
+        let f = |n: usize| unsafe { st.alloc::<f32>(n) }.map_err(err);
+        Ok(Workspace {
+            rows,
+            x: f(rows * d.hidden)?,
+            hn: h(rows * d.hidden)?,
+            qkv: h(rows * qkv)?,
+            att: h(rows * d.hidden)?,
+            o: h(rows * d.hidden)?,
+            gu: h(rows * 2 * self.intermediate)?,
+            act: h(rows * self.intermediate)?,
+            logits: f(rows * d.vocab)?,
+        })
+    }
+}
+
+/// The per-forward index arrays, on the device.
+struct Indexes {
+    tokens: CudaSlice<u32>,
+    pos: CudaSlice<i32>,
+    slots: CudaSlice<i32>,
+    tstart: CudaSlice<i32>,
+    tables: CudaSlice<i32>,
+    want: CudaSlice<i32>,
+    longest: usize,
+}
+
+impl CudaLlama {
+    /// `y (rows, n) = x (rows, k) . w^T` for a row-major f16 `w (n, k)` (as GGUF stores it):
+    /// column-major `y^T = (w viewed as k x n)^T . x^T`. `y` is f16 or f32 (`y_type`).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm<Y: cudarc::driver::DeviceRepr>(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        rows: usize,
+        n: usize,
+        k: usize,
+        y: &mut CudaSlice<Y>,
+        y_type: cudaDataType_t,
+    ) -> Result<(), ModelError> {
+        let st = &self.stream;
+        let (xp, _gx) = x.device_ptr(st);
+        let (wp, _gw) = w.device_ptr(st);
+        let (yp, _gy) = y.device_ptr_mut(st);
+        let (alpha, beta) = (1f32, 0f32);
+        let f16 = cudaDataType_t::CUDA_R_16F;
+        // SAFETY: w holds n*k halves, x at least rows*k and y rows*n elements of y_type
+        // (workspace sized for rows); lda = ldb = k, ldc = n; host f32 alpha/beta as
+        // CUBLAS_COMPUTE_32F expects.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                rows as i32,
+                k as i32,
+                (&alpha as *const f32).cast::<c_void>(),
+                wp as *const c_void,
+                f16,
+                k as i32,
+                xp as *const c_void,
+                f16,
+                k as i32,
+                (&beta as *const f32).cast::<c_void>(),
+                yp as *mut c_void,
+                y_type,
+                n as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(err)
+    }
+
+    /// Validates the rows, gives each row a cache slot (taking pages from the pool as
+    /// sequences grow) and uploads the index arrays.
+    fn indexes(
+        &self,
+        rows: &[Row],
+        caches: &mut [&mut PagedCache],
+        want: &[usize],
+    ) -> Result<Indexes, ModelError> {
+        let d = &self.dims;
+        let lens: Vec<usize> = caches.iter().map(|c| c.len).collect();
+        let positions = super::llama_batch::positions(rows, &lens, d.context)?;
+        if let Some(r) = rows.iter().find(|r| r.token as usize >= d.vocab) {
+            return Err(ModelError::InvalidArgument(format!(
+                "token id {} out of vocabulary",
+                r.token
+            )));
+        }
+        if want.iter().any(|&w| w >= rows.len()) {
+            return Err(ModelError::InvalidArgument(
+                "logits of a missing row".into(),
+            ));
+        }
+        {
+            let mut free = self
+                .free
+                .lock()
+                .map_err(|_| err("page pool lock poisoned"))?;
+            for (r, &p) in rows.iter().zip(&positions) {
+                let c = &mut caches[r.seq];
+                while c.pages.len() <= p / PAGE {
+                    let page = free.pop().ok_or_else(|| {
+                        ModelError::Overloaded("KV cache pages of the GPU decoder".into())
+                    })?;
+                    c.pages.push(page);
+                }
+            }
+        }
+        let mut tables = Vec::new();
+        let mut seq_start = Vec::with_capacity(caches.len());
+        for c in caches.iter() {
+            seq_start.push(tables.len() as i32);
+            tables.extend_from_slice(&c.pages);
+        }
+        let slot = |r: &Row, p: usize| caches[r.seq].pages[p / PAGE] as usize * PAGE + p % PAGE;
+        let slots: Vec<i32> = rows
+            .iter()
+            .zip(&positions)
+            .map(|(r, &p)| slot(r, p) as i32)
+            .collect();
+        let st = &self.stream;
+        let up_i = |v: &[i32]| st.clone_htod(v).map_err(err);
+        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
+        let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let tstart: Vec<i32> = rows.iter().map(|r| seq_start[r.seq]).collect();
+        let want_i: Vec<i32> = want.iter().map(|&w| w as i32).collect();
+        Ok(Indexes {
+            tokens: st.clone_htod(&tokens).map_err(err)?,
+            pos: up_i(&pos)?,
+            slots: up_i(&slots)?,
+            tstart: up_i(&tstart)?,
+            tables: up_i(if tables.is_empty() { &[0] } else { &tables })?,
+            want: up_i(if want_i.is_empty() { &[0] } else { &want_i })?,
+            longest: positions.iter().max().map_or(0, |p| p + 1),
+        })
+    }
+
+    /// As `LlamaModel::forward`: runs `rows` (each sequence's rows contiguous, continuing its
+    /// cache) and returns the logits of the rows named in `want`, in that order.
+    pub fn forward(
+        &self,
+        rows: &[Row],
+        caches: &mut [&mut PagedCache],
+        want: &[usize],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ix = self.indexes(rows, caches, want)?;
+        let mut guard = self
+            .work
+            .lock()
+            .map_err(|_| err("workspace lock poisoned"))?;
+        if guard.as_ref().is_none_or(|w| w.rows < rows.len()) {
+            let grown = guard.as_ref().map_or(0, |w| w.rows * 2);
+            *guard = Some(self.workspace(rows.len().max(grown).max(64))?);
+        }
+        let w = guard.as_mut().ok_or_else(|| err("no workspace"))?;
+        self.layers_forward(rows.len(), &ix, w)?;
+        let logits = self.logits(want.len(), &ix, w)?;
+        drop(guard);
+        for (i, c) in caches.iter_mut().enumerate() {
+            let added = rows.iter().filter(|r| r.seq == i).count();
+            c.len += added;
+        }
+        Ok(logits)
+    }
+
+    fn layers_forward(&self, n: usize, ix: &Indexes, w: &mut Workspace) -> Result<(), ModelError> {
+        let d = self.dims;
+        let (h, kw) = (d.hidden, d.kv_heads * d.head_dim);
+        let st = &self.stream;
+        let hi = h as i32;
+        let (heads, kvh, hd) = (d.heads as i32, d.kv_heads as i32, d.head_dim as i32);
+        {
+            let (ni, mut l) = (n as i32, st.launch_builder(&self.k.embed_rows));
+            l.arg(&mut w.x)
+                .arg(&self.embed)
+                .arg(&ix.tokens)
+                .arg(&ni)
+                .arg(&hi);
+            // SAFETY: tokens were checked against the vocabulary; guarded by i < n*h.
+            unsafe { l.launch(elems(n * h)) }.map_err(err)?;
+        }
+        let scale = 1.0 / (d.head_dim as f32).sqrt();
+        for layer in &self.layers {
+            self.rms_norm(&mut w.hn, &w.x, &layer.attn_norm, None, n)?;
+            self.gemm(
+                &w.hn,
+                &layer.qkv,
+                n,
+                h + 2 * kw,
+                h,
+                &mut w.qkv,
+                cudaDataType_t::CUDA_R_16F,
+            )?;
+            {
+                let mut l = st.launch_builder(&self.k.rope_store);
+                l.arg(&mut w.qkv)
+                    .arg(&layer.k_cache)
+                    .arg(&layer.v_cache)
+                    .arg(&ix.pos)
+                    .arg(&ix.slots)
+                    .arg(&self.cos)
+                    .arg(&self.sin)
+                    .arg(&heads)
+                    .arg(&kvh)
+                    .arg(&hd);
+                // SAFETY: one block per row; positions < context (checked) index the rotary
+                // tables, slots lie in this sequence's pages inside the pool. The caches are
+                // written through a shared borrow: device memory, ordered by the one stream.
+                unsafe { l.launch(blocks(n, 0)) }.map_err(err)?;
+            }
+            {
+                let mut l = st.launch_builder(&self.k.attention);
+                l.arg(&mut w.att)
+                    .arg(&w.qkv)
+                    .arg(&layer.k_cache)
+                    .arg(&layer.v_cache)
+                    .arg(&ix.pos)
+                    .arg(&ix.tstart)
+                    .arg(&ix.tables)
+                    .arg(&heads)
+                    .arg(&kvh)
+                    .arg(&hd)
+                    .arg(&scale);
+                let shared = d.head_dim + THREADS as usize + ix.longest;
+                // SAFETY: one block per (row, head); every position up to the row's own has
+                // a page in its table (indexes() took them) and was stored by rope_store in
+                // this or an earlier forward; shared memory holds q, the reduction and the
+                // longest span.
+                unsafe { l.launch(blocks(n * d.heads, shared)) }.map_err(err)?;
+            }
+            self.gemm(
+                &w.att,
+                &layer.wo,
+                n,
+                h,
+                h,
+                &mut w.o,
+                cudaDataType_t::CUDA_R_16F,
+            )?;
+            self.add(&mut w.x, &w.o, n * h)?;
+            self.rms_norm(&mut w.hn, &w.x, &layer.ffn_norm, None, n)?;
+            let inter = self.intermediate;
+            self.gemm(
+                &w.hn,
+                &layer.gate_up,
+                n,
+                2 * inter,
+                h,
+                &mut w.gu,
+                cudaDataType_t::CUDA_R_16F,
+            )?;
+            {
+                let (ni, ii) = (n as i32, inter as i32);
+                let mut l = st.launch_builder(&self.k.silu_mul);
+                l.arg(&mut w.act).arg(&w.gu).arg(&ni).arg(&ii);
+                // SAFETY: act holds n*inter and gu n*2*inter halves; guarded by i < n*inter.
+                unsafe { l.launch(elems(n * inter)) }.map_err(err)?;
+            }
+            self.gemm(
+                &w.act,
+                &layer.down,
+                n,
+                h,
+                inter,
+                &mut w.o,
+                cudaDataType_t::CUDA_R_16F,
+            )?;
+            self.add(&mut w.x, &w.o, n * h)?;
+        }
+        Ok(())
+    }
+
+    /// Final norm of the `want` rows and their logits, copied to the host.
+    fn logits(
+        &self,
+        wanted: usize,
+        ix: &Indexes,
+        w: &mut Workspace,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        if wanted == 0 {
+            return Ok(Vec::new());
+        }
+        let d = self.dims;
+        self.rms_norm(&mut w.hn, &w.x, &self.norm, Some(&ix.want), wanted)?;
+        let out = self.output.as_ref().unwrap_or(&self.embed);
+        self.gemm(
+            &w.hn,
+            out,
+            wanted,
+            d.vocab,
+            d.hidden,
+            &mut w.logits,
+            cudaDataType_t::CUDA_R_32F,
+        )?;
+        let host = self
+            .stream
+            .clone_dtoh(&w.logits.slice(..wanted * d.vocab))
+            .map_err(err)?;
+        Ok(host.chunks(d.vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    /// `out[b] = RMSNorm(x[rows[b]])` (or of row b without `rows`) for `n` rows.
+    fn rms_norm(
+        &self,
+        out: &mut CudaSlice<u16>,
+        x: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        rows: Option<&CudaSlice<i32>>,
+        n: usize,
+    ) -> Result<(), ModelError> {
+        let (h, eps) = (self.dims.hidden as i32, self.dims.eps);
+        let null = 0u64;
+        let mut l = self.stream.launch_builder(&self.k.rms_norm);
+        l.arg(out).arg(x).arg(weight);
+        match rows {
+            Some(r) => l.arg(r),
+            None => l.arg(&null),
+        };
+        l.arg(&h).arg(&eps);
+        // SAFETY: one block per output row; source rows (when given) index rows of x that
+        // this forward wrote; shared memory holds the reduction.
+        unsafe { l.launch(blocks(n, THREADS as usize)) }.map_err(err)?;
+        Ok(())
+    }
+
+    fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<u16>, n: usize) -> Result<(), ModelError> {
+        let ni = n as i32;
+        let mut l = self.stream.launch_builder(&self.k.add_rows);
+        l.arg(x).arg(y).arg(&ni);
+        // SAFETY: both hold at least n elements; guarded by i < n.
+        unsafe { l.launch(elems(n)) }.map_err(err)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The decoder's kernels compile with NVRTC (no GPU needed; see `cuda_half`'s test).
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        // SAFETY: only tries to dlopen libnvrtc.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipped: no libnvrtc on LD_LIBRARY_PATH (scripts/setup.sh fetches one)");
+            return;
+        }
+        let opts = super::super::cuda::nvrtc_options();
+        cudarc::nvrtc::compile_ptx_with_opts(super::kernel_source(), opts)
+            .unwrap_or_else(|e| panic!("llama kernels: {e:?}"));
+    }
+}

@@ -1,0 +1,311 @@
+//! Every model-worker figure of the GPU issue, side by side in one run, as one JSON object:
+//! - `encoder`: all-MiniLM-L6-v2 in-process at each `--batches` size on CUDA, plus the CPU
+//!   path at batch 32, on 1,024 SciFact passages cut to 300 characters and sorted longest
+//!   first, and the lowest cosine between the CUDA and CPU embeddings (must exceed 0.999);
+//! - `cpu_encoder_scaling`: the CPU encoder at batch 32 with 2 threads and with every core
+//!   (each in its own process: candle reads `RAYON_NUM_THREADS` per call);
+//! - `served_embed`: a model-worker process (`device = "auto"`) under `--clients`
+//!   single-text clients, and 16 clients sending 32 texts per call;
+//! - `generation`: SmolLM2-135M through the model worker's Generate, greedy, `--gen-tokens`
+//!   new tokens after a ~200-token prompt, at each `--gen-streams` count: aggregate and
+//!   per-stream decode tokens/s and time to first token;
+//! - `python` (with `--python`): sentence-transformers fp32 and fp16 on the same GPU and
+//!   texts, and transformers `generate` on the same GGUF (needs the `gguf` wheel);
+//! - `cluster` (with `--cluster`): wall time of `ragctl eval retrieval --ingest` on SciFact
+//!   against a local 3-shard cluster.
+//!
+//! Without a usable GPU every section still runs on the CPU (and says so in `machine`), so
+//! the binary is exercised on any machine; the GPU targets only mean something on one.
+
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use model_worker::backend::bert::{self, BertEncoder, HeadKind};
+use model_worker::backend::device::Placement;
+use model_worker::backend::{Encoder, Seq};
+use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
+use ragcluster_tests::workerload::{embed_load, generate_load, generate_stream};
+use ragcluster_tests::{Cluster, Proc, datasets_dir, embed_model, generate_model};
+use serde_json::{Value, json};
+use tonic::transport::Channel;
+
+#[derive(Parser)]
+struct Args {
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,128,256")]
+    batches: Vec<usize>,
+    /// Concurrent single-text Embed clients.
+    #[arg(long, default_value_t = 64)]
+    clients: usize,
+    /// Embed calls per client.
+    #[arg(long, default_value_t = 32)]
+    requests: usize,
+    #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+    gen_streams: Vec<usize>,
+    #[arg(long, default_value_t = 128)]
+    gen_tokens: u32,
+    /// Python with torch, sentence_transformers and transformers (+ gguf); "" = skip.
+    #[arg(long, default_value = "")]
+    python: String,
+    /// Also time `ragctl eval retrieval --ingest` of SciFact on a local cluster.
+    #[arg(long)]
+    cluster: bool,
+    /// Internal: print the CPU encoder's batch-32 rate and exit.
+    #[arg(long, hide = true)]
+    cpu_encoder_child: bool,
+}
+
+fn texts() -> Result<Vec<String>> {
+    let corpus = std::fs::read_to_string(datasets_dir().join("scifact/corpus.jsonl"))
+        .context("scifact corpus")?;
+    Ok(corpus
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| v["text"].as_str().map(|t| t.chars().take(300).collect()))
+        .take(1024)
+        .collect())
+}
+
+/// Sentences/s over the first `max(8 b, 64)` sequences in batches of `b` (after one warm
+/// batch). `seqs` is sorted longest first, as the worker's batcher and
+/// sentence-transformers' `encode` order their input.
+fn rate(enc: &mut BertEncoder, seqs: &[Seq], b: usize) -> Result<f64> {
+    let n = seqs.len().min((b * 8).max(64));
+    let refs: Vec<&Seq> = seqs[..n].iter().collect();
+    enc.forward(&refs[..b.min(n)])?;
+    let t = Instant::now();
+    for chunk in refs.chunks(b) {
+        enc.forward(chunk)?;
+    }
+    Ok(n as f64 / t.elapsed().as_secs_f64())
+}
+
+fn sorted_seqs(enc: &BertEncoder, texts: &[String]) -> Result<Vec<Seq>> {
+    let mut seqs = bert::tokenize(&enc.tokenizer(), texts)?;
+    seqs.sort_by_key(|s| std::cmp::Reverse(s.ids.len()));
+    Ok(seqs)
+}
+
+fn encoder(texts: &[String], batches: &[usize], cuda: bool) -> Result<Value> {
+    let dir = embed_model()?;
+    let mut cpu = BertEncoder::load_on("minilm", &dir, 0, HeadKind::MeanPool, Placement::Cpu)?;
+    let seqs = sorted_seqs(&cpu, texts)?;
+    let mut out = json!({"cpu_batch_32": rate(&mut cpu, &seqs, 32)?});
+    if !cuda {
+        return Ok(out);
+    }
+    let mut gpu = BertEncoder::load_on("minilm", &dir, 0, HeadKind::MeanPool, Placement::Cuda)?;
+    let mut min_cos = 1f32;
+    for chunk in seqs[..256].chunks(32) {
+        let refs: Vec<&Seq> = chunk.iter().collect();
+        for (x, y) in cpu.forward(&refs)?.iter().zip(&gpu.forward(&refs)?) {
+            min_cos = min_cos.min(x.iter().zip(y).map(|(p, q)| p * q).sum());
+        }
+    }
+    let mut rates = serde_json::Map::new();
+    for &b in batches {
+        rates.insert(b.to_string(), json!(rate(&mut gpu, &seqs, b)?));
+    }
+    out["cuda_sentences_per_s"] = Value::Object(rates);
+    out["min_cosine_cuda_vs_cpu"] = json!(min_cos);
+    Ok(out)
+}
+
+/// The CPU encoder's batch-32 rate in a child process limited to `threads` threads.
+fn cpu_rate_with(threads: usize) -> Result<f64> {
+    let out = Command::new(std::env::current_exe()?)
+        .arg("--cpu-encoder-child")
+        .env("RAYON_NUM_THREADS", threads.to_string())
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "cpu encoder child: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+fn cpu_scaling() -> Result<Value> {
+    let all = cores();
+    let two = cpu_rate_with(2.min(all))?;
+    let every = cpu_rate_with(all)?;
+    Ok(json!({
+        "threads_2": two,
+        "threads_all": every,
+        "all_threads": all,
+        "ratio_all_over_2": every / two,
+    }))
+}
+
+async fn connect(p: &Proc) -> Result<ModelWorkerClient<Channel>> {
+    Ok(ModelWorkerClient::new(
+        Channel::from_shared(p.grpc.clone())?.connect().await?,
+    ))
+}
+
+async fn served_embed(texts: &[String], a: &Args) -> Result<Value> {
+    let dir = tempfile::tempdir()?;
+    let cfg = dir.path().join("mw.toml");
+    std::fs::write(
+        &cfg,
+        "[model_worker]\nmax_batch = 256\nmax_batch_tokens = 32768\n",
+    )?;
+    let worker = Proc::model_worker(dir.path(), false, Some(&cfg))?;
+    let c = connect(&worker).await?;
+    embed_load(&c, texts, 8, 2, 1).await?; // warm-up
+    Ok(json!({
+        "single_text": embed_load(&c, texts, a.clients, a.requests, 1).await?,
+        "batched_calls": embed_load(&c, texts, 16, 8, 32).await?,
+    }))
+}
+
+/// A chat prompt of about 200 tokens (SmolLM2's tokenizer): SciFact passages to answer from.
+fn gen_prompt(texts: &[String]) -> String {
+    let mut p = String::from("Answer from these passages.\n");
+    for t in texts.iter().take(3) {
+        p.push_str(t);
+        p.push('\n');
+    }
+    p.push_str("Question: what do the passages say about the measured effect?");
+    p
+}
+
+async fn generation(texts: &[String], a: &Args) -> Result<Value> {
+    let most = a.gen_streams.iter().copied().max().unwrap_or(1);
+    let dir = tempfile::tempdir()?;
+    let cfg = dir.path().join("mw.toml");
+    std::fs::write(
+        &cfg,
+        format!("[model_worker]\nmax_concurrent_generations = {most}\n"),
+    )?;
+    let worker = Proc::model_worker(dir.path(), true, Some(&cfg))?;
+    let c = connect(&worker).await?;
+    let prompt = gen_prompt(texts);
+    generate_stream(c.clone(), prompt.clone(), 4, 0.0, 0).await?; // warm-up
+    let mut out = serde_json::Map::new();
+    for &n in &a.gen_streams {
+        out.insert(
+            format!("streams_{n}"),
+            generate_load(&c, &prompt, n, a.gen_tokens, 0.0).await?,
+        );
+    }
+    out.insert("prompt_chars".into(), json!(prompt.len()));
+    out.insert("worker_log_device".into(), json!(device_line(&worker)));
+    Ok(Value::Object(out))
+}
+
+/// The model worker's log line that says where each model runs.
+fn device_line(p: &Proc) -> Vec<String> {
+    std::fs::read_to_string(p.log())
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("CUDA") || l.contains("cuda") || l.contains("device"))
+        .take(4)
+        .map(str::to_owned)
+        .collect()
+}
+
+fn python_refs(python: &str, texts: &[String], batches: &[usize], a: &Args) -> Result<Value> {
+    let ws = ragcluster_tests::workspace();
+    let file = std::env::temp_dir().join(format!("gpubench-{}.json", std::process::id()));
+    std::fs::write(&file, serde_json::to_string(texts)?)?;
+    let b: Vec<String> = batches.iter().map(|b| b.to_string()).collect();
+    let run = |args: Vec<String>| -> Value {
+        match Command::new(python).args(&args).output() {
+            Ok(o) if o.status.success() => serde_json::from_slice(&o.stdout)
+                .unwrap_or_else(|e| json!({"error": e.to_string()})),
+            Ok(o) => {
+                json!({"error": String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("").to_owned()})
+            }
+            Err(e) => json!({"error": e.to_string()}),
+        }
+    };
+    let model = embed_model()?.display().to_string();
+    let st = |dtype: &str| {
+        run(vec![
+            ws.join("scripts/st_embed_bench.py").display().to_string(),
+            model.clone(),
+            file.display().to_string(),
+            b.join(","),
+            cores().to_string(),
+            "cuda".into(),
+            dtype.into(),
+        ])
+    };
+    let streams: Vec<String> = a.gen_streams.iter().map(|s| s.to_string()).collect();
+    let out = json!({
+        "sentence_transformers_fp32": st("fp32"),
+        "sentence_transformers_fp16": st("fp16"),
+        "transformers_generate": run(vec![
+            ws.join("scripts/hf_generate_bench.py").display().to_string(),
+            generate_model()?.display().to_string(),
+            gen_prompt(texts),
+            streams.join(","),
+            a.gen_tokens.to_string(),
+        ]),
+    });
+    let _ = std::fs::remove_file(&file);
+    Ok(out)
+}
+
+fn cluster_eval() -> Result<Value> {
+    let cluster = Cluster::start(3)?;
+    let t = Instant::now();
+    let dataset = datasets_dir().join("scifact").display().to_string();
+    let report = ragcluster_tests::ragctl_at(
+        &cluster.coordinator.grpc,
+        &[
+            "eval",
+            "retrieval",
+            "--collection",
+            "scifact",
+            "--dataset",
+            &dataset,
+            "--ingest",
+        ],
+    )?;
+    Ok(json!({
+        "shard_nodes": 3,
+        "wall_s": t.elapsed().as_secs_f64(),
+        "report_tail": report.lines().rev().take(8).collect::<Vec<_>>(),
+    }))
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let a = Args::parse();
+    let texts = texts()?;
+    if a.cpu_encoder_child {
+        let mut cpu = BertEncoder::load("minilm", &embed_model()?, 0, HeadKind::MeanPool)?;
+        let seqs = sorted_seqs(&cpu, &texts)?;
+        println!("{}", rate(&mut cpu, &seqs, 32)?);
+        return Ok(());
+    }
+    let cuda = model_worker::backend::cuda::available();
+    let mut out = json!({
+        "machine": {
+            "cores": cores(),
+            "cuda": cuda,
+            "gpu": model_worker::backend::cuda::device_name(),
+        },
+        "texts": texts.len(),
+        "chars_per_text": 300,
+    });
+    out["encoder"] = encoder(&texts, &a.batches, cuda)?;
+    out["cpu_encoder_scaling"] = cpu_scaling()?;
+    out["served_embed"] = served_embed(&texts, &a).await?;
+    out["generation"] = generation(&texts, &a).await?;
+    if !a.python.is_empty() {
+        out["python"] = python_refs(&a.python, &texts, &a.batches, &a)?;
+    }
+    if a.cluster {
+        out["cluster"] = cluster_eval()?;
+    }
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
+}

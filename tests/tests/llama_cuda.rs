@@ -1,0 +1,151 @@
+//! The CUDA llama decoder (`model_worker::backend::llama_cuda`) against the CPU one
+//! (`llama_batch`, weights dequantized to f32) on SmolLM2-135M-Instruct, on a machine with an
+//! NVIDIA GPU (skipped with a message elsewhere; the decoder's unit test still compiles its
+//! kernels with NVRTC there).
+//!
+//! The GPU holds f16 weights and rounds activations to f16 between kernels, so its greedy
+//! tokens may leave the CPU's at a near-tie; what must hold is that its logits match the
+//! CPU's wherever both see the same tokens. So: three prompts decode greedily on the GPU,
+//! batched in one forward per step over the paged cache; the CPU then reads each prompt plus
+//! the GPU's tokens in one prefill, and the logits must agree at every step (cosine > 0.999,
+//! the GPU's token among the CPU's three best). Through the engine, three concurrent streams
+//! must produce their tokens.
+
+use anyhow::Result;
+use model_worker::backend::device::Placement;
+use model_worker::backend::llama::{GenParams, LlamaGenerator};
+use model_worker::backend::llama_batch::Row;
+use model_worker::backend::llama_cuda::{CudaLlama, PagedCache};
+use ragcluster_tests::generate_model;
+
+const PROMPTS: [&str; 3] = [
+    "What is the capital of France?",
+    "Explain in two sentences why the sky is blue.",
+    "Write a haiku about databases.",
+];
+const TOKENS: usize = 24;
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let n = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    dot / (n(a) * n(b))
+}
+
+/// One sequence's greedy tokens, each with the logits it was chosen from.
+type Decoded = Vec<(u32, Vec<f32>)>;
+
+/// Greedy tokens and their logits for each prompt, every sequence in one forward per step.
+fn gpu_greedy(m: &CudaLlama, prompts: &[Vec<u32>]) -> Result<Vec<Decoded>> {
+    let mut caches: Vec<PagedCache> = prompts.iter().map(|_| m.new_cache()).collect();
+    // Prompts prefilled together, as the engine does.
+    let mut rows = Vec::new();
+    let mut last = Vec::new();
+    for (seq, p) in prompts.iter().enumerate() {
+        rows.extend(p.iter().map(|&token| Row { seq, token }));
+        last.push(rows.len() - 1);
+    }
+    let mut refs: Vec<&mut PagedCache> = caches.iter_mut().collect();
+    let mut logits = m.forward(&rows, &mut refs, &last)?;
+    let mut out: Vec<Decoded> = prompts.iter().map(|_| Vec::new()).collect();
+    for _ in 0..TOKENS {
+        let next: Vec<u32> = logits.iter().map(|l| argmax(l)).collect();
+        for ((o, &t), l) in out.iter_mut().zip(&next).zip(logits) {
+            o.push((t, l));
+        }
+        let rows: Vec<Row> = next
+            .iter()
+            .enumerate()
+            .map(|(seq, &token)| Row { seq, token })
+            .collect();
+        let mut refs: Vec<&mut PagedCache> = caches.iter_mut().collect();
+        let want: Vec<usize> = (0..rows.len()).collect();
+        logits = m.forward(&rows, &mut refs, &want)?;
+    }
+    Ok(out)
+}
+
+#[test]
+fn cuda_decoder_matches_the_cpu_decoder() -> Result<()> {
+    if !model_worker::backend::cuda::available() {
+        eprintln!("skipped: no usable CUDA device");
+        return Ok(());
+    }
+    // SAFETY: the only test in this binary, before any other thread reads the environment;
+    // candle reads the variable when the CPU weights are loaded below.
+    #[allow(unsafe_code)]
+    unsafe {
+        std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1")
+    };
+    let path = generate_model()?;
+    let generator = LlamaGenerator::load("smollm2", &path)?;
+    let cpu = model_worker::backend::llama_batch::load(&path, 4096)?;
+    let mut f = std::fs::File::open(&path)?;
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f)?;
+    let gpu = CudaLlama::from_gguf(&content, &mut f, 4096, 8 * 4096, 0)?;
+    let prompts: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .map(|p| generator.prompt_tokens(p, "", &[], false, ""))
+        .collect::<Result<_, _>>()?;
+    let decoded = gpu_greedy(&gpu, &prompts)?;
+    for (i, p) in prompts.iter().enumerate() {
+        let tokens: Vec<u32> = decoded[i].iter().map(|(t, _)| *t).collect();
+        let rows: Vec<Row> = p
+            .iter()
+            .chain(&tokens[..TOKENS - 1])
+            .map(|&token| Row { seq: 0, token })
+            .collect();
+        let want: Vec<usize> = (p.len() - 1..rows.len()).collect();
+        let reference = cpu.forward(&rows, &mut [&mut cpu.new_cache()], &want)?;
+        for (step, ((t, l), r)) in decoded[i].iter().zip(&reference).enumerate() {
+            let c = cosine(l, r);
+            assert!(c > 0.999, "prompt {i} step {step}: cosine {c}");
+            let better = r.iter().filter(|&&x| x > r[*t as usize]).count();
+            assert!(
+                better < 3,
+                "prompt {i} step {step}: GPU token is the CPU's #{}",
+                better + 1
+            );
+        }
+    }
+
+    // The engine on the GPU: three concurrent greedy streams.
+    let served = LlamaGenerator::load_on("smollm2", &path, Placement::Cuda, 8 * 4096)?;
+    assert_eq!(served.placement(), Placement::Cuda);
+    let params = GenParams {
+        max_tokens: TOKENS,
+        temperature: 0.0,
+        top_p: 1.0,
+        stop: vec![],
+        seed: 0,
+    };
+    std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                s.spawn(|| {
+                    let mut n = 0;
+                    served.generate(p, &params, |_| {
+                        n += 1;
+                        true
+                    })?;
+                    anyhow::Ok(n)
+                })
+            })
+            .collect();
+        for h in handles {
+            let n = h.join().expect("stream thread")?;
+            assert!(n > 0, "a stream produced no token");
+        }
+        anyhow::Ok(())
+    })
+}
