@@ -248,16 +248,7 @@ impl Encoder for BertEncoder {
         if n == 0 || len == 0 {
             return Ok(vec![Vec::new(); n]);
         }
-        let mut ids = vec![0u32; n * len];
-        let mut mask = vec![0u32; n * len];
-        let mut types = vec![0u32; n * len];
-        for (r, s) in batch.iter().enumerate() {
-            let row = r * len;
-            ids[row..row + s.ids.len()].copy_from_slice(&s.ids);
-            types[row..row + s.type_ids.len()].copy_from_slice(&s.type_ids);
-            mask[row..row + s.ids.len()].fill(1);
-        }
-        let maskf: Vec<f32> = mask.iter().map(|&m| m as f32).collect();
+        let (ids, types, maskf) = pad(batch, len);
         let mask_t = Tensor::from_vec(maskf, (n, len), &self.device)?;
         let hidden = match &self.model {
             Stack::Cpu(t) => {

@@ -272,6 +272,10 @@ impl CudaHalfTransformer {
         if head_dim > MAX_HEAD_DIM || head_dim * c.num_attention_heads != h {
             return Err(err(format!("head size {head_dim} is not supported")));
         }
+        if c.num_hidden_layers == 0 {
+            // The last layer's LayerNorm writes the f32 output.
+            return Err(err("an encoder without layers"));
+        }
         let ctx = CudaContext::new(ordinal).map_err(err)?;
         let device_name = ctx.name().map_err(err)?;
         let stream = ctx.new_stream().map_err(err)?;
