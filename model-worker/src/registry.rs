@@ -542,43 +542,46 @@ pub fn maxsim(q: &[f32], d: &[f32], dim: usize) -> f32 {
     total / nq as f32
 }
 
-/// Scores every passage (cut to `LLM_RERANK_PASSAGE_TOKENS`) with `score`; returns the
-/// scores and the indices of passages that were cut.
-fn per_passage(
+/// Every passage (cut to `LLM_RERANK_PASSAGE_TOKENS`) put in a chat prompt by `prompt`;
+/// returns the prompts' tokens and the indices of passages that were cut.
+fn passage_prompts(
     g: &LlamaGenerator,
     passages: &[String],
-    mut score: impl FnMut(&str) -> Result<f32, ModelError>,
-) -> Result<(Vec<f32>, Vec<u32>), ModelError> {
-    let mut scores = Vec::with_capacity(passages.len());
+    prompt: impl Fn(&str) -> Result<Vec<u32>, ModelError>,
+) -> Result<(Vec<Vec<u32>>, Vec<u32>), ModelError> {
+    let mut prompts = Vec::with_capacity(passages.len());
     let mut cut = Vec::new();
     for (i, p) in passages.iter().enumerate() {
         let (passage, was_cut) = g.truncate_text(p, LLM_RERANK_PASSAGE_TOKENS)?;
         if was_cut {
             cut.push(i as u32);
         }
-        scores.push(score(&passage)?);
+        prompts.push(prompt(&passage)?);
     }
-    Ok((scores, cut))
+    Ok((prompts, cut))
 }
 
-/// Pointwise LLM relevance: one yes/no prompt per passage, scored by P(yes).
+/// Pointwise LLM relevance: one yes/no prompt per passage, scored by P(yes); the prompts
+/// share forwards.
 fn llm_rerank(
     g: &LlamaGenerator,
     query: &str,
     passages: &[String],
 ) -> Result<(Vec<f32>, Vec<u32>), ModelError> {
     let system = "You judge search results. Answer only yes or no.";
-    per_passage(g, passages, |passage| {
+    let (prompts, cut) = passage_prompts(g, passages, |passage| {
         let prompt = format!(
             "Passage: {passage}\n\nQuery: {query}\n\nDoes the passage answer the query? Answer yes or no."
         );
-        g.yes_probability(&g.prompt_tokens(&prompt, system, &[], false, "")?)
-    })
+        g.prompt_tokens(&prompt, system, &[], false, "")
+    })?;
+    Ok((g.yes_probabilities(&prompts)?, cut))
 }
 
 /// UPR (Sachan et al.; the AutoRAG seed's log-prob reranker): each passage scores the mean
 /// log-probability of the query as the model's reply to "write a question this passage
-/// answers". Query tokens longer than 128 are cut (the score is a mean, so comparable).
+/// answers". Query tokens longer than 128 are cut (the score is a mean, so comparable). The
+/// passages' sequences share forwards.
 fn upr_rerank(
     g: &LlamaGenerator,
     query: &str,
@@ -586,10 +589,11 @@ fn upr_rerank(
 ) -> Result<(Vec<f32>, Vec<u32>), ModelError> {
     let mut target = g.encode(query)?;
     target.truncate(128);
-    per_passage(g, passages, |passage| {
+    let (prompts, cut) = passage_prompts(g, passages, |passage| {
         let prompt = format!("Passage: {passage}\n\nWrite a question that this passage answers.");
-        g.continuation_logprob(&g.prompt_tokens(&prompt, "", &[], false, "")?, &target)
-    })
+        g.prompt_tokens(&prompt, "", &[], false, "")
+    })?;
+    Ok((g.continuation_logprobs(&prompts, &target)?, cut))
 }
 
 /// Checks and defaults the decoding parameters of a request.

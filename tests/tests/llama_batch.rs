@@ -2,7 +2,8 @@
 //! quantized llama on SmolLM2-135M-Instruct, with weights dequantized to f32 so that both do
 //! exact f32 arithmetic: the same logits for a prompt (up to summation order), the same greedy
 //! tokens, the same tokens whether a sequence decodes alone or beside others, and the same
-//! tokens through the continuous-batching engine with three streams at once.
+//! tokens through the continuous-batching engine with three streams at once; and scoring
+//! calls that share a forward score as they do alone.
 //!
 //! With f16 or quantized weights (`model_worker.dequantize`) the two implementations round
 //! activations at different points (candle quantizes a prefill's and a decode step's rows
@@ -160,6 +161,25 @@ fn batched_decoder_matches_candle_quantized_llama() -> Result<()> {
             alone[i][..ids.len()],
             "prompt {:?}: engine",
             PROMPTS[i]
+        );
+    }
+
+    // Scoring (UPR, LLM relevance): prompts sharing a forward score as they do alone.
+    let target = generator.encode("Paris is the capital.")?;
+    let together = generator.continuation_logprobs(&prompts, &target)?;
+    let yes_together = generator.yes_probabilities(&prompts)?;
+    for (i, p) in prompts.iter().enumerate() {
+        let alone = generator.continuation_logprobs(std::slice::from_ref(p), &target)?[0];
+        assert!(
+            (alone - together[i]).abs() < 1e-4,
+            "prompt {i}: {alone} vs {}",
+            together[i]
+        );
+        let yes = generator.yes_probabilities(std::slice::from_ref(p))?[0];
+        assert!(
+            (yes - yes_together[i]).abs() < 1e-4,
+            "prompt {i}: P(yes) {yes} vs {}",
+            yes_together[i]
         );
     }
     Ok(())

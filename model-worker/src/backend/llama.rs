@@ -12,7 +12,7 @@ use candle_core::quantized::tokenizer::TokenizerFromGguf;
 use tokenizers::Tokenizer;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 
-use super::decoder::Decoder;
+use super::decoder::{Cache, Decoder};
 use super::device::Placement;
 use super::llama_batch::Row;
 use super::llama_engine::{Engine, Event, Job, logprob};
@@ -21,6 +21,14 @@ use crate::error::ModelError;
 
 /// Context window: prompt plus generated tokens (the length of the rotary table).
 pub const CONTEXT: usize = 4096;
+
+/// Rows per scoring forward: the sequences of a rerank call share forwards up to this many
+/// rows (a longer sequence runs alone).
+const SCORE_ROWS: usize = 1024;
+
+/// A scoring item: prompt tokens, continuation tokens, and how many final positions'
+/// logits are wanted.
+type Scored<'a> = (&'a [u32], &'a [u32], usize);
 
 /// Text the GPU decoder must score like the CPU one before it serves.
 const PROBE: &str = "<|im_start|>user\nWhy do retrieval systems rerank their candidates?<|im_end|>\n<|im_start|>assistant\nBecause";
@@ -153,65 +161,97 @@ impl LlamaGenerator {
         Ok((t, true))
     }
 
-    /// P(yes) / (P(yes) + P(no)) for the first token the model would write after `prompt`
-    /// (a chat prompt asking a yes/no question): pointwise LLM relevance. One prefill, no
-    /// decoding.
-    pub fn yes_probability(&self, prompt: &[u32]) -> Result<f32, ModelError> {
+    /// P(yes) / (P(yes) + P(no)) for the first token the model would write after each
+    /// prompt (a chat prompt asking a yes/no question): pointwise LLM relevance. Prefill
+    /// only, the prompts run together (`score_many`).
+    pub fn yes_probabilities(&self, prompts: &[Vec<u32>]) -> Result<Vec<f32>, ModelError> {
         if self.yes.is_empty() || self.no.is_empty() {
             return Err(ModelError::Inference(format!(
                 "model {}: \"yes\" / \"no\" are not single tokens in its vocabulary",
                 self.name
             )));
         }
-        let logits = self.score(prompt, &[], 1)?.remove(0);
-        // Only the ratio matters, so raw logits do: the softmax normaliser cancels.
-        let lse = |ids: &[u32]| {
-            let m = ids
-                .iter()
-                .map(|&i| logits[i as usize])
-                .fold(f32::NEG_INFINITY, f32::max);
-            m + ids
-                .iter()
-                .map(|&i| (logits[i as usize] - m).exp())
-                .sum::<f32>()
-                .ln()
-        };
-        let (y, n) = (lse(&self.yes), lse(&self.no));
-        // Softmax over the two answers, computed stably.
-        Ok(1.0 / (1.0 + (n - y).exp()))
+        let items: Vec<Scored> = prompts.iter().map(|p| (&p[..], &[][..], 1)).collect();
+        let all = self.score_many(&items)?;
+        Ok(all
+            .iter()
+            .map(|logits| {
+                let logits = &logits[0];
+                // Only the ratio matters, so raw logits do: the softmax normaliser cancels.
+                let lse = |ids: &[u32]| {
+                    let m = ids
+                        .iter()
+                        .map(|&i| logits[i as usize])
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    m + ids
+                        .iter()
+                        .map(|&i| (logits[i as usize] - m).exp())
+                        .sum::<f32>()
+                        .ln()
+                };
+                let (y, n) = (lse(&self.yes), lse(&self.no));
+                // Softmax over the two answers, computed stably.
+                1.0 / (1.0 + (n - y).exp())
+            })
+            .collect())
     }
 
-    /// Mean natural log-probability of `target` following `prompt` (teacher forcing): the
-    /// UPR reranker (Sachan et al., AutoRAG seed) scores a passage by how likely the model is
-    /// to write the query after reading it. One forward over the prompt and the target.
-    pub fn continuation_logprob(&self, prompt: &[u32], target: &[u32]) -> Result<f32, ModelError> {
+    /// For each prompt, the mean natural log-probability of `target` following it (teacher
+    /// forcing): the UPR reranker (Sachan et al., AutoRAG seed) scores a passage by how
+    /// likely the model is to write the query after reading it. The prompts run together.
+    pub fn continuation_logprobs(
+        &self,
+        prompts: &[Vec<u32>],
+        target: &[u32],
+    ) -> Result<Vec<f32>, ModelError> {
         if target.is_empty() {
             return Err(ModelError::InvalidArgument("empty target".into()));
         }
-        let logits = self.score(prompt, &target[..target.len() - 1], target.len())?;
-        let total: f32 = logits.iter().zip(target).map(|(l, &t)| logprob(l, t)).sum();
-        Ok(total / target.len() as f32)
+        let more = &target[..target.len() - 1];
+        let items: Vec<Scored> = prompts
+            .iter()
+            .map(|p| (&p[..], more, target.len()))
+            .collect();
+        Ok(self
+            .score_many(&items)?
+            .iter()
+            .map(|logits| {
+                let total: f32 = logits.iter().zip(target).map(|(l, &t)| logprob(l, t)).sum();
+                total / target.len() as f32
+            })
+            .collect())
     }
 
-    /// Logits after each of the last `last` tokens of `prompt` followed by `more`, from one
-    /// forward on the calling thread.
-    fn score(
-        &self,
-        prompt: &[u32],
-        more: &[u32],
-        last: usize,
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
-        let rows: Vec<Row> = prompt
-            .iter()
-            .chain(more)
-            .map(|&token| Row { seq: 0, token })
-            .collect();
-        if rows.is_empty() || last > rows.len() {
-            return Err(ModelError::InvalidArgument("empty prompt".into()));
+    /// For each item (prompt, continuation, `last`), the logits after each of the last `last`
+    /// tokens of prompt + continuation. The items' sequences share forwards of up to
+    /// [`SCORE_ROWS`] rows (one forward per item before), on the calling thread.
+    fn score_many(&self, items: &[Scored]) -> Result<Vec<Vec<Vec<f32>>>, ModelError> {
+        let mut out = Vec::with_capacity(items.len());
+        let mut next = 0;
+        while next < items.len() {
+            let (mut rows, mut want, mut lasts) = (Vec::new(), Vec::new(), Vec::new());
+            while let Some(&(prompt, more, last)) = items.get(next) {
+                let n = prompt.len() + more.len();
+                if n == 0 || last == 0 || last > n {
+                    return Err(ModelError::InvalidArgument("empty prompt".into()));
+                }
+                if !rows.is_empty() && rows.len() + n > SCORE_ROWS {
+                    break;
+                }
+                let seq = lasts.len();
+                want.extend(rows.len() + n - last..rows.len() + n);
+                rows.extend(prompt.iter().chain(more).map(|&token| Row { seq, token }));
+                lasts.push(last);
+                next += 1;
+            }
+            let mut caches: Vec<Cache> = lasts.iter().map(|_| self.model.new_cache()).collect();
+            let mut refs: Vec<&mut Cache> = caches.iter_mut().collect();
+            let mut logits = self.model.forward(&rows, &mut refs, &want)?.into_iter();
+            for last in lasts {
+                out.push(logits.by_ref().take(last).collect());
+            }
         }
-        let want: Vec<usize> = (rows.len() - last..rows.len()).collect();
-        let mut cache = self.model.new_cache();
-        self.model.forward(&rows, &mut [&mut cache], &want)
+        Ok(out)
     }
 
     /// Token ids of plain text (no special tokens).

@@ -1,13 +1,16 @@
 //! Generation throughput of the model worker on this machine: one stream, then `--streams`
 //! concurrent streams, for each weight format (`model_worker.dequantize`: f32, f16, none).
-//! Reports decode tokens/s (aggregate and per stream), time to first token and prompt size.
+//! Reports decode tokens/s (aggregate and per stream), time to first token and prompt size;
+//! then the latency of a UPR rerank call (the generator scoring `--rerank-passages`
+//! passages, all in shared forwards).
 //! Prints one JSON object.
 
 use anyhow::Result;
 use clap::Parser;
+use ragcluster_proto::v1::RerankRequest;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
-use ragcluster_tests::Proc;
 use ragcluster_tests::workerload::{generate_load, generate_stream};
+use ragcluster_tests::{Proc, datasets_dir, generate_model};
 use tonic::transport::Channel;
 
 #[derive(Parser)]
@@ -20,6 +23,41 @@ struct Args {
     /// Weight formats to compare.
     #[arg(long, value_delimiter = ',', default_value = "f32,f16,none")]
     dequantize: Vec<String>,
+    /// Passages per UPR rerank call (the generator as a reranker; 0 = skip).
+    #[arg(long, default_value_t = 20)]
+    rerank_passages: usize,
+}
+
+/// UPR rerank of `n` SciFact passages (cut to 600 characters) for one query with the GGUF
+/// generator as the reranker: latency of each of 3 calls after a warm-up, in ms.
+async fn upr_rerank(n: usize, dq: &str) -> Result<serde_json::Value> {
+    let corpus = std::fs::read_to_string(datasets_dir().join("scifact/corpus.jsonl"))?;
+    let passages: Vec<String> = corpus
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["text"].as_str().map(|t| t.chars().take(600).collect()))
+        .take(n)
+        .collect();
+    let dir = tempfile::tempdir()?;
+    let cfg = dir.path().join("mw.toml");
+    std::fs::write(&cfg, format!("[model_worker]\ndequantize = \"{dq}\"\n"))?;
+    let gguf = generate_model()?.display().to_string();
+    let worker =
+        Proc::model_worker_with(dir.path(), false, Some(&cfg), &["--rerank-model", &gguf])?;
+    let mut c = ModelWorkerClient::new(Channel::from_shared(worker.grpc.clone())?.connect().await?);
+    let call = RerankRequest {
+        query: "Does vitamin D supplementation reduce fracture risk in older adults?".into(),
+        passages,
+        ..Default::default()
+    };
+    c.rerank(call.clone()).await?; // warm-up
+    let mut ms = Vec::new();
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        c.rerank(call.clone()).await?;
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok(serde_json::json!({"passages": n, "chars_per_passage": 600, "ms": ms}))
 }
 
 const PROMPT: &str = "Retrieval-augmented generation combines a retriever with a language \
@@ -51,6 +89,13 @@ async fn main() -> Result<()> {
             );
         }
         out.insert(format!("dequantize_{dq}"), serde_json::Value::Object(row));
+    }
+    if a.rerank_passages > 0 {
+        let dq = a.dequantize.first().map_or("f32", String::as_str);
+        out.insert(
+            format!("upr_rerank_dequantize_{dq}"),
+            upr_rerank(a.rerank_passages, dq).await?,
+        );
     }
     out.insert("prompt_chars".into(), PROMPT.len().into());
     out.insert("tokens_per_stream".into(), a.tokens.into());
