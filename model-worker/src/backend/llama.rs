@@ -26,6 +26,10 @@ pub const CONTEXT: usize = 4096;
 /// rows (a longer sequence runs alone).
 const SCORE_ROWS: usize = 1024;
 
+/// Logit rows per scoring forward (each is a vocabulary of f32: 196 KB for SmolLM2), so a
+/// rerank call's memory stays bounded whatever its passage count.
+const SCORE_LOGITS: usize = 256;
+
 /// A scoring item: prompt tokens, continuation tokens, and how many final positions'
 /// logits are wanted.
 type Scored<'a> = (&'a [u32], &'a [u32], usize);
@@ -172,28 +176,24 @@ impl LlamaGenerator {
             )));
         }
         let items: Vec<Scored> = prompts.iter().map(|p| (&p[..], &[][..], 1)).collect();
-        let all = self.score_many(&items)?;
-        Ok(all
-            .iter()
-            .map(|logits| {
-                let logits = &logits[0];
-                // Only the ratio matters, so raw logits do: the softmax normaliser cancels.
-                let lse = |ids: &[u32]| {
-                    let m = ids
-                        .iter()
-                        .map(|&i| logits[i as usize])
-                        .fold(f32::NEG_INFINITY, f32::max);
-                    m + ids
-                        .iter()
-                        .map(|&i| (logits[i as usize] - m).exp())
-                        .sum::<f32>()
-                        .ln()
-                };
-                let (y, n) = (lse(&self.yes), lse(&self.no));
-                // Softmax over the two answers, computed stably.
-                1.0 / (1.0 + (n - y).exp())
-            })
-            .collect())
+        self.score_many(&items, |logits| {
+            let logits = &logits[0];
+            // Only the ratio matters, so raw logits do: the softmax normaliser cancels.
+            let lse = |ids: &[u32]| {
+                let m = ids
+                    .iter()
+                    .map(|&i| logits[i as usize])
+                    .fold(f32::NEG_INFINITY, f32::max);
+                m + ids
+                    .iter()
+                    .map(|&i| (logits[i as usize] - m).exp())
+                    .sum::<f32>()
+                    .ln()
+            };
+            let (y, n) = (lse(&self.yes), lse(&self.no));
+            // Softmax over the two answers, computed stably.
+            1.0 / (1.0 + (n - y).exp())
+        })
     }
 
     /// For each prompt, the mean natural log-probability of `target` following it (teacher
@@ -212,20 +212,22 @@ impl LlamaGenerator {
             .iter()
             .map(|p| (&p[..], more, target.len()))
             .collect();
-        Ok(self
-            .score_many(&items)?
-            .iter()
-            .map(|logits| {
-                let total: f32 = logits.iter().zip(target).map(|(l, &t)| logprob(l, t)).sum();
-                total / target.len() as f32
-            })
-            .collect())
+        self.score_many(&items, |logits| {
+            let total: f32 = logits.iter().zip(target).map(|(l, &t)| logprob(l, t)).sum();
+            total / target.len() as f32
+        })
     }
 
-    /// For each item (prompt, continuation, `last`), the logits after each of the last `last`
-    /// tokens of prompt + continuation. The items' sequences share forwards of up to
-    /// [`SCORE_ROWS`] rows (one forward per item before), on the calling thread.
-    fn score_many(&self, items: &[Scored]) -> Result<Vec<Vec<Vec<f32>>>, ModelError> {
+    /// For each item (prompt, continuation, `last`): `score` of the logits after each of the
+    /// last `last` tokens of prompt + continuation. The items' sequences share forwards of
+    /// up to [`SCORE_ROWS`] rows and [`SCORE_LOGITS`] logit rows (an item beyond either runs
+    /// alone), on the calling thread; each forward's logits are scored and dropped before
+    /// the next.
+    fn score_many(
+        &self,
+        items: &[Scored],
+        score: impl Fn(&[Vec<f32>]) -> f32,
+    ) -> Result<Vec<f32>, ModelError> {
         let mut out = Vec::with_capacity(items.len());
         let mut next = 0;
         while next < items.len() {
@@ -235,7 +237,8 @@ impl LlamaGenerator {
                 if n == 0 || last == 0 || last > n {
                     return Err(ModelError::InvalidArgument("empty prompt".into()));
                 }
-                if !rows.is_empty() && rows.len() + n > SCORE_ROWS {
+                let full = rows.len() + n > SCORE_ROWS || want.len() + last > SCORE_LOGITS;
+                if !rows.is_empty() && full {
                     break;
                 }
                 let seq = lasts.len();
@@ -246,9 +249,11 @@ impl LlamaGenerator {
             }
             let mut caches: Vec<Cache> = lasts.iter().map(|_| self.model.new_cache()).collect();
             let mut refs: Vec<&mut Cache> = caches.iter_mut().collect();
-            let mut logits = self.model.forward(&rows, &mut refs, &want)?.into_iter();
+            let logits = self.model.forward(&rows, &mut refs, &want)?;
+            let mut at = 0;
             for last in lasts {
-                out.push(logits.by_ref().take(last).collect());
+                out.push(score(&logits[at..at + last]));
+                at += last;
             }
         }
         Ok(out)

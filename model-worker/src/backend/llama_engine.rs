@@ -1,8 +1,8 @@
 //! Continuous batching for generation: one decode thread per model runs every active stream
-//! in one forward per step (`decoder`: the CPU or CUDA llama decoder). New streams join at step boundaries; their
-//! prompts are prefilled in chunks within the same forwards, so a long prompt does not stall
-//! the streams already decoding. A stream leaves when it finishes, when its caller stops
-//! listening, or when it is cancelled.
+//! in one forward per step (`decoder`: the CPU or the CUDA llama decoder). New streams join
+//! at step boundaries; their prompts are prefilled in chunks within the same forwards, so a
+//! long prompt does not stall the streams already decoding. A stream leaves when it
+//! finishes, when its caller stops listening, or when it is cancelled.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
