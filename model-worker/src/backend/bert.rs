@@ -251,11 +251,7 @@ impl Encoder for BertEncoder {
         let (ids, types, maskf) = pad(batch, len);
         let mask_t = Tensor::from_vec(maskf, (n, len), &self.device)?;
         let hidden = match &self.model {
-            Stack::Cpu(t) => {
-                let ids = Tensor::from_vec(ids, (n, len), &self.device)?;
-                let types = Tensor::from_vec(types, (n, len), &self.device)?;
-                t.forward(&ids, &types, &mask_t)?
-            }
+            Stack::Cpu(t) => t.forward(batch)?,
             Stack::Cuda(g) => {
                 let m = mask_t.flatten_all()?.to_vec1::<f32>()?;
                 g.forward(&ids, &types, &m, n, len)?
@@ -380,7 +376,6 @@ fn cuda_agreement(
     probe: &[Seq],
     gpu: impl Fn(&[&Seq]) -> Result<Tensor, ModelError>,
 ) -> Result<f32, ModelError> {
-    let dev = Device::Cpu;
     let pooled = |hidden: &Tensor, i: usize, len: usize| -> Result<Vec<f32>, ModelError> {
         Ok(hidden
             .get(i)?
@@ -393,10 +388,7 @@ fn cuda_agreement(
     let mut worst = 1f32;
     for (i, s) in probe.iter().enumerate() {
         let n = s.ids.len();
-        let ids = Tensor::from_vec(s.ids.clone(), (1, n), &dev)?;
-        let types = Tensor::from_vec(s.type_ids.clone(), (1, n), &dev)?;
-        let mask = Tensor::ones((1, n), DType::F32, &dev)?;
-        let a = pooled(&cpu.forward(&ids, &types, &mask)?, 0, n)?;
+        let a = pooled(&cpu.forward(&[s])?, 0, n)?;
         for b in [pooled(&gpu(&[s])?, 0, n)?, pooled(&together, i, n)?] {
             let dot: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
             let na = a.iter().map(|x| x * x).sum::<f32>().sqrt();

@@ -153,17 +153,15 @@ impl CustomOp2 for BiasResidualNorm<'_> {
     }
 }
 
-/// Multi-head self-attention read straight from the fused projection `(n*s, 3h)` (Q, K, V
-/// without their bias; Q already scaled by 1/sqrt(d)), giving the merged context
-/// `(n*s, h)`. Keys whose mask is 0 get no weight; rows whose mask is 0 (padding) come out
-/// as zeros, since nothing downstream reads them.
+/// Multi-head self-attention over packed sequences, read straight from the fused projection
+/// `(rows, 3h)` (Q, K, V without their bias; Q already scaled by 1/sqrt(d)), giving the
+/// merged context `(rows, h)`. Sequence `s` is rows `offsets[s]..offsets[s + 1]`: there is no
+/// padding, so every row is a real token and attends to its own sequence only.
 pub(crate) struct Attention<'a> {
     /// The fused Q/K/V bias, `3h`.
     pub bias: &'a [f32],
-    /// 0/1 per position, `n*s`.
-    pub mask: &'a [f32],
-    pub seqs: usize,
-    pub len: usize,
+    /// Row offsets of the sequences, `n + 1` of them, from 0 to the row count.
+    pub offsets: &'a [usize],
     pub heads: usize,
     pub head_dim: usize,
 }
@@ -184,24 +182,22 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 impl Attention<'_> {
-    /// One (sequence, head): `(len, d)` context rows, zeros for padded rows.
+    /// One (sequence, head): `(len, d)` context rows.
     fn head(&self, qkv: &[f32], seq: usize, head: usize) -> Vec<f32> {
-        let (s, d) = (self.len, self.head_dim);
+        let d = self.head_dim;
         let h = self.heads * d;
         let width = 3 * h;
-        let rows = &qkv[seq * s * width..(seq + 1) * s * width];
-        let mask = &self.mask[seq * s..(seq + 1) * s];
-        let live: Vec<usize> = (0..s).filter(|&t| mask[t] > 0.5).collect();
-        // The live keys and values of this head, bias added, packed.
-        let mut keys = Vec::with_capacity(live.len() * d);
-        let mut values = Vec::with_capacity(live.len() * d);
+        let rows = &qkv[self.offsets[seq] * width..self.offsets[seq + 1] * width];
+        let len = rows.len() / width;
+        // This head's keys and values, bias added, packed.
+        let mut keys = Vec::with_capacity(len * d);
+        let mut values = Vec::with_capacity(len * d);
         let (qb, kb, vb) = (
             &self.bias[head * d..][..d],
             &self.bias[h + head * d..][..d],
             &self.bias[2 * h + head * d..][..d],
         );
-        for &t in &live {
-            let row = &rows[t * width..(t + 1) * width];
+        for row in rows.chunks_exact(width) {
             keys.extend(row[h + head * d..][..d].iter().zip(kb).map(|(x, b)| x + b));
             values.extend(
                 row[2 * h + head * d..][..d]
@@ -210,11 +206,10 @@ impl Attention<'_> {
                     .map(|(x, b)| x + b),
             );
         }
-        let mut out = vec![0f32; s * d];
+        let mut out = vec![0f32; len * d];
         let mut q = vec![0f32; d];
-        let mut p = vec![0f32; live.len()];
-        for &t in &live {
-            let row = &rows[t * width..(t + 1) * width];
+        let mut p = vec![0f32; len];
+        for (row, o) in rows.chunks_exact(width).zip(out.chunks_exact_mut(d)) {
             for ((q, &x), &b) in q.iter_mut().zip(&row[head * d..][..d]).zip(qb) {
                 *q = x + b;
             }
@@ -228,7 +223,6 @@ impl Attention<'_> {
                 *p = (*p - max).exp();
                 sum += *p;
             }
-            let o = &mut out[t * d..(t + 1) * d];
             for (&p, v) in p.iter().zip(values.chunks_exact(d)) {
                 let w = p / sum;
                 for (o, &v) in o.iter_mut().zip(v) {
@@ -247,29 +241,42 @@ impl CustomOp1 for Attention<'_> {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let qkv = contiguous(s, l, self.name())?;
-        let (n, len, heads, d) = (self.seqs, self.len, self.heads, self.head_dim);
+        let (heads, d) = (self.heads, self.head_dim);
         let h = heads * d;
-        if rows_cols(l, 3 * h, self.name())? != n * len
-            || self.mask.len() != n * len
+        let rows = rows_cols(l, 3 * h, self.name())?;
+        let n = self.offsets.len().saturating_sub(1);
+        let ordered = self.offsets.windows(2).all(|w| w[0] <= w[1]);
+        if self.offsets.first() != Some(&0)
+            || self.offsets.last() != Some(&rows)
+            || !ordered
             || self.bias.len() != 3 * h
         {
-            candle_core::bail!("{}: shapes do not match {n} x {len} x {h}", self.name());
+            candle_core::bail!(
+                "{}: offsets or bias do not match {rows} rows of {h}",
+                self.name()
+            );
         }
         let parts: Vec<Vec<f32>> = (0..n * heads)
             .into_par_iter()
             .map(|job| self.head(qkv, job / heads, job % heads))
             .collect();
-        let mut ctx = vec![0f32; n * len * h];
-        ctx.par_chunks_mut(len * h)
-            .enumerate()
-            .for_each(|(seq, out)| {
-                for (head, part) in parts[seq * heads..(seq + 1) * heads].iter().enumerate() {
-                    for (row, src) in out.chunks_mut(h).zip(part.chunks_exact(d)) {
-                        row[head * d..(head + 1) * d].copy_from_slice(src);
-                    }
+        let mut ctx = vec![0f32; rows * h];
+        // Each sequence's rows are one contiguous block of the output.
+        let mut blocks = Vec::with_capacity(n);
+        let mut rest = &mut ctx[..];
+        for w in self.offsets.windows(2) {
+            let (block, tail) = rest.split_at_mut((w[1] - w[0]) * h);
+            blocks.push(block);
+            rest = tail;
+        }
+        blocks.into_par_iter().enumerate().for_each(|(seq, out)| {
+            for (head, part) in parts[seq * heads..(seq + 1) * heads].iter().enumerate() {
+                for (row, src) in out.chunks_mut(h).zip(part.chunks_exact(d)) {
+                    row[head * d..(head + 1) * d].copy_from_slice(src);
                 }
-            });
-        Ok((CpuStorage::F32(ctx), Shape::from((n * len, h))))
+            }
+        });
+        Ok((CpuStorage::F32(ctx), Shape::from((rows, h))))
     }
 }
 
@@ -356,6 +363,7 @@ mod tests {
         let dev = Device::Cpu;
         let (n, s, heads, d) = (3usize, 7usize, 2usize, 12usize);
         let h = heads * d;
+        // A padded batch (the reference) and the same sequences packed (ours).
         let qkv = ramp(n * s * 3 * h, 0.0021, &dev)
             .sin()
             .unwrap()
@@ -366,18 +374,24 @@ mod tests {
         let mask: Vec<f32> = (0..n * s)
             .map(|i| if i % s < lens[i / s] { 1.0 } else { 0.0 })
             .collect();
+        let packed = Tensor::cat(
+            &lens
+                .iter()
+                .enumerate()
+                .map(|(i, &len)| qkv.narrow(0, i * s, len).unwrap())
+                .collect::<Vec<_>>(),
+            0,
+        )
+        .unwrap();
+        let offsets = [0usize, 7, 11, 12];
         let b = bias.to_vec1::<f32>().unwrap();
-        let ours = qkv
+        let ours = packed
             .apply_op1_no_bwd(&Attention {
                 bias: &b,
-                mask: &mask,
-                seqs: n,
-                len: s,
+                offsets: &offsets,
                 heads,
                 head_dim: d,
             })
-            .unwrap()
-            .reshape((n, s, h))
             .unwrap();
         // Reference: candle ops with an additive mask, as the encoder computed it before.
         let full = qkv.broadcast_add(&bias).unwrap();
@@ -410,21 +424,19 @@ mod tests {
             .reshape((n, s, h))
             .unwrap();
         for (seq, &len) in lens.iter().enumerate() {
-            let a = ours.get(seq).unwrap().narrow(0, 0, len).unwrap();
+            let a = ours.narrow(0, offsets[seq], len).unwrap();
             let b = want.get(seq).unwrap().narrow(0, 0, len).unwrap();
             assert!(worst(&a, &b) < 1e-5, "sequence {seq}");
-            if len < s {
-                let pad = ours.get(seq).unwrap().narrow(0, len, s - len).unwrap();
-                assert_eq!(
-                    pad.abs()
-                        .unwrap()
-                        .sum_all()
-                        .unwrap()
-                        .to_scalar::<f32>()
-                        .unwrap(),
-                    0.0
-                );
-            }
         }
+        let bad = Attention {
+            bias: &b,
+            offsets: &[0, 5],
+            heads,
+            head_dim: d,
+        };
+        assert!(
+            packed.apply_op1_no_bwd(&bad).is_err(),
+            "offsets must cover the rows"
+        );
     }
 }

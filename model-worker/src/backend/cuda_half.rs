@@ -29,8 +29,8 @@ use cudarc::driver::{
     PushKernelArg,
 };
 
-use super::Seq;
 use super::cuda::{compile, elems, upload_f16};
+use super::{Packed, Seq};
 use crate::error::ModelError;
 
 /// Keys per shared-memory tile of the attention kernel (and its threads per block).
@@ -450,29 +450,15 @@ impl CudaHalfTransformer {
         Ok(())
     }
 
-    /// Embeds the packed tokens of `batch` into `w.x`; returns the sequence offsets.
-    fn embed(&self, batch: &[&Seq], w: &mut Workspace) -> Result<CudaSlice<i32>, ModelError> {
+    /// Embeds the packed tokens of `p` into `w.x`; returns the sequence offsets.
+    fn embed(&self, p: &Packed, w: &mut Workspace) -> Result<CudaSlice<i32>, ModelError> {
         let st = &self.stream;
-        let rows: usize = batch.iter().map(|s| s.ids.len()).sum();
-        let mut ids = Vec::with_capacity(rows);
-        let mut types = Vec::with_capacity(rows);
-        let mut pos = Vec::with_capacity(rows);
-        let mut offsets = Vec::with_capacity(batch.len() + 1);
-        offsets.push(0i32);
-        for s in batch {
-            ids.extend_from_slice(&s.ids);
-            if s.type_ids.len() == s.ids.len() {
-                types.extend_from_slice(&s.type_ids);
-            } else {
-                types.extend(std::iter::repeat_n(0u32, s.ids.len()));
-            }
-            pos.extend(0..s.ids.len() as u32);
-            offsets.push(offsets[offsets.len() - 1] + s.ids.len() as i32);
-        }
+        let rows = p.ids.len();
+        let offsets: Vec<i32> = p.offsets.iter().map(|&o| o as i32).collect();
         let (ids_d, types_d, pos_d) = (
-            st.clone_htod(&ids).map_err(err)?,
-            st.clone_htod(&types).map_err(err)?,
-            st.clone_htod(&pos).map_err(err)?,
+            st.clone_htod(&p.ids).map_err(err)?,
+            st.clone_htod(&p.types).map_err(err)?,
+            st.clone_htod(&p.positions).map_err(err)?,
         );
         let h = self.hidden as i32;
         let mut l = st.launch_builder(&self.k.embed_ln);
@@ -523,7 +509,8 @@ impl CudaHalfTransformer {
             *guard = Some(self.workspace(rows.max(grown).max(1024))?);
         }
         let w = guard.as_mut().ok_or_else(|| err("no workspace"))?;
-        let offsets = self.embed(batch, w)?;
+        let packed_batch = Packed::new(batch);
+        let offsets = self.embed(&packed_batch, w)?;
         let last = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
             self.gemm(&w.x, &layer.qkv, rows, &mut w.qkv)?;
@@ -575,13 +562,7 @@ impl CudaHalfTransformer {
             .clone_dtoh(&w.out32.slice(..rows * h))
             .map_err(err)?;
         drop(guard);
-        let mut padded = vec![0f32; n * longest * h];
-        let mut at = 0;
-        for (i, s) in batch.iter().enumerate() {
-            let len = s.ids.len() * h;
-            padded[i * longest * h..][..len].copy_from_slice(&packed[at..at + len]);
-            at += len;
-        }
+        let padded = packed_batch.unpack(&packed, longest, h);
         Ok(Tensor::from_vec(
             padded,
             (n, longest, h),

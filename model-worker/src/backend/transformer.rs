@@ -3,16 +3,17 @@
 //! candle-transformers' `BertModel` computes the same function, but its linear layers see
 //! 3-D input and run as one small GEMM per sequence against a broadcast weight; here every
 //! projection is a single 2-D GEMM over all `batch x seq` rows against a pre-transposed,
-//! contiguous weight, Q/K/V are one fused projection (with 1/sqrt(d) folded into Q), and
-//! everything between the GEMMs (bias, activation, residual + LayerNorm, attention) runs
-//! fused and row-parallel (`cpu_ops`). Weights load from HF `BertModel` / `BertFor*`
+//! contiguous weight, Q/K/V are one fused projection (with 1/sqrt(d) folded into Q), the
+//! sequences of a batch are packed without padding, and everything between the GEMMs (bias,
+//! activation, residual + LayerNorm, attention) runs fused and row-parallel (`cpu_ops`). Weights load from HF `BertModel` / `BertFor*`
 //! safetensors (with or without the `bert.` prefix).
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::{LayerNorm, Module, VarBuilder};
 use candle_transformers::models::bert::{Config, HiddenAct, PositionEmbeddingType};
 
 use super::cpu_ops::{Attention, BiasAct, BiasResidualNorm};
+use super::{Packed, Seq};
 
 /// A dense layer's pre-transposed weight `(in, out)` and its bias, which the op after the
 /// GEMM adds.
@@ -156,28 +157,34 @@ impl Transformer {
         })
     }
 
-    /// Hidden states `(n, s, hidden)` for ids / type ids `(n, s)` (u32) and a 0/1 mask
-    /// `(n, s)`; padded positions never influence real ones (their own rows are not
-    /// meaningful).
-    pub fn forward(&self, ids: &Tensor, types: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        let (n, s) = ids.dims2()?;
-        if s > self.position.dim(0)? {
-            candle_core::bail!("sequence of {s} tokens is longer than the position table");
+    /// Hidden states `(n, longest, hidden)` for a batch of tokenised sequences; rows past a
+    /// sequence's end are zero. The sequences run packed, back to back without padding:
+    /// every GEMM row is a real token, so a batch costs its tokens whatever its mix of
+    /// lengths, and attention sees one sequence at a time (`offsets`).
+    pub fn forward(&self, batch: &[&Seq]) -> Result<Tensor> {
+        let dev = Device::Cpu;
+        let (n, h) = (batch.len(), self.hidden);
+        let longest = batch.iter().map(|s| s.ids.len()).max().unwrap_or(0);
+        if longest > self.position.dim(0)? {
+            candle_core::bail!("sequence of {longest} tokens is longer than the position table");
         }
-        let words = self.word.index_select(&ids.flatten_all()?, 0)?; // (n*s, h)
-        let kinds = self.token_type.index_select(&types.flatten_all()?, 0)?;
-        let pos = self.position.narrow(0, 0, s)?.repeat((n, 1))?; // (n*s, h)
-        let mut x = self.emb_ln.forward(&((words + kinds)? + pos)?)?;
-        let mask = mask.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let p = Packed::new(batch);
+        let rows = p.ids.len();
+        if rows == 0 {
+            return Tensor::zeros((n, longest, h), DType::F32, &dev);
+        }
+        let index = |v: &[u32]| Tensor::from_slice(v, rows, &dev);
+        let words = self.word.index_select(&index(&p.ids)?, 0)?; // (rows, h)
+        let kinds = self.token_type.index_select(&index(&p.types)?, 0)?;
+        let positions = self.position.index_select(&index(&p.positions)?, 0)?;
+        let mut x = self.emb_ln.forward(&((words + kinds)? + positions)?)?;
         for l in &self.layers {
             let ctx = x.matmul(&l.qkv.w_t)?.apply_op1_no_bwd(&Attention {
                 bias: &l.qkv.b,
-                mask: &mask,
-                seqs: n,
-                len: s,
+                offsets: &p.offsets,
                 heads: self.heads,
                 head_dim: self.head_dim,
-            })?; // (n*s, h)
+            })?; // (rows, h)
             let a = ctx
                 .matmul(&l.attn_out.w_t)?
                 .apply_op2_no_bwd(&x, &l.ln1.op(&l.attn_out.b))?;
@@ -189,6 +196,7 @@ impl Transformer {
                 .matmul(&l.out.w_t)?
                 .apply_op2_no_bwd(&a, &l.ln2.op(&l.out.b))?;
         }
-        x.reshape((n, s, self.hidden))
+        let padded = p.unpack(&x.flatten_all()?.to_vec1::<f32>()?, longest, h);
+        Tensor::from_vec(padded, (n, longest, h), &dev)
     }
 }

@@ -32,6 +32,11 @@ struct Args {
     /// Requests per client in the concurrency phase.
     #[arg(long, default_value_t = 12)]
     requests: usize,
+    /// The worker's batch limits in the concurrency phase (0 = its defaults).
+    #[arg(long, default_value_t = 0)]
+    max_batch: usize,
+    #[arg(long, default_value_t = 0)]
+    max_batch_tokens: usize,
     /// Python with sentence_transformers and torch ("" = skip the reference).
     #[arg(long, default_value = "python3")]
     python: String,
@@ -96,19 +101,21 @@ fn reference(python: &str, texts: &[String], batches: &[usize]) -> Result<serde_
 }
 
 /// `clients` concurrent clients, each sending `requests` single-text Embed calls.
-async fn concurrent(
-    batching: bool,
-    texts: &[String],
-    clients: usize,
-    requests: usize,
-) -> Result<serde_json::Value> {
+async fn concurrent(batching: bool, texts: &[String], a: &Args) -> Result<serde_json::Value> {
     let dir = tempfile::tempdir()?;
     let cfg = dir.path().join("w.toml");
-    std::fs::write(&cfg, format!("[model_worker]\nbatching = {batching}\n"))?;
+    let mut toml = format!("[model_worker]\nbatching = {batching}\n");
+    if a.max_batch > 0 {
+        toml.push_str(&format!("max_batch = {}\n", a.max_batch));
+    }
+    if a.max_batch_tokens > 0 {
+        toml.push_str(&format!("max_batch_tokens = {}\n", a.max_batch_tokens));
+    }
+    std::fs::write(&cfg, toml)?;
     let worker = Proc::model_worker(dir.path(), false, Some(&cfg))?;
     let ch = Channel::from_shared(worker.grpc.clone())?.connect().await?;
     let c = ModelWorkerClient::new(ch);
-    let mut out = embed_load(&c, texts, clients, requests, 1).await?;
+    let mut out = embed_load(&c, texts, a.clients, a.requests, 1).await?;
     out["batching"] = json!(batching);
     Ok(out)
 }
@@ -137,8 +144,8 @@ async fn main() -> Result<()> {
             }
         }
     }
-    let on = concurrent(true, &texts, a.clients, a.requests).await?;
-    let off = concurrent(false, &texts, a.clients, a.requests).await?;
+    let on = concurrent(true, &texts, &a).await?;
+    let off = concurrent(false, &texts, &a).await?;
     let speedup = on["sentences_per_s"].as_f64().unwrap_or(0.0)
         / off["sentences_per_s"].as_f64().unwrap_or(1.0);
     println!(

@@ -211,7 +211,11 @@ fn device_line(p: &Proc) -> Vec<String> {
 }
 
 fn python_refs(python: &str, texts: &[String], batches: &[usize], a: &Args) -> Result<Value> {
-    let ws = ragcluster_tests::workspace();
+    // The checkout this was built in, else the current directory (a copy of the tree on
+    // another machine, as the README's GPU command runs it).
+    let ws = Some(ragcluster_tests::workspace())
+        .filter(|w| w.join("scripts").is_dir())
+        .unwrap_or_else(|| std::path::PathBuf::from("."));
     let file = std::env::temp_dir().join(format!("gpubench-{}.json", std::process::id()));
     std::fs::write(&file, serde_json::to_string(texts)?)?;
     let b: Vec<String> = batches.iter().map(|b| b.to_string()).collect();
