@@ -1,10 +1,11 @@
 //! all-MiniLM-L6-v2 on candle against sentence-transformers' own output
 //! (tests/data/minilm_reference.json, made by scripts/reference_embeddings.py), and batched
-//! output against one-at-a-time output.
+//! output against one-at-a-time output; on a GPU machine, the CUDA encoder against the CPU.
 
 use std::path::PathBuf;
 
 use model_worker::backend::bert::{self, BertEncoder, HeadKind};
+use model_worker::backend::device::Placement;
 use model_worker::backend::{Encoder, Seq};
 
 fn model_dir() -> PathBuf {
@@ -94,4 +95,60 @@ fn missing_model_names_the_path() {
     .err()
     .expect("must fail");
     assert!(err.to_string().contains("/nonexistent/model"), "{err}");
+}
+
+/// The CUDA encoder against the CPU encoder, on a machine with an NVIDIA GPU (skipped with a
+/// message elsewhere; `cuda_half`'s unit test still compiles its kernels with NVRTC there):
+/// mean-pooled embeddings of texts of different lengths, packed into one batch, alone, and
+/// in batches of several sizes and orders.
+#[test]
+fn cuda_embeddings_match_the_cpu_in_every_batch_shape() {
+    if !model_worker::backend::cuda::available() {
+        eprintln!("skipped: no usable CUDA device");
+        return;
+    }
+    let dir = model_dir();
+    let reference: serde_json::Value =
+        serde_json::from_str(include_str!("data/minilm_reference.json")).expect("reference json");
+    let mut texts: Vec<String> = reference["sentences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap().to_owned())
+        .collect();
+    // Longer texts too, up to the 256-token limit (several key tiles in the kernel).
+    let long = texts.join(" ");
+    for cut in [200, 600, 1200, 4000] {
+        texts.push(long.chars().take(cut).collect());
+    }
+    let mut cpu = BertEncoder::load_on("m", &dir, 0, HeadKind::MeanPool, Placement::Cpu).unwrap();
+    let mut gpu = BertEncoder::load_on("m", &dir, 0, HeadKind::MeanPool, Placement::Cuda).unwrap();
+    assert_eq!(gpu.placement(), Placement::Cuda);
+    let seqs = bert::tokenize(&cpu.tokenizer(), &texts).unwrap();
+    let all: Vec<&Seq> = seqs.iter().collect();
+    let want = cpu.forward(&all).unwrap();
+    let mut worst = 1f32;
+    let mut check = |batch: &[usize]| {
+        let refs: Vec<&Seq> = batch.iter().map(|&i| &seqs[i]).collect();
+        let got = gpu.forward(&refs).unwrap();
+        for (&i, g) in batch.iter().zip(&got) {
+            let c = cosine(g, &want[i]);
+            worst = worst.min(c);
+            assert!(
+                c > 0.999,
+                "text {i} in a batch of {}: cosine {c}",
+                batch.len()
+            );
+        }
+    };
+    let n = seqs.len();
+    check(&(0..n).collect::<Vec<_>>());
+    check(&(0..n).rev().collect::<Vec<_>>());
+    for i in 0..n {
+        check(&[i]);
+    }
+    for w in (0..n).collect::<Vec<_>>().chunks(3) {
+        check(w);
+    }
+    eprintln!("lowest cosine CUDA vs CPU over {n} texts: {worst}");
 }

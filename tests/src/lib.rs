@@ -8,6 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub mod inproc;
+pub mod llama;
 pub mod load;
 pub mod metrics;
 pub mod scale;

@@ -16,23 +16,7 @@ use candle_transformers::models::quantized_llama::ModelWeights;
 use model_worker::backend::llama::{GenParams, LlamaGenerator};
 use model_worker::backend::llama_batch::{KvCache, LlamaModel, Row};
 use ragcluster_tests::generate_model;
-
-const PROMPTS: [&str; 3] = [
-    "What is the capital of France?",
-    "Explain in two sentences why the sky is blue.",
-    "Write a haiku about databases.",
-];
-const TOKENS: usize = 24;
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+use ragcluster_tests::llama::{PROMPTS, TOKENS, argmax};
 
 /// Greedy tokens after each prompt, all sequences decoding in one forward per step.
 fn greedy_batched(m: &LlamaModel, prompts: &[Vec<u32>]) -> Result<Vec<Vec<u32>>> {

@@ -17,23 +17,7 @@ use model_worker::backend::llama::{GenParams, LlamaGenerator};
 use model_worker::backend::llama_batch::Row;
 use model_worker::backend::llama_cuda::{CudaLlama, PagedCache};
 use ragcluster_tests::generate_model;
-
-const PROMPTS: [&str; 3] = [
-    "What is the capital of France?",
-    "Explain in two sentences why the sky is blue.",
-    "Write a haiku about databases.",
-];
-const TOKENS: usize = 24;
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+use ragcluster_tests::llama::{PROMPTS, TOKENS, argmax};
 
 fn cosine(a: &[f32], b: &[f32]) -> f32 {
     let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();

@@ -228,6 +228,60 @@ pub(crate) fn compile(
     ctx.load_module(ptx).map_err(|e| e.to_string())
 }
 
+/// `y (rows, out) = x (rows, inp) . W` on tensor cores: f16 `x` and `W`, f32 accumulation,
+/// `y` f16 or f32 (`y_type`). `W` is row-major `(inp, out)` (pre-transposed) when
+/// `transposed`, else `(out, inp)` as HF and GGUF store it. Row-major meets column-major
+/// cuBLAS as `y^T = W' . x^T`.
+pub(crate) fn gemm_f16<Y: cudarc::driver::DeviceRepr>(
+    blas: &CudaBlas,
+    stream: &Arc<CudaStream>,
+    (w, transposed): (&CudaSlice<u16>, bool),
+    x: &CudaSlice<u16>,
+    (rows, inp, out): (usize, usize, usize),
+    (y, y_type): (&mut CudaSlice<Y>, cudarc::cublas::sys::cudaDataType_t),
+) -> Result<(), ModelError> {
+    use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
+    use cudarc::driver::{DevicePtr, DevicePtrMut};
+    use std::ffi::c_void;
+    let (xp, _gx) = x.device_ptr(stream);
+    let (wp, _gw) = w.device_ptr(stream);
+    let (yp, _gy) = y.device_ptr_mut(stream);
+    let (alpha, beta) = (1f32, 0f32);
+    let f16 = cudaDataType_t::CUDA_R_16F;
+    let (op_w, ld_w) = if transposed {
+        (CUBLAS_OP_N, out)
+    } else {
+        (CUBLAS_OP_T, inp)
+    };
+    // SAFETY: the callers' buffers hold w: inp*out halves, x: at least rows*inp halves and
+    // y: at least rows*out elements of y_type; leading dimensions follow the layouts above;
+    // alpha and beta are host f32 scalars as CUBLAS_COMPUTE_32F expects.
+    unsafe {
+        cudarc::cublas::result::gemm_ex(
+            *blas.handle(),
+            op_w,
+            CUBLAS_OP_N,
+            out as i32,
+            rows as i32,
+            inp as i32,
+            (&alpha as *const f32).cast::<c_void>(),
+            wp as *const c_void,
+            f16,
+            ld_w as i32,
+            xp as *const c_void,
+            f16,
+            inp as i32,
+            (&beta as *const f32).cast::<c_void>(),
+            yp as *mut c_void,
+            y_type,
+            out as i32,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(err)
+}
+
 /// A tensor's values as f16 bits on the device (weights of the f16 paths).
 pub(crate) fn upload_f16(
     stream: &Arc<CudaStream>,

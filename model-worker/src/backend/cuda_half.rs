@@ -14,22 +14,18 @@
 // allocations as `unsafe`; every block below states why its arguments are in bounds.
 #![allow(unsafe_code)]
 
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{Config, HiddenAct, PositionEmbeddingType};
 use cudarc::cublas::CudaBlas;
-use cudarc::cublas::sys::{
-    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
-};
+use cudarc::cublas::sys::cudaDataType_t;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 
-use super::cuda::{compile, elems, upload_f16};
+use super::cuda::{compile, elems, gemm_f16, upload_f16};
 use super::{Packed, Seq};
 use crate::error::ModelError;
 
@@ -381,40 +377,14 @@ impl CudaHalfTransformer {
         rows: usize,
         y: &mut CudaSlice<u16>,
     ) -> Result<(), ModelError> {
-        let st = &self.stream;
-        let (xp, _gx) = x.device_ptr(st);
-        let (wp, _gw) = d.w_t.device_ptr(st);
-        let (yp, _gy) = y.device_ptr_mut(st);
-        let (alpha, beta) = (1f32, 0f32);
-        let f16 = cudaDataType_t::CUDA_R_16F;
-        // SAFETY: w_t holds inp*out halves, x at least rows*inp and y rows*out (workspace
-        // sized for rows); column-major C^T (out x rows) = W_t^T . X^T with no transposes,
-        // leading dimensions out / inp / out; alpha and beta are host f32 scalars as
-        // CUBLAS_COMPUTE_32F expects.
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
-                cublasOperation_t::CUBLAS_OP_N,
-                cublasOperation_t::CUBLAS_OP_N,
-                d.out as i32,
-                rows as i32,
-                d.inp as i32,
-                (&alpha as *const f32).cast::<c_void>(),
-                wp as *const c_void,
-                f16,
-                d.out as i32,
-                xp as *const c_void,
-                f16,
-                d.inp as i32,
-                (&beta as *const f32).cast::<c_void>(),
-                yp as *mut c_void,
-                f16,
-                d.out as i32,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(err)
+        gemm_f16(
+            &self.blas,
+            &self.stream,
+            (&d.w_t, true),
+            x,
+            (rows, d.inp, d.out),
+            (y, cudaDataType_t::CUDA_R_16F),
+        )
     }
 
     /// `out = LayerNorm(x + bias + res)` per row (and its f32 copy into `out32`).
@@ -575,7 +545,7 @@ impl CudaHalfTransformer {
 mod tests {
     /// Every CUDA kernel source compiles with NVRTC (needs only libnvrtc, no GPU: `make
     /// test` puts the copy from scripts/setup.sh on LD_LIBRARY_PATH). Running them needs a
-    /// GPU: tests/cuda_parity.rs.
+    /// GPU: tests/reference.rs.
     #[test]
     fn kernels_compile_with_nvrtc() {
         // SAFETY: only tries to dlopen libnvrtc.

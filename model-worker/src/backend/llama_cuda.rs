@@ -19,21 +19,17 @@
 // allocations as `unsafe`; every block below states why its arguments are in bounds.
 #![allow(unsafe_code)]
 
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use cudarc::cublas::CudaBlas;
-use cudarc::cublas::sys::{
-    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
-};
+use cudarc::cublas::sys::cudaDataType_t;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 
-use super::cuda::{compile, elems, upload_f16};
+use super::cuda::{compile, elems, gemm_f16, upload_f16};
 use super::cuda_half::HALF_HELPERS;
 use super::llama_batch::{Dims, Row};
 use crate::error::ModelError;
@@ -436,8 +432,8 @@ struct Indexes {
 }
 
 impl CudaLlama {
-    /// `y (rows, n) = x (rows, k) . w^T` for a row-major f16 `w (n, k)` (as GGUF stores it):
-    /// column-major `y^T = (w viewed as k x n)^T . x^T`. `y` is f16 or f32 (`y_type`).
+    /// `y (rows, n) = x (rows, k) . w^T` for a row-major f16 `w (n, k)` (as GGUF stores it);
+    /// `y` is f16 or f32 (`y_type`).
     #[allow(clippy::too_many_arguments)]
     fn gemm<Y: cudarc::driver::DeviceRepr>(
         &self,
@@ -449,39 +445,14 @@ impl CudaLlama {
         y: &mut CudaSlice<Y>,
         y_type: cudaDataType_t,
     ) -> Result<(), ModelError> {
-        let st = &self.stream;
-        let (xp, _gx) = x.device_ptr(st);
-        let (wp, _gw) = w.device_ptr(st);
-        let (yp, _gy) = y.device_ptr_mut(st);
-        let (alpha, beta) = (1f32, 0f32);
-        let f16 = cudaDataType_t::CUDA_R_16F;
-        // SAFETY: w holds n*k halves, x at least rows*k and y rows*n elements of y_type
-        // (workspace sized for rows); lda = ldb = k, ldc = n; host f32 alpha/beta as
-        // CUBLAS_COMPUTE_32F expects.
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
-                rows as i32,
-                k as i32,
-                (&alpha as *const f32).cast::<c_void>(),
-                wp as *const c_void,
-                f16,
-                k as i32,
-                xp as *const c_void,
-                f16,
-                k as i32,
-                (&beta as *const f32).cast::<c_void>(),
-                yp as *mut c_void,
-                y_type,
-                n as i32,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(err)
+        gemm_f16(
+            &self.blas,
+            &self.stream,
+            (w, false),
+            x,
+            (rows, k, n),
+            (y, y_type),
+        )
     }
 
     /// Validates the rows, gives each row a cache slot (taking pages from the pool as
