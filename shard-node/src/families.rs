@@ -156,6 +156,11 @@ fn raft() -> Vec<Family> {
             Counter,
             "snapshots installed into a replica",
         ),
+        (
+            "shard_snapshot_graphs_total",
+            Counter,
+            "HNSW graphs of installed snapshots by source: the dump the snapshot shipped, or rebuilt",
+        ),
     ]);
     f.extend(
         ragcluster_raft::counter_families("raft")

@@ -19,6 +19,8 @@ pub mod raft;
 pub mod service;
 pub mod shard;
 pub mod storage;
+#[cfg(test)]
+pub(crate) mod testutil;
 
 pub use config::ShardNodeConfig;
 pub use node::Node;

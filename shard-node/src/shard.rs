@@ -37,14 +37,24 @@ pub struct Shard {
     store: Arc<Store>,
     indexes: Arc<Indexes>,
     worker: IndexWorker,
-    dumps: Arc<Dumps>,
+    pub(crate) dumps: Arc<Dumps>,
     /// The applied index as durable in RocksDB (written by the Raft thread only).
     applied: AtomicU64,
     /// Live documents as of `applied`: counted once at open, then kept by the write path.
     documents: AtomicU64,
     /// Where received snapshot files wait to be installed.
     pub(crate) snap_dir: PathBuf,
+    /// When a snapshot last asked the index worker for a fresh dump: (the newest dump then,
+    /// time).
+    dump_asked: parking_lot::Mutex<Option<(Option<u64>, Instant)>>,
 }
+
+/// A snapshot waits for a fresh HNSW dump when more points than this changed since the last
+/// one: the receiver inserts each of them again (~1 ms a point on 2 busy cores), while a dump
+/// takes well under a second per 100k points.
+const FRESH_DUMP_POINTS: usize = 1000;
+/// How long a snapshot waits for that dump before it ships the older one.
+const FRESH_DUMP_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 pub struct ShardOptions {
     pub bm25_writer_memory: usize,
@@ -84,6 +94,7 @@ impl Shard {
         let applied = store.applied_seq(&key)?;
         let bm25 = Bm25Index::open(dirs.bm25, opts.bm25_writer_memory)?;
         let dumps = Arc::new(Dumps::new(dirs.hnsw.to_path_buf()));
+        dumps.remove_leftovers();
         let (hnsw, dump_state) = recovery::open_hnsw(&key, &meta, &store, &dumps, applied)?;
         recovery::catch_up_bm25(&key, &store, &bm25, applied)?;
         store.truncate_oplog(&key, dump_state.dumped.unwrap_or(applied))?;
@@ -116,6 +127,7 @@ impl Shard {
             applied: AtomicU64::new(applied),
             documents: AtomicU64::new(documents),
             snap_dir: dirs.snap.to_path_buf(),
+            dump_asked: Default::default(),
         })
     }
 
@@ -263,8 +275,35 @@ impl Shard {
         Ok(())
     }
 
+    /// Whether a snapshot at `index` should wait (raft-rs asks again) for the index worker to
+    /// dump the graph first; asks for that dump the first time. It stops waiting once a newer
+    /// dump is there, or after `FRESH_DUMP_WAIT`.
+    pub(crate) fn wants_fresh_dump(&self, index: u64) -> bool {
+        if self.worker.undumped() < FRESH_DUMP_POINTS {
+            return false;
+        }
+        let mut asked = self.dump_asked.lock();
+        match *asked {
+            Some((before, when))
+                if self.dumps.newest() > before || when.elapsed() > FRESH_DUMP_WAIT =>
+            {
+                *asked = None;
+                false
+            }
+            Some(_) => true,
+            None => {
+                tracing::info!(shard = %self.key, index, undumped = self.worker.undumped(),
+                    "snapshot waits for a fresh hnsw dump");
+                self.worker.push(Job::DumpNow);
+                *asked = Some((self.dumps.newest(), Instant::now()));
+                true
+            }
+        }
+    }
+
     /// Replaces the replica's state with the snapshot file at `path` (`Store::install_snapshot`,
-    /// which also resets the Raft log) and has both indexes rebuilt from it.
+    /// which also resets the Raft log) and has both indexes brought to it: the HNSW graph from
+    /// the shipped dump when there is one, else rebuilt like BM25.
     pub fn install_snapshot(
         &self,
         path: &Path,
@@ -274,14 +313,26 @@ impl Shard {
         let started = Instant::now();
         let cs = meta.conf_state.clone().unwrap_or_default();
         let mut f = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path)?);
-        let records = self
+        let (records, section) = self
             .store
             .install_snapshot(&self.key, &mut f, meta.index, meta.term, &cs, hs)?;
         self.documents
             .store(self.store.count_docs(&self.key)?, Ordering::Relaxed);
         self.applied.store(meta.index, Ordering::Release);
-        self.worker.push(Job::Rebuild(meta.index));
-        tracing::info!(shard = %self.key, index = meta.index, records,
+        // The state is in; a damaged dump section only costs the receiver a rebuild.
+        let dump = section
+            .then(|| self.dumps.receive(&mut f))
+            .transpose()
+            .unwrap_or_else(|e| {
+                tracing::warn!(shard = %self.key, error = %e,
+                    "shipped hnsw dump unusable; rebuilding the graph");
+                None
+            });
+        self.worker.push(Job::Rebuild {
+            seq: meta.index,
+            dump,
+        });
+        tracing::info!(shard = %self.key, index = meta.index, records, ?dump,
             ms = started.elapsed().as_millis() as u64, "snapshot installed");
         Ok(records)
     }
@@ -472,86 +523,8 @@ impl Shard {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::*;
     use ragcluster_proto::v1::DocumentWrite;
-
-    const DIM: usize = 8;
-
-    fn opts(compact_min: usize) -> ShardOptions {
-        ShardOptions {
-            bm25_writer_memory: 20_000_000,
-            compaction: Compaction {
-                ratio: 0.25,
-                min: compact_min,
-            },
-            dumping: Dumping {
-                min_changes: 10_000,
-                interval: std::time::Duration::from_secs(3600),
-            },
-        }
-    }
-
-    fn meta() -> ShardMeta {
-        ShardMeta {
-            dimension: DIM as u32,
-            hnsw: HnswParams {
-                m: 8,
-                ef_construction: 50,
-                ef_search: 32,
-            },
-        }
-    }
-
-    fn open(dir: &Path, key: ShardKey, store: Arc<Store>, compact_min: usize) -> Shard {
-        let dirs = ShardDirs {
-            bm25: &dir.join("bm25"),
-            hnsw: &dir.join("hnsw"),
-            snap: dir,
-        };
-        Shard::open(key, meta(), store, &dirs, &opts(compact_min)).unwrap()
-    }
-
-    fn doc(id: &str, words: &str, seed: f32) -> DocumentWrite {
-        let embedding: Vec<f32> = (0..DIM).map(|i| (seed + i as f32).sin()).collect();
-        DocumentWrite {
-            doc_id: id.into(),
-            chunks: vec![Chunk {
-                chunk_id: format!("{id}#0"),
-                doc_id: id.into(),
-                text: words.into(),
-                embedding,
-                ..Default::default()
-            }],
-            delete: false,
-        }
-    }
-
-    fn batch(writes: Vec<DocumentWrite>) -> WriteBatchRequest {
-        WriteBatchRequest {
-            shard: None,
-            writes,
-            request_id: String::new(),
-        }
-    }
-
-    /// Applies as the next log entry, as the Raft apply loop does, and waits until searches
-    /// see it, as the write path does before acknowledging.
-    fn apply(shard: &Shard, b: WriteBatchRequest) -> Result<WriteBatchResponse> {
-        let r = shard.apply_entry(shard.applied_seq() + 1, b, 1_000)?;
-        settle(shard);
-        r
-    }
-
-    fn settle(shard: &Shard) {
-        let until = Instant::now() + std::time::Duration::from_secs(10);
-        while shard.visible_seq() < shard.applied_seq() && Instant::now() < until {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-        assert_eq!(
-            shard.visible_seq(),
-            shard.applied_seq(),
-            "indexes caught up"
-        );
-    }
 
     /// The crash window of the write path: the batch is in RocksDB (and the op log) but the
     /// process died before tantivy committed. Reopening must make it searchable by both indexes.
@@ -641,19 +614,6 @@ mod tests {
             "a rejected entry only moves the applied index"
         );
         assert_eq!(shard.figures().documents, 7);
-    }
-
-    fn vec_of(seed: f32) -> Vec<f32> {
-        (0..DIM).map(|i| (seed + i as f32).sin()).collect()
-    }
-
-    fn top(shard: &Shard, seed: f32) -> String {
-        shard
-            .vector_search(&vec_of(seed), 1, 32, &vec![], true)
-            .unwrap()
-            .pop()
-            .map(|h| h.0.chunk_id)
-            .unwrap_or_default()
     }
 
     /// A clean shutdown dumps the graph; entries written after the dump (here straight into

@@ -396,7 +396,10 @@ async fn partitioned_leader_cannot_acknowledge() -> Result<()> {
 ///    4. Then a full-cluster restart loses nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn lagging_replica_catches_up_by_snapshot_and_full_restart_keeps_all() -> Result<()> {
-    let mut c = Cluster::start_with(3, Some(SHARD_CONFIG))?;
+    // Graph dumps every 2,000 changes: the snapshot ships the newest one with the op-log
+    // entries after it.
+    let config = format!("{SHARD_CONFIG}hnsw_dump_min_changes = 2000\n");
+    let mut c = Cluster::start_with(3, Some(&config))?;
     let mut cc = c.client().await?;
     create(&mut cc, "snap").await?;
     let l = leader(&c, "snap", Duration::from_secs(5)).await?;
@@ -446,6 +449,33 @@ async fn lagging_replica_catches_up_by_snapshot_and_full_restart_keeps_all() -> 
         m.contains("raft_snapshots_sent_total"),
         "no snapshot was sent"
     );
+    // The follower loaded the graph the snapshot shipped (caught up from the op log it
+    // carried) instead of rebuilding it, and the graph finds the documents.
+    let fm = http_get(&c.shards[f].metrics).await?;
+    ensure!(
+        metric_sum(&fm, "shard_snapshot_graphs_total{graph=\"shipped\"}") >= 1.0,
+        "the follower did not load a shipped graph:\n{}",
+        c.shards[f].log_tail()
+    );
+    let mut sc = shard_client(&c.shards[f].grpc).await?;
+    for id in [0, total / 2, total - 1] {
+        let hits = sc
+            .vector_search(VectorSearchRequest {
+                shard: sref("snap"),
+                vector: vector(id),
+                top_k: 1,
+                ids_only: true,
+                ..Default::default()
+            })
+            .await?
+            .into_inner()
+            .hits;
+        let got = hits
+            .first()
+            .and_then(|h| h.chunk.as_ref())
+            .map(|c| c.chunk_id.clone());
+        ensure!(got == Some(format!("d{id}#0")), "nearest to d{id}: {got:?}");
+    }
 
     // A graceful stop ends the peers' Raft streams (which never end by themselves) instead of
     // waiting on them, so SIGTERM exits well inside the 15 s drain limit.

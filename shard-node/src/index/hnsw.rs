@@ -161,6 +161,18 @@ impl HnswIndex {
         self.dim
     }
 
+    pub fn params(&self) -> HnswParams {
+        self.params
+    }
+
+    /// Takes `other`'s graph and pending points: a snapshot's state replaced this one's.
+    /// Searches use the old graph until the swap.
+    pub fn replace(&self, other: HnswIndex) {
+        let HnswIndex { graph, pending, .. } = other;
+        *self.graph.write() = graph.into_inner();
+        *self.pending.write() = pending.into_inner();
+    }
+
     /// Copies the graph's bottom layer for fast walks unless the copy is current; the index
     /// worker calls it when writes pause. Returns whether it copied.
     pub fn refresh_flat(&self) -> bool {

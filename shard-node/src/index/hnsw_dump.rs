@@ -10,9 +10,11 @@
 //! other is removed. A missing or corrupt dump means a rebuild, never a wrong graph.
 
 use std::collections::HashSet;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use parking_lot::{Mutex, MutexGuard};
 use serde::{Deserialize, Serialize};
 
 use super::hnsw::{HnswIndex, HnswParams};
@@ -44,11 +46,18 @@ pub struct Loaded {
 /// The dump directory of one shard replica.
 pub struct Dumps {
     dir: PathBuf,
+    /// Held while the set of finished dumps changes, and while a snapshot picks the dump it
+    /// ships (`Dumps::lock`): the index worker then cannot replace that dump, nor trim the op
+    /// log past it, before the snapshot has read both.
+    files: Mutex<()>,
 }
 
 impl Dumps {
     pub fn new(dir: PathBuf) -> Self {
-        Self { dir }
+        Self {
+            dir,
+            files: Mutex::new(()),
+        }
     }
 
     /// Dump directories by seq, newest first (names that do not parse are ignored).
@@ -136,18 +145,24 @@ impl Dumps {
         let body = serde_json::to_vec(&manifest)
             .map_err(|e| ShardError::Corrupt(format!("hnsw manifest: {e}")))?;
         write_synced(&tmp.join(MANIFEST), &body)?;
+        let _files = self.files.lock();
         let done = self.dir.join(format!("dump-{seq}"));
         if done.exists() {
             std::fs::remove_dir_all(&done)?;
         }
         std::fs::rename(&tmp, &done)?;
         std::fs::File::open(&self.dir)?.sync_all()?;
-        self.remove_except(Some(seq));
+        self.remove_unlocked(Some(seq));
         Ok(bytes)
     }
 
     /// Removes every dump but the one at `keep`, and every unfinished one.
     pub fn remove_except(&self, keep: Option<u64>) {
+        let _files = self.files.lock();
+        self.remove_unlocked(keep);
+    }
+
+    fn remove_unlocked(&self, keep: Option<u64>) {
         let old = self
             .listed("dump-")
             .into_iter()
@@ -164,6 +179,121 @@ impl Dumps {
         ragcluster_common::membership::dir_bytes(&self.dir)
     }
 
+    /// Seq of the newest finished dump.
+    pub fn newest(&self) -> Option<u64> {
+        self.listed("dump-").first().map(|d| d.0)
+    }
+
+    /// Holds the finished dumps as they are (see `files`).
+    pub fn lock(&self) -> MutexGuard<'_, ()> {
+        self.files.lock()
+    }
+
+    /// Hard-links the files of the newest finished dump with seq <= `max_seq` into a
+    /// directory of their own, so they stay readable after the lock is gone and the worker
+    /// replaced the dump. The caller holds `lock`. None when there is no such dump.
+    pub fn link_newest(&self, _held: &MutexGuard<'_, ()>, max_seq: u64) -> Option<Linked> {
+        let (seq, path) = self
+            .listed("dump-")
+            .into_iter()
+            .find(|(seq, _)| *seq <= max_seq)?;
+        let dir = self.dir.join(format!("ship-{seq}"));
+        let linked = (|| -> Result<Vec<String>> {
+            if dir.exists() {
+                std::fs::remove_dir_all(&dir)?;
+            }
+            std::fs::create_dir(&dir)?;
+            let mut names = Vec::new();
+            for e in std::fs::read_dir(&path)? {
+                let name = e?.file_name();
+                std::fs::hard_link(path.join(&name), dir.join(&name))?;
+                names.push(name.to_string_lossy().into_owned());
+            }
+            names.sort();
+            Ok(names)
+        })();
+        match linked {
+            Ok(names) => Some(Linked { seq, dir, names }),
+            Err(e) => {
+                tracing::warn!(dump = %path.display(), error = %e,
+                    "could not link the hnsw dump for a snapshot; the receiver rebuilds");
+                let _ = std::fs::remove_dir_all(&dir);
+                None
+            }
+        }
+    }
+
+    /// Reads a dump section written by `Linked::write_to` into `recv-<seq>` (complete and
+    /// fsynced, or absent). Its manifest is checked when the dump is loaded. Returns the seq.
+    pub fn receive(&self, input: &mut impl Read) -> Result<u64> {
+        std::fs::create_dir_all(&self.dir)?;
+        let bad = |m: &str| ShardError::Corrupt(format!("shipped hnsw dump: {m}"));
+        let seq = get_u64(input)?;
+        let count = get_u64(input)?;
+        if count > MAX_SHIPPED_FILES {
+            return Err(bad("too many files"));
+        }
+        let tmp = self.dir.join(format!("rtmp-{seq}"));
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp)?;
+        }
+        std::fs::create_dir(&tmp)?;
+        for _ in 0..count {
+            let len = get_u64(input)?;
+            if len == 0 || len > 255 {
+                return Err(bad("file name length"));
+            }
+            let mut name = vec![0u8; len as usize];
+            input.read_exact(&mut name)?;
+            let name = String::from_utf8(name).map_err(|_| bad("file name"))?;
+            // Plain names only: nothing may land outside the directory.
+            if name.starts_with('.') || name.contains(['/', '\\']) {
+                return Err(bad("file name"));
+            }
+            let size = get_u64(input)?;
+            let mut f = std::fs::File::create(tmp.join(&name))?;
+            let copied = std::io::copy(&mut input.take(size), &mut f)?;
+            if copied != size {
+                return Err(bad("truncated"));
+            }
+            f.sync_all()?;
+        }
+        let _files = self.files.lock();
+        let done = self.dir.join(format!("recv-{seq}"));
+        if done.exists() {
+            std::fs::remove_dir_all(&done)?;
+        }
+        std::fs::rename(&tmp, &done)?;
+        std::fs::File::open(&self.dir)?.sync_all()?;
+        Ok(seq)
+    }
+
+    /// Makes the received dump `seq` the only dump (the state it describes replaced this
+    /// replica's), and removes older received ones. False when it is gone (a later snapshot
+    /// of the same seq is on its way, or the node restarted).
+    pub fn adopt_received(&self, seq: u64) -> bool {
+        let _files = self.files.lock();
+        self.remove_unlocked(None);
+        let from = self.dir.join(format!("recv-{seq}"));
+        let adopted =
+            from.exists() && std::fs::rename(&from, self.dir.join(format!("dump-{seq}"))).is_ok();
+        for (s, path) in self.listed("recv-") {
+            if s < seq {
+                let _ = std::fs::remove_dir_all(path);
+            }
+        }
+        adopted
+    }
+
+    /// Removes received dumps never adopted and links left by snapshots (at open).
+    pub fn remove_leftovers(&self) {
+        let _files = self.files.lock();
+        let stale = ["recv-", "rtmp-", "ship-"].map(|p| self.listed(p)).concat();
+        for (_, path) in stale {
+            let _ = std::fs::remove_dir_all(path);
+        }
+    }
+
     /// Removes the whole directory (the shard is dropped).
     pub fn remove_all(&self) -> Result<()> {
         if self.dir.exists() {
@@ -171,6 +301,51 @@ impl Dumps {
         }
         Ok(())
     }
+}
+
+/// Most files a shipped dump may hold (ours hold four or five).
+const MAX_SHIPPED_FILES: u64 = 16;
+
+/// A finished dump's files, hard-linked for a snapshot; the links go when this is dropped.
+pub struct Linked {
+    pub seq: u64,
+    dir: PathBuf,
+    names: Vec<String>,
+}
+
+impl Linked {
+    /// Writes the dump section: seq, file count, then per file its name and bytes, each
+    /// u64-BE-length-prefixed.
+    pub fn write_to(&self, out: &mut impl Write) -> Result<u64> {
+        out.write_all(&self.seq.to_be_bytes())?;
+        out.write_all(&(self.names.len() as u64).to_be_bytes())?;
+        let mut bytes = 0;
+        for name in &self.names {
+            let mut f = std::fs::File::open(self.dir.join(name))?;
+            let size = f.metadata()?.len();
+            out.write_all(&(name.len() as u64).to_be_bytes())?;
+            out.write_all(name.as_bytes())?;
+            out.write_all(&size.to_be_bytes())?;
+            let copied = std::io::copy(&mut (&mut f).take(size), out)?;
+            if copied != size {
+                return Err(ShardError::Corrupt(format!("{name} shrank while shipped")));
+            }
+            bytes += size;
+        }
+        Ok(bytes)
+    }
+}
+
+impl Drop for Linked {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn get_u64(input: &mut impl Read) -> Result<u64> {
+    let mut b = [0u8; 8];
+    input.read_exact(&mut b)?;
+    Ok(u64::from_be_bytes(b))
 }
 
 fn load_dir(
@@ -218,7 +393,6 @@ fn checksum(path: &Path, sync: bool) -> Result<(u64, u32)> {
 }
 
 fn write_synced(path: &Path, body: &[u8]) -> Result<()> {
-    use std::io::Write;
     let mut f = std::fs::File::create(path)?;
     f.write_all(body)?;
     f.sync_all()?;

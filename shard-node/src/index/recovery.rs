@@ -27,9 +27,12 @@ pub fn open_hnsw(
     if let Some(loaded) = dumps.load(dim, meta.hnsw, applied, &fetch) {
         let (idx, seq) = (loaded.index, loaded.seq);
         let log = store.oplog_after(key, seq)?;
+        // Entries past `applied` (a snapshot's receiver applies on while its worker catches
+        // the shipped dump up) only make the catch-up read newer states of their documents;
+        // their own jobs follow and leave the same graph.
         let reaches = seq == applied
             || (log.first().is_some_and(|(s, _)| *s == seq + 1)
-                && log.last().is_some_and(|(s, _)| *s == applied));
+                && log.last().is_some_and(|(s, _)| *s >= applied));
         // The final state of every document an entry after the dump wrote is in RocksDB: its
         // old points go, its current chunks come back (as pending points).
         let touched: std::collections::HashSet<String> = log

@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::time::{Duration, Instant};
 
@@ -20,9 +20,9 @@ use ragcluster_proto::v1::DocumentWrite;
 use tokio::sync::watch;
 
 use super::hnsw_dump::Dumps;
-use super::{Indexes, point};
+use super::{Indexes, point, recovery};
 use crate::error::{Result, ShardError};
-use crate::storage::{ShardKey, Store};
+use crate::storage::{ShardKey, ShardMeta, Store};
 
 /// What the Raft thread hands over, in log order.
 pub enum Job {
@@ -35,14 +35,20 @@ pub enum Job {
     },
     /// An entry that changed no chunk.
     Skip(u64),
-    /// A snapshot was installed at `seq`: rebuild both indexes from RocksDB.
-    Rebuild(u64),
+    /// A snapshot was installed at `seq`: the HNSW graph comes from the dump it shipped
+    /// (`dump`, its seq, received beside the other dumps) when there is one, else both
+    /// indexes are rebuilt from RocksDB.
+    Rebuild { seq: u64, dump: Option<u64> },
+    /// Dump the graph now if it changed since the last dump (a snapshot waits for it).
+    /// Carries no seq: it is taken out of a group before the group is applied.
+    DumpNow,
 }
 
 impl Job {
     fn seq(&self) -> u64 {
         match self {
-            Job::Batch { seq, .. } | Job::Skip(seq) | Job::Rebuild(seq) => *seq,
+            Job::Batch { seq, .. } | Job::Skip(seq) | Job::Rebuild { seq, .. } => *seq,
+            Job::DumpNow => 0,
         }
     }
 }
@@ -78,6 +84,7 @@ pub struct IndexWorker {
     failed: Arc<AtomicBool>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     wake: Arc<OnceLock<Box<dyn Fn() + Send + Sync>>>,
+    undumped: Arc<AtomicUsize>,
 }
 
 struct Worker {
@@ -90,6 +97,8 @@ struct Worker {
     dumps: Arc<Dumps>,
     dumping: Dumping,
     state: DumpState,
+    /// `state.changes` as others see it.
+    undumped: Arc<AtomicUsize>,
     last_dump: Instant,
     /// Write silence before the next flat copy: ten times the last copy's duration (at
     /// least `FLAT_AFTER_QUIET`), so copying takes at most about a tenth of the worker's
@@ -122,6 +131,7 @@ impl IndexWorker {
         let (vtx, vrx) = watch::channel(visible);
         let failed = Arc::new(AtomicBool::new(false));
         let wake: Arc<OnceLock<Box<dyn Fn() + Send + Sync>>> = Arc::default();
+        let undumped = Arc::new(AtomicUsize::new(state.changes));
         let w = Worker {
             key: key.clone(),
             store,
@@ -132,6 +142,7 @@ impl IndexWorker {
             dumps,
             dumping,
             state,
+            undumped: undumped.clone(),
             last_dump: Instant::now(),
             flat_quiet: FLAT_AFTER_QUIET,
             at: visible,
@@ -156,6 +167,7 @@ impl IndexWorker {
             failed,
             thread: Mutex::new(Some(thread)),
             wake,
+            undumped,
         })
     }
 
@@ -168,6 +180,11 @@ impl IndexWorker {
         if let Some(tx) = self.tx.lock().as_ref() {
             let _ = tx.send(job);
         }
+    }
+
+    /// Points inserted or removed since the last HNSW dump.
+    pub fn undumped(&self) -> usize {
+        self.undumped.load(Ordering::Acquire)
     }
 
     /// The highest sequence whose effects searches see.
@@ -261,12 +278,24 @@ impl Worker {
                     Err(_) => break,
                 }
             }
+            let asked = jobs.iter().any(|j| matches!(j, Job::DumpNow));
+            jobs.retain(|j| !matches!(j, Job::DumpNow));
+            if asked && jobs.is_empty() {
+                if self.state.changes > 0 {
+                    self.dump();
+                }
+                continue;
+            }
             match self.apply(jobs) {
                 Ok(seq) => {
                     flat_due = true;
                     self.at = seq;
                     self.visible.send_replace(seq);
-                    self.maybe_dump();
+                    if asked && self.state.changes > 0 {
+                        self.dump();
+                    } else {
+                        self.maybe_dump();
+                    }
                     if let Some(w) = self.wake.get() {
                         w();
                     }
@@ -286,9 +315,14 @@ impl Worker {
         let started = Instant::now();
         let n = jobs.len();
         let last = jobs.last().map_or(0, Job::seq);
-        let ix = &self.indexes;
+        let ix = self.indexes.clone();
         let _g = ix.update.lock();
-        for job in jobs {
+        // A snapshot replaced the state of every entry before it: start at the last one.
+        let from = jobs
+            .iter()
+            .rposition(|j| matches!(j, Job::Rebuild { .. }))
+            .unwrap_or(0);
+        for job in jobs.into_iter().skip(from) {
             match job {
                 Job::Batch {
                     writes, removed, ..
@@ -302,17 +336,8 @@ impl Worker {
                     ix.hnsw.remove(&removed);
                     ix.bm25.stage(&writes)?;
                 }
-                Job::Skip(_) => {}
-                Job::Rebuild(_) => {
-                    // The dumps describe a state the snapshot replaced: gone, and the new
-                    // graph is dumped after this group.
-                    self.dumps.remove_except(None);
-                    self.rebuild()?;
-                    self.state = DumpState {
-                        dumped: None,
-                        changes: usize::MAX / 2,
-                    };
-                }
+                Job::Skip(_) | Job::DumpNow => {}
+                Job::Rebuild { seq, dump } => self.restore(seq, dump)?,
             }
         }
         ix.bm25.commit(last)?;
@@ -320,26 +345,47 @@ impl Worker {
         let keep_after = self.state.dumped.map_or(last, |d| d.min(last));
         self.store.truncate_oplog(&self.key, keep_after)?;
         self.maybe_compact()?;
+        self.undumped.store(self.state.changes, Ordering::Release);
         metrics::histogram!("shard_index_group_seconds").record(started.elapsed().as_secs_f64());
         metrics::histogram!("shard_index_group_entries").record(n as f64);
         Ok(last)
     }
 
-    fn rebuild(&self) -> Result<()> {
+    /// Brings both indexes to a snapshot installed at `seq`. The replica's own dumps
+    /// describe a state the snapshot replaced and go; the graph is loaded from the dump the
+    /// snapshot shipped and caught up from the op-log entries it carried (as at open), or
+    /// rebuilt from RocksDB. BM25 is rebuilt.
+    fn restore(&mut self, seq: u64, dump: Option<u64>) -> Result<()> {
         let t = Instant::now();
-        let mut points = Vec::new();
-        self.store.for_each_chunk(&self.key, true, |c| {
-            points.push(point(&c));
-            Ok(())
-        })?;
-        let n = points.len();
-        self.indexes.hnsw.rebuild(points);
+        if !dump.is_some_and(|d| self.dumps.adopt_received(d)) {
+            self.dumps.remove_except(None);
+        }
+        let hnsw = &self.indexes.hnsw;
+        let meta = ShardMeta {
+            dimension: hnsw.dim() as u32,
+            hnsw: hnsw.params(),
+        };
+        let (graph, mut state) =
+            recovery::open_hnsw(&self.key, &meta, &self.store, &self.dumps, seq)?;
+        hnsw.replace(graph);
+        hnsw.absorb_pending();
+        let source = if state.dumped.is_some() {
+            "shipped"
+        } else {
+            // Dumped right after this group, so a restart need not rebuild it again.
+            state.changes = usize::MAX / 2;
+            "rebuilt"
+        };
+        self.state = state;
+        let graph_ms = t.elapsed().as_millis() as u64;
         self.indexes.bm25.clear()?;
         self.store.for_each_chunk(&self.key, false, |c| {
             self.indexes.bm25.stage_chunks(std::slice::from_ref(&c))
         })?;
-        tracing::info!(shard = %self.key, chunks = n, ms = t.elapsed().as_millis() as u64,
-            "indexes rebuilt from a snapshot");
+        metrics::counter!("shard_snapshot_graphs_total", "graph" => source).increment(1);
+        tracing::info!(shard = %self.key, seq, graph = source, points = hnsw.counts().0,
+            graph_ms, ms = t.elapsed().as_millis() as u64,
+            "indexes brought to an installed snapshot");
         Ok(())
     }
 
@@ -384,6 +430,7 @@ impl Worker {
                     dumped: Some(self.at),
                     changes: 0,
                 };
+                self.undumped.store(0, Ordering::Release);
             }
             Err(e) => {
                 metrics::counter!("shard_hnsw_dump_failures_total").increment(1);

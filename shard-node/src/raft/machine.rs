@@ -39,16 +39,22 @@ impl StateMachine for Shard {
     }
 
     /// Dumps the shard into a file; the snapshot message carries only its descriptor, and the
-    /// transport streams the file.
+    /// transport streams the file. Waits first for a fresh HNSW dump when the last one is far
+    /// behind (`Shard::wants_fresh_dump`).
     fn snapshot(&self, index: u64, term: u64, to: u64) -> Result<Vec<u8>, SnapshotError> {
+        if self.wants_fresh_dump(index) {
+            return Err(SnapshotError::NotYet);
+        }
         let path = snapshot::generated_path(&self.snap_dir, &self.key, index, term);
         let started = std::time::Instant::now();
-        let (desc, records) = snapshot::generate(self.store(), &self.key, &path)
+        let g = snapshot::generate(self.store(), &self.dumps, &self.key, index, &path)
             .map_err(|e| SnapshotError::Fatal(fatal(self, e)))?;
         snapshot::remove_others(&self.snap_dir, "gen", &self.key, Some(&path));
-        tracing::info!(shard = %self.key, index, term, to, records, bytes = desc.size,
+        let (dump_seq, dump_bytes) = g.dump.unzip();
+        tracing::info!(shard = %self.key, index, term, to, records = g.records,
+            bytes = g.desc.size, ?dump_seq, ?dump_bytes,
             ms = started.elapsed().as_millis() as u64, "snapshot generated");
-        Ok(desc.encode())
+        Ok(g.desc.encode())
     }
 
     /// Installs the snapshot file the transport received and checked before Raft saw it.

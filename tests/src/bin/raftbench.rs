@@ -230,7 +230,17 @@ async fn snapshot_transfer(a: &Args) -> Result<serde_json::Value> {
     let bytes = metric_sum(&m, "raft_snapshot_sent_bytes_total");
     let secs = metric_sum(&m, "raft_snapshot_send_seconds_sum");
     anyhow::ensure!(bytes > 0.0 && secs > 0.0, "no snapshot was sent");
+    // Whether the learner loaded the graph the snapshot shipped or rebuilt it.
+    let lm = ragcluster_tests::http_get(&learner.metrics).await?;
+    let graph = |source: &str| {
+        metric_sum(
+            &lm,
+            &format!("shard_snapshot_graphs_total{{graph=\"{source}\"}}"),
+        )
+    };
     Ok(serde_json::json!({
+        "graph_shipped": graph("shipped"),
+        "graph_rebuilt": graph("rebuilt"),
         "docs": a.snapshot_docs,
         "first_log_index_at_add": commit.first_log_index,
         "snapshot_bytes": bytes,

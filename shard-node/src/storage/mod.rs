@@ -29,13 +29,16 @@ use std::path::Path;
 
 use prost::Message;
 use ragcluster_proto::v1::{Chunk, WriteBatchRequest, WriteBatchResponse};
-use ragcluster_raft::eraftpb::{ConfState, HardState};
+use ragcluster_raft::eraftpb::ConfState;
 use ragcluster_raft::{Keys, RocksLog};
 use rocksdb::{
     ColumnFamilyDescriptor, DB, Direction, IteratorMode, Options, WriteBatch, WriteOptions,
 };
 
 use crate::error::{Result, ShardError};
+
+mod snapshot;
+pub use snapshot::{SECTION_END, StoreSnapshot};
 
 const CF_META: &str = "meta";
 const CF_CHUNKS: &str = "chunks";
@@ -44,8 +47,6 @@ const CF_OPLOG: &str = "oplog";
 const CF_VECTORS: &str = "vectors";
 pub const CF_RAFT: &str = "raft";
 const ALL_CFS: [&str; 6] = [CF_META, CF_CHUNKS, CF_VECTORS, CF_DOCS, CF_OPLOG, CF_RAFT];
-/// Families whose shard range is the state machine, i.e. what a snapshot carries.
-const STATE_CFS: [&str; 4] = [CF_META, CF_CHUNKS, CF_VECTORS, CF_DOCS];
 const NODE_ID_KEY: &[u8] = b"~node/id";
 const PEERS_KEY: &[u8] = b"~node/peers";
 /// Request ids are remembered this long (by the proposal timestamp in the log, so every
@@ -258,85 +259,6 @@ impl Store {
     /// The Raft log of a shard's group, in the `raft` family under the shard's prefix.
     pub fn raft_log(&self, key: &ShardKey) -> RocksLog {
         RocksLog::new(self.db.clone(), CF_RAFT, key.prefix(), self.sync)
-    }
-
-    // ---- Snapshots ----
-
-    /// Writes the shard's state-machine records to `out` as (family, key suffix, value)
-    /// records; the caller makes sure nothing is applied meanwhile.
-    pub fn dump_shard(&self, key: &ShardKey, out: &mut impl std::io::Write) -> Result<u64> {
-        let prefix = key.prefix();
-        let mut n = 0;
-        for (i, name) in STATE_CFS.iter().enumerate() {
-            for item in self.db.iterator_cf(
-                self.cf(name),
-                IteratorMode::From(&prefix, Direction::Forward),
-            ) {
-                let (k, v) = item?;
-                if !k.starts_with(&prefix) {
-                    break;
-                }
-                let suffix = &k[prefix.len()..];
-                // Dedupe records are part of the state; node records never match a prefix.
-                out.write_all(&[i as u8])?;
-                out.write_all(&(suffix.len() as u32).to_be_bytes())?;
-                out.write_all(suffix)?;
-                out.write_all(&(v.len() as u32).to_be_bytes())?;
-                out.write_all(&v)?;
-                n += 1;
-            }
-        }
-        Ok(n)
-    }
-
-    /// Replaces the shard's state and Raft log with a snapshot in one atomic write: its
-    /// records (read from `input`), applied index = `index`, the log truncated at
-    /// (`index`, `term`) and the snapshot's conf state.
-    pub fn install_snapshot(
-        &self,
-        key: &ShardKey,
-        input: &mut impl std::io::Read,
-        index: u64,
-        term: u64,
-        cs: &ConfState,
-        hs: &HardState,
-    ) -> Result<u64> {
-        let mut b = WriteBatch::default();
-        for name in ALL_CFS {
-            if name == CF_META {
-                // Keep the shard parameters ("m"); everything else is replaced.
-                b.delete_range_cf(self.cf(name), key.key(b"n"), key.end());
-                b.delete_range_cf(self.cf(name), key.prefix(), key.key(b"m"));
-            } else {
-                b.delete_range_cf(self.cf(name), key.prefix(), key.end());
-            }
-        }
-        let mut n = 0;
-        let bad = |what: &str| ShardError::Corrupt(format!("snapshot of {key}: {what}"));
-        loop {
-            let mut cf = [0u8; 1];
-            match input.read_exact(&mut cf) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
-                Err(e) => return Err(e.into()),
-            }
-            let name = STATE_CFS
-                .get(cf[0] as usize)
-                .ok_or_else(|| bad("unknown column family"))?;
-            let k = read_block(input).map_err(|_| bad("truncated key"))?;
-            let v = read_block(input).map_err(|_| bad("truncated value"))?;
-            if *name == CF_META && k == b"m" {
-                continue;
-            }
-            b.put_cf(self.cf(name), key.key(&k), v);
-            n += 1;
-        }
-        b.put_cf(self.cf(CF_META), key.key(b"s"), index.to_be_bytes());
-        Keys::new(key.prefix())
-            .reset_into(&mut b, self.cf(CF_RAFT), index, term, cs, hs)
-            .map_err(|e| ShardError::Corrupt(e.0))?;
-        self.write_opt(b, true)?;
-        Ok(n)
     }
 
     /// Every shard recorded on this node with its parameters.
@@ -711,21 +633,6 @@ fn request_order_key(key: &ShardKey, ts: u64, id: &str) -> Vec<u8> {
     k.extend_from_slice(&ts.to_be_bytes());
     k.extend_from_slice(id.as_bytes());
     k
-}
-
-fn read_block(input: &mut impl std::io::Read) -> std::io::Result<Vec<u8>> {
-    let mut len = [0u8; 4];
-    input.read_exact(&mut len)?;
-    let len = u32::from_be_bytes(len) as usize;
-    if len > 256 << 20 {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            "record too large",
-        ));
-    }
-    let mut v = vec![0u8; len];
-    input.read_exact(&mut v)?;
-    Ok(v)
 }
 
 fn pb(m: &impl protobuf::Message) -> Result<Vec<u8>> {
