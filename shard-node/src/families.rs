@@ -76,6 +76,11 @@ pub fn all() -> Vec<Family> {
             "HNSW layer-0 walks by kind (flat: the copy taken when writes paused; hnsw_rs: graph changed since; filtered: metadata filter or tombstones)",
         ),
         (
+            "shard_bm25_merge_seconds",
+            Histogram,
+            "time to merge a BM25 index's segments into one after writes pause",
+        ),
+        (
             "shard_hnsw_flat_copy_seconds",
             Histogram,
             "time to copy an HNSW graph's bottom layer for fast walks after writes pause",

@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use ragcluster_proto::v1::{Chunk, DocumentWrite, GlobalBm25Stats};
@@ -44,6 +45,10 @@ pub struct Bm25Index {
     f_meta: Field,
     /// Chunk ids of hits by segment, decoded once per segment.
     ids: IdCache,
+    /// A `merge_segments` merge is running.
+    merging: Arc<AtomicBool>,
+    /// How long the last merge took, in milliseconds.
+    merge_ms: Arc<AtomicU64>,
 }
 
 fn analyzer() -> TextAnalyzer {
@@ -109,6 +114,8 @@ impl Bm25Index {
             writer: Mutex::new(writer),
             reader,
             ids: IdCache::default(),
+            merging: Arc::default(),
+            merge_ms: Arc::default(),
         })
     }
 
@@ -173,6 +180,62 @@ impl Bm25Index {
         }
         self.reader.reload()?;
         Ok(())
+    }
+
+    /// Merges every segment into one in tantivy's merge thread (a force merge once writes
+    /// pause): each query pays per-segment costs in every segment (a term-dictionary lookup
+    /// per term, postings and field norms opened, block-max WAND set up), and tantivy's own
+    /// policy leaves up to 7 segments per level. Returns false when there is one segment or
+    /// a merge still runs. Searches see the merged segment once it is done (the reader is
+    /// reloaded then); the commit payload (the applied seq) is kept by tantivy. Document
+    /// frequencies count deleted documents until their segment is merged (as in Lucene): a
+    /// merge lowers them without moving the visible seq, so statistics a coordinator cached
+    /// keep counting them until the next write.
+    pub fn merge_segments(&self) -> Result<bool> {
+        let ids = self.index.searchable_segment_ids()?;
+        if ids.len() < 2 || self.merging.swap(true, Ordering::AcqRel) {
+            return Ok(false);
+        }
+        let started = std::time::Instant::now();
+        let merge = self.writer.lock().merge(&ids);
+        let (reader, merging, merge_ms) = (
+            self.reader.clone(),
+            self.merging.clone(),
+            self.merge_ms.clone(),
+        );
+        let segments = ids.len();
+        let spawned = std::thread::Builder::new()
+            .name("bm25-merge".into())
+            .spawn(move || {
+                match merge.wait() {
+                    Ok(_) => {
+                        if let Err(e) = reader.reload() {
+                            tracing::warn!(error = %e, "bm25 reader reload after a merge");
+                        }
+                        let secs = started.elapsed().as_secs_f64();
+                        merge_ms.store((secs * 1e3) as u64, Ordering::Release);
+                        metrics::histogram!("shard_bm25_merge_seconds").record(secs);
+                        tracing::debug!(
+                            segments,
+                            ms = (secs * 1e3) as u64,
+                            "bm25 segments merged into one"
+                        );
+                    }
+                    // Writes that removed a segment meanwhile (a clear) cancel the merge.
+                    Err(e) => tracing::debug!(error = %e, "bm25 merge not applied"),
+                }
+                merging.store(false, Ordering::Release);
+            });
+        if let Err(e) = spawned {
+            self.merging.store(false, Ordering::Release);
+            return Err(e.into());
+        }
+        Ok(true)
+    }
+
+    /// How long the last `merge_segments` took.
+    pub fn last_merge(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.merge_ms.load(Ordering::Acquire))
     }
 
     /// Analysed query terms, in query order (repeats kept: a repeated term weighs more, as in
@@ -421,16 +484,26 @@ mod tests {
         idx.commit(5).unwrap();
         assert_eq!(ids("qx"), vec!["q#0".to_string()]);
         assert_eq!(ids("word3"), ["p#3", "q#1", "r#3", "s#3"].map(String::from));
-        // One merged segment: new segment ids, ids still right.
-        let segs = idx.index.searchable_segment_ids().unwrap();
-        assert!(segs.len() > 1);
-        let mut w = idx.writer.lock();
-        let _ = futures::executor::block_on(w.merge(&segs));
-        w.commit().unwrap();
-        drop(w);
-        idx.reader.reload().unwrap();
-        assert_eq!(idx.index.searchable_segment_ids().unwrap().len(), 1);
+        // One merged segment (`merge_segments`, as the index worker runs it when writes
+        // pause): new segment ids, ids still right, the commit payload kept.
+        assert!(idx.index.searchable_segment_ids().unwrap().len() > 1);
+        assert!(idx.merge_segments().unwrap());
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while idx.reader.searcher().segment_readers().len() > 1 {
+            assert!(std::time::Instant::now() < until, "merge not visible");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(
+            !idx.merge_segments().unwrap(),
+            "one segment: nothing to merge"
+        );
+        assert_eq!(idx.committed_seq().unwrap(), 5);
         assert_eq!(ids("word3"), ["p#3", "q#1", "r#3", "s#3"].map(String::from));
         assert_eq!(ids("sx").len(), 5);
+        // Reopened: the merged segment and the payload are durable.
+        drop(idx);
+        let idx = Bm25Index::open(dir.path(), 20_000_000).unwrap();
+        assert_eq!(idx.index.searchable_segment_ids().unwrap().len(), 1);
+        assert_eq!(idx.committed_seq().unwrap(), 5);
     }
 }

@@ -113,6 +113,10 @@ const MAX_GROUP: usize = 256;
 /// Least write silence after which the HNSW graph's bottom layer is copied for fast walks
 /// (`hnsw_flat`); short, as searches take hnsw_rs's slower walk until then.
 const FLAT_AFTER_QUIET: Duration = Duration::from_millis(50);
+/// Write silence before the BM25 segments are merged into one: at least this, and ten times
+/// the last merge's duration, so merging takes at most about a tenth of a core while writes
+/// come in bursts.
+const MERGE_AFTER_QUIET: Duration = Duration::from_secs(1);
 
 impl IndexWorker {
     /// Starts the worker with everything up to `visible` already in the indexes.
@@ -243,8 +247,11 @@ impl Worker {
                 "points caught up at open inserted into the hnsw graph");
         }
         self.maybe_dump();
-        // The flat copy of the graph's bottom layer is taken once writes pause this long.
+        // The flat copy of the graph's bottom layer is taken once writes pause this long,
+        // BM25's segments are merged after a longer pause.
         let mut flat_due = true;
+        let mut merge_due = true;
+        let mut last_write = Instant::now();
         loop {
             let mut wait = self
                 .dumping
@@ -254,12 +261,23 @@ impl Worker {
             if flat_due {
                 wait = wait.min(self.flat_quiet);
             }
+            let merge_quiet = (self.indexes.bm25.last_merge() * 10).max(MERGE_AFTER_QUIET);
+            if merge_due {
+                let left = merge_quiet.saturating_sub(last_write.elapsed());
+                wait = wait.min(left.max(Duration::from_millis(10)));
+            }
             let first = match rx.recv_timeout(wait) {
                 Ok(j) => j,
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                     if flat_due {
                         self.refresh_flat();
                         flat_due = false;
+                    }
+                    if merge_due && last_write.elapsed() >= merge_quiet {
+                        merge_due = false;
+                        if let Err(e) = self.indexes.bm25.merge_segments() {
+                            tracing::warn!(shard = %self.key, error = %e, "bm25 merge not started");
+                        }
                     }
                     self.maybe_dump();
                     continue;
@@ -289,6 +307,8 @@ impl Worker {
             match self.apply(jobs) {
                 Ok(seq) => {
                     flat_due = true;
+                    merge_due = true;
+                    last_write = Instant::now();
                     self.at = seq;
                     self.visible.send_replace(seq);
                     if asked && self.state.changes > 0 {
