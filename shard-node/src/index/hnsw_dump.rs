@@ -238,25 +238,9 @@ impl Dumps {
             std::fs::remove_dir_all(&tmp)?;
         }
         std::fs::create_dir(&tmp)?;
-        for _ in 0..count {
-            let len = get_u64(input)?;
-            if len == 0 || len > 255 {
-                return Err(bad("file name length"));
-            }
-            let mut name = vec![0u8; len as usize];
-            input.read_exact(&mut name)?;
-            let name = String::from_utf8(name).map_err(|_| bad("file name"))?;
-            // Plain names only: nothing may land outside the directory.
-            if name.starts_with('.') || name.contains(['/', '\\']) {
-                return Err(bad("file name"));
-            }
-            let size = get_u64(input)?;
-            let mut f = std::fs::File::create(tmp.join(&name))?;
-            let copied = std::io::copy(&mut input.take(size), &mut f)?;
-            if copied != size {
-                return Err(bad("truncated"));
-            }
-            f.sync_all()?;
+        if let Err(e) = receive_files(input, &tmp, count) {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
         }
         let _files = self.files.lock();
         let done = self.dir.join(format!("recv-{seq}"));
@@ -342,6 +326,32 @@ impl Drop for Linked {
     }
 }
 
+/// The files of a shipped dump section into `dir`, each fsynced.
+fn receive_files(input: &mut impl Read, dir: &Path, count: u64) -> Result<()> {
+    let bad = |m: &str| ShardError::Corrupt(format!("shipped hnsw dump: {m}"));
+    for _ in 0..count {
+        let len = get_u64(input)?;
+        if len == 0 || len > 255 {
+            return Err(bad("file name length"));
+        }
+        let mut name = vec![0u8; len as usize];
+        input.read_exact(&mut name)?;
+        let name = String::from_utf8(name).map_err(|_| bad("file name"))?;
+        // Plain names only: nothing may land outside the directory.
+        if name.starts_with('.') || name.contains(['/', '\\']) {
+            return Err(bad("file name"));
+        }
+        let size = get_u64(input)?;
+        let mut f = std::fs::File::create(dir.join(&name))?;
+        let copied = std::io::copy(&mut input.take(size), &mut f)?;
+        if copied != size {
+            return Err(bad("truncated"));
+        }
+        f.sync_all()?;
+    }
+    Ok(())
+}
+
 fn get_u64(input: &mut impl Read) -> Result<u64> {
     let mut b = [0u8; 8];
     input.read_exact(&mut b)?;
@@ -397,4 +407,44 @@ fn write_synced(path: &Path, body: &[u8]) -> Result<()> {
     f.write_all(body)?;
     f.sync_all()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A dump section cut short, or naming a file outside its directory, is refused and
+    /// leaves nothing behind; a whole one lands in `recv-<seq>`.
+    #[test]
+    fn receive_refuses_bad_sections_and_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let dumps = Dumps::new(dir.path().join("hnsw"));
+        let section = |name: &str, size: u64, body: &[u8]| {
+            let mut s = Vec::new();
+            s.extend_from_slice(&7u64.to_be_bytes());
+            s.extend_from_slice(&1u64.to_be_bytes());
+            s.extend_from_slice(&(name.len() as u64).to_be_bytes());
+            s.extend_from_slice(name.as_bytes());
+            s.extend_from_slice(&size.to_be_bytes());
+            s.extend_from_slice(body);
+            s
+        };
+        let leftovers = || dumps.listed("rtmp-").len() + dumps.listed("recv-").len();
+        let cut = section("graph.bin", 10, b"12345");
+        assert!(dumps.receive(&mut cut.as_slice()).is_err());
+        assert_eq!(leftovers(), 0, "a truncated section leaves nothing");
+        let escape = section("../graph.bin", 5, b"12345");
+        assert!(dumps.receive(&mut escape.as_slice()).is_err());
+        assert_eq!(leftovers(), 0);
+        assert!(!dir.path().join("graph.bin").exists());
+        let whole = section("graph.bin", 5, b"12345");
+        assert_eq!(dumps.receive(&mut whole.as_slice()).unwrap(), 7);
+        assert_eq!(dumps.listed("recv-").len(), 1);
+        assert_eq!(
+            std::fs::read(dir.path().join("hnsw/recv-7/graph.bin")).unwrap(),
+            b"12345"
+        );
+        dumps.remove_leftovers();
+        assert_eq!(leftovers(), 0);
+    }
 }

@@ -87,14 +87,14 @@ fn deadline<T>(req: &Request<T>) -> Option<Duration> {
     })
 }
 
-/// Results up to this many run inline on the async worker (`read`).
-const INLINE_READ_ITEMS: usize = 100;
+/// Reads of up to this many items (results, chunks, HNSW candidates) run inline (`read`).
+const INLINE_READ_ITEMS: usize = 256;
 
-/// Runs a read on the calling async worker. A small one (a top-k search or lookup of up to
-/// `INLINE_READ_ITEMS`, ~0.1-0.3 ms) runs inline: `block_in_place` hands the worker's core to
-/// another thread on every call, a thread wake-up that cost more CPU than the search itself
-/// (perf, 1-shard BM25 at 8 clients). A bigger one still leaves the core to the other
-/// connections while it runs.
+/// Runs a read on the calling async worker. A small one (a top-k search with ef_search, or a
+/// lookup, of up to `INLINE_READ_ITEMS`: ~0.1-0.5 ms) runs inline: `block_in_place` hands the
+/// worker's core to another thread on every call, a thread wake-up that cost more CPU than
+/// the search itself (perf, 1-shard BM25 at 8 clients). A bigger one still leaves the core to
+/// the other connections while it runs.
 fn read<T>(items: usize, f: impl FnOnce() -> Result<T, ShardError>) -> Result<T, Status> {
     if items <= INLINE_READ_ITEMS {
         f().map_err(Status::from)
@@ -233,9 +233,10 @@ impl ShardRpc for ShardService {
         } else {
             r.ef_search
         } as usize;
-        // A filtered search may score its matches exactly: never inline.
+        // The walk's cost grows with ef; a filtered search may score its matches exactly:
+        // never inline.
         let items = if r.filter.is_empty() {
-            r.top_k as usize
+            ef.max(r.top_k as usize)
         } else {
             usize::MAX
         };
