@@ -146,14 +146,22 @@ impl Dumps {
             .map_err(|e| ShardError::Corrupt(format!("hnsw manifest: {e}")))?;
         write_synced(&tmp.join(MANIFEST), &body)?;
         let _files = self.files.lock();
-        let done = self.dir.join(format!("dump-{seq}"));
+        self.publish(&tmp, &format!("dump-{seq}"))?;
+        self.remove_unlocked(Some(seq));
+        Ok(bytes)
+    }
+
+    /// Renames the finished directory `tmp` to `name` (replacing one of that name) and
+    /// syncs the parent, so a crash leaves either the whole directory or none. The caller
+    /// holds `files`.
+    fn publish(&self, tmp: &Path, name: &str) -> Result<()> {
+        let done = self.dir.join(name);
         if done.exists() {
             std::fs::remove_dir_all(&done)?;
         }
-        std::fs::rename(&tmp, &done)?;
+        std::fs::rename(tmp, &done)?;
         std::fs::File::open(&self.dir)?.sync_all()?;
-        self.remove_unlocked(Some(seq));
-        Ok(bytes)
+        Ok(())
     }
 
     /// Removes every dump but the one at `keep`, and every unfinished one.
@@ -243,12 +251,7 @@ impl Dumps {
             return Err(e);
         }
         let _files = self.files.lock();
-        let done = self.dir.join(format!("recv-{seq}"));
-        if done.exists() {
-            std::fs::remove_dir_all(&done)?;
-        }
-        std::fs::rename(&tmp, &done)?;
-        std::fs::File::open(&self.dir)?.sync_all()?;
+        self.publish(&tmp, &format!("recv-{seq}"))?;
         Ok(seq)
     }
 
