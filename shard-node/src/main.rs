@@ -8,6 +8,12 @@ use ragcluster_common::{server, telemetry};
 use serde::Serialize;
 use shard_node::ShardNodeConfig;
 
+/// hnsw_rs allocates an `Arc` per graph point and per walk candidate; mimalloc keeps those
+/// small objects dense and reuses them per thread, which made a 100k-point graph build 1.27x
+/// faster than with glibc's malloc (`hnswbench`, docs/bench).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser, Serialize)]
 #[command(
     name = "shard-node",

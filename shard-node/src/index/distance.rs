@@ -1,13 +1,15 @@
-//! The one distance the dense index uses: cosine on unit vectors, i.e. a dot product. Every
-//! HNSW insert and search step evaluates it, so it is written for the CPU it runs on: AVX2 with
-//! FMA where the CPU has them (checked once at run time, so one binary still runs on any
-//! x86-64, as the Docker images and the GPU machine need), a plain loop in eight independent
-//! lanes elsewhere (which the compiler turns into SSE2 or NEON).
+//! Cosine on unit vectors, i.e. a dot product: the exact score of every dense hit (the graph
+//! walks int8 codes, `sq8`, and its candidates are rescored with this) and of brute-force
+//! filtered searches. It is written for the CPU it runs on: AVX2 with FMA where the CPU has
+//! them (checked once at run time, so one binary still runs on any x86-64, as the Docker
+//! images and the GPU machine need), a plain loop in eight independent lanes elsewhere (which
+//! the compiler turns into SSE2 or NEON).
 
 use hnsw_rs::anndists::dist::Distance;
 
-/// Cosine distance for unit vectors, `1 - a·b`, clamped at 0. (hnsw_rs's `DistDot` asserts
-/// `1 - a·b >= 0`, which rounding breaks for near-duplicates and would abort the node.)
+/// Cosine distance for unit vectors, `1 - a·b`, clamped at 0, for hnsw_rs graphs over f32
+/// vectors (the benches' references). (hnsw_rs's `DistDot` asserts `1 - a·b >= 0`, which
+/// rounding breaks for near-duplicates and would abort the node.)
 #[derive(Default, Clone, Copy)]
 pub struct UnitCosine;
 

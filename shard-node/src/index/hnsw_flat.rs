@@ -7,7 +7,8 @@
 //! hnsw_rs keeps its neighbour lists private and changes existing points' lists on every
 //! insert, so the copy is taken when writes pause (the index worker does it) and used only
 //! while it matches the graph's insert count; otherwise searches take hnsw_rs's walk. The
-//! vectors are not copied: the copy holds hnsw_rs's points.
+//! codes are not copied: the copy holds hnsw_rs's points. Like the graph it walks on int8
+//! codes (`sq8`); the caller rescores what it returns.
 
 use std::cell::RefCell;
 use std::cmp::{Ordering, Reverse};
@@ -15,15 +16,16 @@ use std::collections::BinaryHeap;
 use std::sync::Arc;
 
 use hnsw_rs::anndists::dist::Distance;
-use hnsw_rs::hnsw::{Hnsw, Point};
+use hnsw_rs::hnsw::Point;
 
-use super::distance::UnitCosine;
+use super::hnsw::CodeGraph;
+use super::sq8::Sq8Cosine;
 
 pub struct FlatGraph {
     /// The graph's insert count this copy reflects.
     pub version: u64,
     /// hnsw_rs's points by slot (hnsw_rs's origin id); None for a slot not in the graph.
-    points: Vec<Option<Arc<Point<'static, f32>>>>,
+    points: Vec<Option<Arc<Point<'static, i8>>>>,
     /// Neighbours of slot i: `adj[offsets[i]..offsets[i + 1]]`.
     offsets: Vec<u32>,
     adj: Vec<u32>,
@@ -53,8 +55,8 @@ thread_local! {
 
 impl FlatGraph {
     /// Copies the bottom layer of `hnsw`, whose points carry slot ids below `slots`.
-    pub fn build(hnsw: &Hnsw<'static, f32, UnitCosine>, slots: usize, version: u64) -> Self {
-        let mut points: Vec<Option<Arc<Point<'static, f32>>>> = vec![None; slots];
+    pub fn build(hnsw: &CodeGraph, slots: usize, version: u64) -> Self {
+        let mut points: Vec<Option<Arc<Point<'static, i8>>>> = vec![None; slots];
         let mut lists: Vec<Vec<u32>> = vec![Vec::new(); slots];
         // Layer by layer (hnsw_rs's all-points iterator unwraps the entry point, so it panics
         // on an empty graph); every point is in exactly one layer list, its top one.
@@ -90,12 +92,12 @@ impl FlatGraph {
         }
     }
 
-    /// Beam search of breadth `ef` from slot `entry`: up to `ef` (slot, distance) pairs,
-    /// nearest first.
-    pub fn search(&self, query: &[f32], entry: usize, ef: usize) -> Vec<(usize, f32)> {
+    /// Beam search of breadth `ef` from slot `entry` for the query's code: up to `ef` (slot,
+    /// code distance) pairs, nearest first.
+    pub fn search(&self, query: &[i8], entry: usize, ef: usize) -> Vec<(usize, f32)> {
         let dist = |slot: u32| -> Option<f32> {
             let p = self.points.get(slot as usize)?.as_ref()?;
-            Some(UnitCosine.eval(query, p.get_v()))
+            Some(Sq8Cosine.eval(query, p.get_v()))
         };
         let Some(d0) = dist(entry as u32) else {
             return Vec::new();
@@ -152,10 +154,13 @@ impl FlatGraph {
 
 #[cfg(test)]
 mod tests {
+    use hnsw_rs::hnsw::Hnsw;
+
     use super::*;
     use crate::index::distance::dot;
     use crate::index::hnsw::tests::unit;
     use crate::index::hnsw::{HnswIndex, HnswParams, Point as IndexPoint, SearchPlan};
+    use crate::index::sq8;
 
     fn exact(points: &[Vec<f32>], q: &[f32], k: usize) -> Vec<usize> {
         let mut s: Vec<(f32, usize)> = points
@@ -169,36 +174,42 @@ mod tests {
 
     #[test]
     fn an_empty_graph_copies_to_nothing() {
-        let hnsw: Hnsw<'static, f32, UnitCosine> = Hnsw::new(8, 16, 16, 100, UnitCosine);
+        let hnsw: CodeGraph = Hnsw::new(8, 16, 16, 100, Sq8Cosine);
         let flat = FlatGraph::build(&hnsw, 0, 0);
-        assert!(flat.search(&unit(1, 24), 0, 16).is_empty());
+        assert!(flat.search(&sq8::encode(&unit(1, 24)), 0, 16).is_empty());
     }
 
     #[test]
     fn the_flat_walk_finds_what_hnsw_rs_finds() {
         let points: Vec<Vec<f32>> = (0..600).map(|i| unit(i, 24)).collect();
-        let hnsw: Hnsw<'static, f32, UnitCosine> = Hnsw::new(8, 600, 16, 100, UnitCosine);
-        for (i, p) in points.iter().enumerate() {
-            hnsw.insert((p.as_slice(), i));
+        let codes: Vec<Vec<i8>> = points.iter().map(|p| sq8::encode(p)).collect();
+        let hnsw: CodeGraph = Hnsw::new(8, 600, 16, 100, Sq8Cosine);
+        for (i, c) in codes.iter().enumerate() {
+            hnsw.insert((c.as_slice(), i));
         }
         let flat = FlatGraph::build(&hnsw, points.len(), 7);
         assert_eq!(flat.version, 7);
         for q in 1000..1020 {
-            let q = unit(q, 24);
-            let entry = hnsw.search_filter(&q, 1, 1, None)[0].d_id;
-            let got = flat.search(&q, entry, 64);
+            let qv = unit(q, 24);
+            let qc = sq8::encode(&qv);
+            let entry = hnsw.search_filter(&qc, 1, 1, None)[0].d_id;
+            let got = flat.search(&qc, entry, 64);
             assert!(got.len() <= 64 && got.windows(2).all(|w| w[0].1 <= w[1].1));
-            let top: Vec<usize> = got.iter().take(10).map(|x| x.0).collect();
-            assert_eq!(
-                top,
-                exact(&points, &q, 10),
-                "a 600-point graph at ef 64 is exact"
-            );
-            let d = (1.0 - dot(&q, &points[top[0]])).max(0.0);
-            assert!((got[0].1 - d).abs() < 1e-6);
+            assert!((got[0].1 - Sq8Cosine.eval(&qc, &codes[got[0].0])).abs() < 1e-6);
+            // Rescored with the f32 vectors, a 600-point graph at ef 64 is exact.
+            let mut rescored: Vec<(f32, usize)> = got
+                .iter()
+                .map(|&(s, _)| (dot(&qv, &points[s]), s))
+                .collect();
+            rescored.sort_by(|a, b| b.0.total_cmp(&a.0));
+            let top: Vec<usize> = rescored.iter().take(10).map(|x| x.1).collect();
+            assert_eq!(top, exact(&points, &qv, 10), "query {q}");
         }
         // An entry the copy does not hold gives nothing (the caller walks hnsw_rs instead).
-        assert!(flat.search(&unit(1, 24), 10_000, 16).is_empty());
+        assert!(
+            flat.search(&sq8::encode(&unit(1, 24)), 10_000, 16)
+                .is_empty()
+        );
     }
 
     #[test]

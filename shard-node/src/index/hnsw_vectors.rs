@@ -1,21 +1,23 @@
 //! HNSW dumps without a second copy of the vectors.
 //!
-//! hnsw_rs dumps a graph as two files: the topology (`.hnsw.graph`) and every point's vector
-//! (`.hnsw.data`). The vectors of live chunks are already in RocksDB's `vectors` family, so
-//! keeping the data file would store each vector twice per replica (1.5 KB of a ~3 KB chunk
-//! for MiniLM). At dump time [`strip`] replaces the data file by an order file (which point
-//! comes next in the data file, and a CRC of its vector) and the vectors of dead slots only
-//! (tombstones whose vectors RocksDB no longer holds); at load [`restore`] writes the data file
-//! back from RocksDB in that order for hnsw_rs to read, and it is removed again after loading.
+//! hnsw_rs dumps a graph as two files: the topology (`.hnsw.graph`) and every point's data
+//! (`.hnsw.data`), here the int8 code of its vector (`sq8`). The vectors of live chunks are
+//! already in RocksDB's `vectors` family, and a code is a function of its vector, so keeping
+//! the data file would store each vector twice per replica. At dump time [`strip`] replaces the
+//! data file by an order file (which point comes next in the data file, and a CRC of its code)
+//! and the codes of dead slots only (tombstones whose vectors RocksDB no longer holds); at load
+//! [`restore`] encodes the live points' vectors from RocksDB into the data file again, in that
+//! order, for hnsw_rs to read (it is removed again after loading), and hands the vectors to
+//! the index, which rescores hits with them.
 //!
 //! The data file's layout (hnsw_rs 0.3, format version 3/4): a header of a magic `u32` and
-//! the dimension as `usize`, then per point the magic, the point's id (`u64`), the byte length
-//! of its vector (`u64`) and the vector as native-endian `f32`s. [`strip`] checks every field
-//! it relies on, so a different layout fails the dump (the previous dump stays) instead of
-//! producing a wrong one.
+//! the dimension as `usize` (the code length: `i8` elements), then per point the magic, the
+//! point's id (`u64`), the byte length of its data (`u64`) and the code's bytes. [`strip`]
+//! checks every field it relies on, so a different layout fails the dump (the previous dump
+//! stays) instead of producing a wrong one.
 //!
 //! A live point whose vector changed or went after the dump (its document was rewritten, so
-//! the op log catch-up tombstones it) is restored as a zero vector: distance 1 from every
+//! the op log catch-up tombstones it) is restored as an all-zero code: distance 1 from every
 //! query, so walks do not go through it. Its document is reported, and the caller rejects the
 //! dump unless the catch-up covers that document.
 
@@ -23,11 +25,12 @@ use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::Path;
 
+use super::sq8;
 use crate::error::{Result, ShardError};
 
-/// The order of points in the data file, with a CRC of each live point's vector.
+/// The order of points in the data file, with a CRC of each point's code.
 pub const ORDER_FILE: &str = "vectors.order";
-/// The vectors of dead slots, in data-file order.
+/// The codes of dead slots, in data-file order.
 pub const DEAD_FILE: &str = "vectors.dead";
 /// hnsw_rs's data file for `basename`.
 pub fn data_file(basename: &str) -> String {
@@ -49,24 +52,26 @@ fn corrupt(what: impl std::fmt::Display) -> ShardError {
     ShardError::Corrupt(format!("hnsw vectors: {what}"))
 }
 
-/// Replaces the data file in `dir` by [`ORDER_FILE`] and [`DEAD_FILE`]. `alive(id)` says
-/// whether point `id` (a slot index) is a live chunk whose vector RocksDB holds.
+/// Replaces the data file in `dir` by [`ORDER_FILE`] and [`DEAD_FILE`]. `dim` is the vectors'
+/// dimension; `alive(id)` says whether point `id` (a slot index) is a live chunk whose vector
+/// RocksDB holds.
 pub fn strip(dir: &Path, basename: &str, dim: usize, alive: &dyn Fn(usize) -> bool) -> Result<()> {
+    let code_len = sq8::code_len(dim);
     let data_path = dir.join(data_file(basename));
     let mut input = BufReader::with_capacity(1 << 20, File::open(&data_path)?);
     let mut header = [0u8; HEADER];
     input.read_exact(&mut header)?;
     let magic = u32::from_ne_bytes(header[..4].try_into().expect("4 bytes"));
-    let stored_dim = usize::from_ne_bytes(header[4..].try_into().expect("usize"));
-    if stored_dim != dim {
+    let stored = usize::from_ne_bytes(header[4..].try_into().expect("usize"));
+    if stored != code_len {
         return Err(corrupt(format!(
-            "data file dimension {stored_dim}, index {dim}"
+            "data file holds {stored}-byte codes, index {code_len} (dimension {dim})"
         )));
     }
     let mut order = BufWriter::new(File::create(dir.join(ORDER_FILE))?);
     let mut dead = BufWriter::new(File::create(dir.join(DEAD_FILE))?);
     order.write_all(&header)?;
-    let mut body = vec![0u8; dim * 4];
+    let mut body = vec![0u8; code_len];
     let mut points = 0u64;
     let mut records = Vec::new();
     loop {
@@ -113,18 +118,28 @@ pub struct Restored {
 }
 
 /// Writes the data file back into `dir` from [`ORDER_FILE`], [`DEAD_FILE`] and the vectors
-/// `fetch` returns for the live points' chunk ids (`chunk_id(slot)`).
+/// `fetch` returns for the live points' chunk ids (`chunk_id(slot)`) of dimension `dim`; each
+/// live point's vector goes to `keep(slot, vector)`, except stale ones (the catch-up replaces
+/// them; until then they score 0).
 pub fn restore(
     dir: &Path,
     basename: &str,
+    dim: usize,
     chunk_id: &dyn Fn(usize) -> Option<String>,
     fetch: FetchVectors,
+    keep: &mut dyn FnMut(usize, Vec<f32>),
 ) -> Result<Restored> {
+    let code_len = sq8::code_len(dim);
     let mut order = BufReader::new(File::open(dir.join(ORDER_FILE))?);
     let mut header = [0u8; HEADER];
     order.read_exact(&mut header)?;
     let magic = header[..4].to_vec();
-    let dim = usize::from_ne_bytes(header[4..].try_into().expect("usize"));
+    let stored = usize::from_ne_bytes(header[4..].try_into().expect("usize"));
+    if stored != code_len {
+        return Err(corrupt(format!(
+            "dump holds {stored}-element points, index expects {code_len}-byte codes"
+        )));
+    }
     let mut n = [0u8; 8];
     order.read_exact(&mut n)?;
     let points = u64::from_le_bytes(n) as usize;
@@ -133,7 +148,7 @@ pub fn restore(
     out.write_all(&header)?;
     let mut stale = Vec::new();
     let mut batch: Vec<(u64, u8, u32)> = Vec::with_capacity(FETCH_BATCH);
-    let mut body = vec![0u8; dim * 4];
+    let mut body = vec![0u8; code_len];
     let mut done = 0;
     while done < points {
         batch.clear();
@@ -156,13 +171,18 @@ pub fn restore(
             } else {
                 let v = stored.next().flatten().filter(|v| v.len() == dim);
                 body.clear();
-                for x in v.iter().flatten() {
-                    body.extend_from_slice(&x.to_ne_bytes());
+                if let Some(v) = &v {
+                    body.extend(sq8::encode(v).into_iter().map(|q| q as u8));
                 }
-                if body.len() != dim * 4 || crc32fast::hash(&body) != crc {
-                    stale.push(id as usize);
-                    body.clear();
-                    body.resize(dim * 4, 0);
+                match v {
+                    Some(v) if body.len() == code_len && crc32fast::hash(&body) == crc => {
+                        keep(id as usize, v)
+                    }
+                    _ => {
+                        stale.push(id as usize);
+                        body.clear();
+                        body.resize(code_len, 0);
+                    }
                 }
             }
             out.write_all(&magic)?;
@@ -230,7 +250,11 @@ mod tests {
         let data = dir.path().join(data_file(GRAPH_BASENAME));
         assert!(!data.exists(), "no second copy of the vectors");
         let dead_len = std::fs::metadata(dir.path().join(DEAD_FILE)).unwrap().len();
-        assert_eq!(dead_len, 11 * DIM as u64 * 4, "the 11 dead points' vectors");
+        assert_eq!(
+            dead_len,
+            11 * sq8::code_len(DIM) as u64,
+            "the 11 dead points' codes"
+        );
 
         let load = |stored: &HashMap<String, Vec<f32>>| {
             let fetch = |ids: &[String]| Ok(ids.iter().map(|id| stored.get(id).cloned()).collect());
@@ -263,7 +287,7 @@ mod tests {
     fn an_unknown_data_layout_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let mut bytes = 0xa67f0000u32.to_ne_bytes().to_vec();
-        bytes.extend_from_slice(&DIM.to_ne_bytes());
+        bytes.extend_from_slice(&sq8::code_len(DIM).to_ne_bytes());
         bytes.extend_from_slice(&0xa67f0000u32.to_ne_bytes());
         bytes.extend_from_slice(&7u64.to_ne_bytes());
         bytes.extend_from_slice(&(DIM as u64 * 2).to_ne_bytes());

@@ -10,6 +10,7 @@ pub mod hnsw_dump;
 pub mod hnsw_flat;
 pub mod hnsw_vectors;
 pub mod recovery;
+pub mod sq8;
 pub mod worker;
 
 use parking_lot::Mutex;

@@ -10,10 +10,15 @@
 //! - `avx2`: the shard's distance (AVX2 + FMA, chosen at run time);
 //! - each searched with a filter closure (`filter`, how the shard searched before: hnsw_rs then
 //!   never stops its layer-0 walk early) and without one (`nofilter`);
+//! - `sq8`: raw hnsw_rs built and walked on the int8 codes the shard uses (`index/sq8.rs`), the
+//!   ef hits rescored with the f32 vectors;
 //! - `index`: the shard's own `HnswIndex` (fed in groups of 512 like the index worker; ids and
-//!   tombstones resolved through its slot table), i.e. what a shard adds to raw hnsw_rs;
-//!   `search` walks hnsw_rs's graph, `search_flat` the bottom-layer copy the index worker
-//!   takes when writes pause (`index/hnsw_flat.rs`).
+//!   tombstones resolved through its slot table; int8 graph, f32 rescoring), i.e. what a shard
+//!   adds to raw hnsw_rs; `search` walks hnsw_rs's graph, `search_flat` the bottom-layer copy
+//!   the index worker takes when writes pause (`index/hnsw_flat.rs`).
+//!
+//! Build figures (`build_s`, `points_per_s`) are the parallel insert of all points on every
+//! core, the shard's ingest cost at this size.
 //!
 //! Queries are SciFact's 300 test queries embedded by a model worker process (MiniLM), as a
 //! user's would be.
@@ -36,6 +41,7 @@ use serde_json::{Map, Value, json};
 use shard_node::index::distance::{UnitCosine, dot, dot_portable};
 use shard_node::index::hnsw::{HnswIndex, HnswParams, SearchPlan};
 use shard_node::index::point;
+use shard_node::index::sq8::{self, Sq8Cosine};
 use tonic::transport::Channel;
 
 #[derive(Parser)]
@@ -61,9 +67,19 @@ struct Args {
     /// Skip the shard's `HnswIndex` (one build less).
     #[arg(long)]
     skip_index: bool,
+    /// Skip the f32 `avx2` graph (one build less; it is the reference the others compare to).
+    #[arg(long)]
+    skip_f32: bool,
+    /// Skip the raw int8 `sq8` graph (one build less).
+    #[arg(long)]
+    skip_sq8: bool,
     #[arg(long)]
     out: Option<PathBuf>,
 }
+
+/// The shard node's allocator, so in-process graphs cost what they cost in a shard.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// The distance before the AVX2 path: the same formula on the portable loop.
 #[derive(Default, Clone, Copy)]
@@ -106,10 +122,15 @@ fn main() -> Result<()> {
             graph_rows(&args, PortableCosine, &points, &queries, &exact),
         );
     }
-    report.insert(
-        "avx2".into(),
-        graph_rows(&args, UnitCosine, &points, &queries, &exact),
-    );
+    if !args.skip_f32 {
+        report.insert(
+            "avx2".into(),
+            graph_rows(&args, UnitCosine, &points, &queries, &exact),
+        );
+    }
+    if !args.skip_sq8 {
+        report.insert("sq8".into(), sq8_rows(&args, &points, &queries, &exact));
+    }
     if !args.skip_index {
         report.insert("index".into(), index_rows(&args, &points, &queries, &exact));
     }
@@ -213,6 +234,32 @@ fn graph_rows<D: Distance<f32> + Send + Sync + Copy>(
     });
     let out = json!({"build_s": build, "points_per_s": points.len() as f64 / build,
                      "filter": filtered, "nofilter": plain});
+    eprintln!("{}", serde_json::to_string(&out).unwrap_or_default());
+    out
+}
+
+/// The graph built and walked on int8 codes (`index/sq8.rs`), its ef hits rescored with the
+/// f32 vectors.
+fn sq8_rows(args: &Args, points: &[Chunk], queries: &[Vec<f32>], exact: &[Vec<usize>]) -> Value {
+    let codes: Vec<Vec<i8>> = points.iter().map(|c| sq8::encode(&c.embedding)).collect();
+    let t = Instant::now();
+    let hnsw: Hnsw<i8, Sq8Cosine> =
+        Hnsw::new(args.m, points.len(), 16, args.ef_construction, Sq8Cosine);
+    let data: Vec<(&Vec<i8>, usize)> = codes.iter().enumerate().map(|(i, c)| (c, i)).collect();
+    hnsw.parallel_insert(&data);
+    let build = t.elapsed().as_secs_f64();
+    let rows = sweep(args, queries, exact, |q, ef| {
+        let code = sq8::encode(q);
+        let mut hits: Vec<(f32, usize)> = hnsw
+            .search_filter(&code, ef, ef, None)
+            .into_iter()
+            .map(|n| (dot(q, &points[n.d_id].embedding), n.d_id))
+            .collect();
+        hits.sort_by(|a, b| b.0.total_cmp(&a.0));
+        hits.into_iter().take(10).map(|h| h.1).collect()
+    });
+    let out = json!({"build_s": build, "points_per_s": points.len() as f64 / build,
+                     "nofilter_rescored": rows});
     eprintln!("{}", serde_json::to_string(&out).unwrap_or_default());
     out
 }
