@@ -25,6 +25,10 @@ pub struct ModelWorkerConfig {
     pub shutdown_timeout: std::time::Duration,
     /// Merge concurrent requests into shared batches (off: each request runs alone).
     pub batching: bool,
+    /// Threads that tokenise encoder calls ahead of the batchers (0: one per core); beside one
+    /// call per thread, `max_queue` calls (all models together) may wait for them before
+    /// RESOURCE_EXHAUSTED.
+    pub tokenizer_threads: usize,
     /// Optional OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`,
     /// `/v1/embeddings`, `/v1/models`) on this address; empty = off.
     pub http_listen: String,
@@ -136,6 +140,7 @@ impl Default for ModelWorkerConfig {
             batch_wait: std::time::Duration::from_millis(2),
             shutdown_timeout: std::time::Duration::from_secs(10),
             batching: true,
+            tokenizer_threads: 0,
             http_listen: String::new(),
             max_concurrent_generations: 16,
             max_queued_generations: 64,

@@ -9,6 +9,11 @@ pub fn all() -> Vec<Family> {
     f.extend(ragcluster_common::membership::families());
     f.extend(families::table(&[
         ("model_queue_depth", Gauge, "requests waiting per model"),
+        (
+            "model_tokenizer_queue_depth",
+            Gauge,
+            "pieces of calls waiting for the tokenizer threads",
+        ),
         ("model_batch_size", Histogram, "requests per device batch"),
         ("model_batch_tokens", Histogram, "tokens per device batch"),
         (

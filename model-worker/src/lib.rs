@@ -15,6 +15,7 @@ pub mod http;
 pub mod registry;
 pub mod remote;
 pub mod service;
+pub mod tokenize;
 
 use std::sync::Arc;
 

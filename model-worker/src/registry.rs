@@ -18,6 +18,7 @@ use crate::batcher::{BatchConfig, Batcher};
 use crate::config::{ModelSpec, ModelWorkerConfig};
 use crate::error::ModelError;
 use crate::remote::RemoteGenerator;
+use crate::tokenize::TokenizerPool;
 
 /// Texts per Embed call and passages per Rerank call.
 pub const MAX_TEXTS: usize = 256;
@@ -36,7 +37,7 @@ const LLM_RERANK_PASSAGE_TOKENS: usize = 384;
 pub struct EncoderModel {
     pub placement: Placement,
     batcher: Batcher,
-    tokenizer: Tokenizer,
+    tokenizer: Arc<Tokenizer>,
     pub dim: usize,
     pub max_len: usize,
 }
@@ -102,7 +103,7 @@ impl EncoderModel {
         let placement = enc.placement();
         let m = Self {
             placement,
-            tokenizer: enc.tokenizer(),
+            tokenizer: Arc::new(enc.tokenizer()),
             dim: enc.dimension(),
             max_len: enc.max_sequence_length(),
             batcher: Batcher::start(spec.name.clone(), Box::new(enc), batch.clone()),
@@ -158,12 +159,15 @@ pub struct Registry {
     default_generate: String,
     slots: Slots,
     infos: Vec<ModelInfo>,
+    /// Every encoder call is tokenised here, off the async runtime.
+    tokenize: TokenizerPool,
 }
 
 impl Registry {
     /// Loads every configured model; the first failure names the model and path.
     pub fn load(cfg: &ModelWorkerConfig) -> Result<Self, ModelError> {
         let mut r = Self {
+            tokenize: TokenizerPool::start(cfg.tokenizer_threads, cfg.max_queue),
             embedders: HashMap::new(),
             default_embed: String::new(),
             rerankers: HashMap::new(),
@@ -299,7 +303,7 @@ impl Registry {
     pub async fn embed(&self, model: &str, texts: Vec<String>) -> Result<Embedded, ModelError> {
         let (name, m) = Self::pick(&self.embedders, &self.default_embed, model, "embed")?;
         check_texts("texts", &texts)?;
-        let seqs = bert::tokenize(&m.tokenizer, &texts)?;
+        let seqs = self.tokenize.texts(&name, &m.tokenizer, texts).await?;
         let tokens = seqs.iter().map(|s| s.ids.len()).sum();
         let truncated = truncated(&seqs);
         let vectors = m.batcher.run(seqs).await?;
@@ -330,17 +334,20 @@ impl Registry {
         check_texts("passages", &passages)?;
         let (scores, truncated) = match m {
             Reranker::CrossEncoder(enc) => {
-                let seqs = bert::tokenize_pairs(&enc.tokenizer, query, &passages)?;
+                let seqs = self
+                    .tokenize
+                    .pairs(&name, &enc.tokenizer, query, passages)
+                    .await?;
                 let t = truncated(&seqs);
                 let out = enc.batcher.run(seqs).await?;
                 (out.into_iter().map(|v| v[0]).collect(), t)
             }
             Reranker::MaxSim(enc) => {
-                let mut seqs =
-                    bert::tokenize(&enc.tokenizer, std::slice::from_ref(&query.to_owned()))?;
-                let ps = bert::tokenize(&enc.tokenizer, &passages)?;
-                let t = truncated(&ps);
-                seqs.extend(ps);
+                let mut texts = Vec::with_capacity(passages.len() + 1);
+                texts.push(query.to_owned());
+                texts.extend(passages);
+                let seqs = self.tokenize.texts(&name, &enc.tokenizer, texts).await?;
+                let t = truncated(&seqs[1..]);
                 let out = enc.batcher.run(seqs).await?;
                 let q = &out[0];
                 let scores = out[1..].iter().map(|d| maxsim(q, d, enc.dim)).collect();
