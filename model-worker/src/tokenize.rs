@@ -102,10 +102,6 @@ impl TokenizerPool {
         }
     }
 
-    pub fn threads(&self) -> usize {
-        self.threads
-    }
-
     /// Tokenises texts (with special tokens, truncated to the tokenizer's limit), in order.
     /// `model` names the refusal when the queue is full.
     pub async fn texts(

@@ -50,6 +50,16 @@ struct Slot {
 }
 
 impl Slot {
+    fn new(p: Point, alive: bool) -> Self {
+        Self {
+            chunk_id: p.chunk_id,
+            doc_id: p.doc_id,
+            meta: p.meta,
+            vector: p.vector.into_boxed_slice(),
+            alive,
+        }
+    }
+
     fn matches(&self, filter: &Filter) -> bool {
         meta_matches(&self.meta, filter)
     }
@@ -58,6 +68,11 @@ impl Slot {
         self.alive = false;
         self.vector = Box::default();
     }
+}
+
+/// The graph's codes of `points`, in order.
+fn codes(points: &[Point]) -> Vec<Vec<i8>> {
+    points.iter().map(|p| sq8::encode(&p.vector)).collect()
 }
 
 fn meta_matches(meta: &[(String, String)], filter: &Filter) -> bool {
@@ -255,7 +270,7 @@ impl HnswIndex {
     }
 
     fn insert_graph(&self, points: Vec<Point>) {
-        let codes: Vec<Vec<i8>> = points.iter().map(|p| sq8::encode(&p.vector)).collect();
+        let codes = codes(&points);
         let g = self.graph.read();
         let mut chunk_ids = Vec::with_capacity(points.len());
         let first = {
@@ -263,13 +278,7 @@ impl HnswIndex {
             let first = s.slots.len();
             for p in points {
                 chunk_ids.push(p.chunk_id.clone());
-                s.slots.push(Slot {
-                    chunk_id: p.chunk_id,
-                    doc_id: p.doc_id,
-                    meta: p.meta,
-                    vector: p.vector.into_boxed_slice(),
-                    alive: false,
-                });
+                s.slots.push(Slot::new(p, false));
             }
             first
         };
@@ -401,18 +410,12 @@ impl HnswIndex {
     /// tombstone. Searches keep using the old graph until the swap.
     pub fn rebuild(&self, points: Vec<Point>) {
         let fresh = Self::empty_graph(&self.params, points.len());
-        let codes: Vec<Vec<i8>> = points.iter().map(|p| sq8::encode(&p.vector)).collect();
+        let codes = codes(&points);
         {
             let mut s = fresh.slots.write();
             for (i, p) in points.into_iter().enumerate() {
                 s.by_chunk.insert(p.chunk_id.clone(), i);
-                s.slots.push(Slot {
-                    chunk_id: p.chunk_id,
-                    doc_id: p.doc_id,
-                    meta: p.meta,
-                    vector: p.vector.into_boxed_slice(),
-                    alive: true,
-                });
+                s.slots.push(Slot::new(p, true));
             }
         }
         let data: Vec<(&Vec<i8>, usize)> = codes.iter().enumerate().map(|(i, c)| (c, i)).collect();
