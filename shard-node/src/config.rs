@@ -26,6 +26,13 @@ pub struct ShardNodeConfig {
     /// ...or once this long passed since the last dump with anything changed.
     #[serde(with = "humantime_serde")]
     pub hnsw_dump_interval: std::time::Duration,
+    /// Followers load their leader's HNSW dumps instead of inserting every written point
+    /// themselves (the graph is built once per shard, not once per replica); points written
+    /// since the dump a follower loaded are searched exactly beside its graph.
+    pub hnsw_follow_leader_graph: bool,
+    /// ...with at most this many such points per shard: beyond it a follower inserts new
+    /// points itself. Bounds a follower's exact-search work and what a new leader inserts.
+    pub hnsw_follower_pending_max: usize,
     /// Memory budget of each shard's tantivy writer, bytes (at least 15 MB).
     pub bm25_writer_memory: usize,
     /// Where to write `{"grpc": addr, "metrics": addr}` once listening.
@@ -78,6 +85,8 @@ impl Default for ShardNodeConfig {
             hnsw_compact_min: 1000,
             hnsw_dump_min_changes: 10_000,
             hnsw_dump_interval: std::time::Duration::from_secs(60),
+            hnsw_follow_leader_graph: true,
+            hnsw_follower_pending_max: 20_000,
             bm25_writer_memory: 32 * 1024 * 1024,
             port_file: None,
             raft_tick: std::time::Duration::from_millis(100),

@@ -162,6 +162,16 @@ fn raft() -> Vec<Family> {
             "snapshots installed into a replica",
         ),
         (
+            "shard_hnsw_graph_adoptions_total",
+            Counter,
+            "Leader HNSW dumps a follower received, by outcome: adopted (loaded and caught up), refused (could not be caught up; the graph kept), skipped (no longer newer or this replica leads)",
+        ),
+        (
+            "shard_hnsw_graph_fetched_bytes_total",
+            Counter,
+            "Bytes of leader HNSW dumps fetched by this node's follower replicas",
+        ),
+        (
             "shard_snapshot_graphs_total",
             Counter,
             "HNSW graphs of installed snapshots by source: the dump the snapshot shipped, or rebuilt",

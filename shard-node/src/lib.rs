@@ -84,6 +84,14 @@ pub async fn start(
         "shard node recovered"
     );
     let reaper = spawn_reaper(node.clone());
+    let follower = {
+        let node = node.clone();
+        raft::graph_follow::spawn(
+            move || node.replicas(),
+            tls.clone(),
+            cfg.hnsw_follow_leader_graph,
+        )
+    };
     let (listener, addr) = server::bind(&cfg.listen).await?;
     if let Some(p) = &cfg.port_file {
         server::write_port_file(p, addr, metrics_addr, cfg.tls.enabled())?;
@@ -133,6 +141,7 @@ pub async fn start(
             };
             drop(reporter);
             reaper.abort();
+            follower.abort();
             if let Some(h) = heartbeat {
                 h.abort();
             }

@@ -10,7 +10,7 @@ use ragcluster_raft::{Options, Role, Transport};
 
 use crate::config::ShardNodeConfig;
 use crate::error::{Result, ShardError};
-use crate::index::worker::{Compaction, Dumping};
+use crate::index::worker::{Compaction, Dumping, Following};
 use crate::raft::Replica;
 use crate::raft::transport::{GrpcDialer, ShardTransport};
 use crate::shard::{Shard, ShardDirs, ShardOptions};
@@ -176,6 +176,10 @@ impl Node {
             dumping: Dumping {
                 min_changes: self.cfg.hnsw_dump_min_changes,
                 interval: self.cfg.hnsw_dump_interval,
+            },
+            following: Following {
+                enabled: self.cfg.hnsw_follow_leader_graph,
+                pending_max: self.cfg.hnsw_follower_pending_max,
             },
         };
         let (bm25, hnsw, snap) = (self.bm25_dir(&key), self.hnsw_dir(&key), self.snap_dir());

@@ -26,7 +26,7 @@ use crate::index::bm25::Bm25Index;
 use crate::index::hnsw::{self, HnswParams, SearchPlan};
 use crate::index::hnsw_dump::Dumps;
 use crate::index::recovery;
-use crate::index::worker::{Compaction, Dumping, IndexWorker, Job};
+use crate::index::worker::{Compaction, Dumping, Following, IndexWorker, Job};
 use crate::index::{Filter, Indexes};
 use crate::storage::{ShardKey, ShardMeta, Store};
 
@@ -60,6 +60,7 @@ pub struct ShardOptions {
     pub bm25_writer_memory: usize,
     pub compaction: Compaction,
     pub dumping: Dumping,
+    pub following: Following,
 }
 
 /// Where a shard's derived files live.
@@ -115,6 +116,7 @@ impl Shard {
             dumps.clone(),
             opts.dumping,
             dump_state,
+            opts.following,
         )?;
         Ok(Self {
             key,
@@ -502,6 +504,46 @@ impl Shard {
         out
     }
 
+    /// Tells the index worker whether this replica follows (it then defers inserts to its
+    /// leader's dumps, when configured).
+    pub fn set_following(&self, following: bool) {
+        self.worker.set_following(following);
+    }
+
+    /// Points written here but not in the graph yet (searched exactly beside it).
+    pub fn pending_points(&self) -> usize {
+        self.indexes.hnsw.pending_len()
+    }
+
+    /// Seq of the dump this replica's graph comes from (0: none).
+    pub fn graph_dump_seq(&self) -> u64 {
+        self.worker.dumped_seq()
+    }
+
+    /// This replica's newest HNSW dump with `after < seq <= max_seq`, as a dump section
+    /// (`Linked::write_to`) for a follower to load. None when there is no such dump.
+    pub fn graph_dump_after(&self, after: u64, max_seq: u64) -> Result<Option<Vec<u8>>> {
+        let linked = {
+            let held = self.dumps.lock();
+            self.dumps.link_newest(&held, max_seq)
+        };
+        match linked {
+            Some(l) if l.seq > after => {
+                let mut out = Vec::new();
+                l.write_to(&mut out)?;
+                Ok(Some(out))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Stores a dump section fetched from the leader and has the index worker load it.
+    pub fn receive_graph(&self, mut section: &[u8]) -> Result<u64> {
+        let seq = self.dumps.receive(&mut section)?;
+        self.worker.push(Job::Adopt(seq));
+        Ok(seq)
+    }
+
     /// Stops the index worker without dumping anything (the shard is being dropped).
     pub fn stop_indexing(&self) {
         self.worker.stop(false);
@@ -556,6 +598,78 @@ mod tests {
             hits[0].0.embedding.is_empty(),
             "search hits carry no vectors"
         );
+    }
+
+    /// A follower holds its points pending (searched exactly), then loads the leader's dump
+    /// and keeps pending only what changed after it; it answers like the leader throughout.
+    #[test]
+    fn follower_adopts_the_leaders_graph() {
+        let (ld, fd) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let key = ShardKey::new("c", 0);
+        let mut o = opts(1000);
+        o.dumping.min_changes = 5;
+        let leader = open_with(
+            ld.path(),
+            key.clone(),
+            Arc::new(Store::open(&ld.path().join("db"), false).unwrap()),
+            &o,
+        );
+        let follower = open_with(
+            fd.path(),
+            key,
+            Arc::new(Store::open(&fd.path().join("db"), false).unwrap()),
+            &o,
+        );
+        follower.set_following(true);
+        let first = batch(
+            (0..20)
+                .map(|i| doc(&format!("d{i}"), "words", i as f32))
+                .collect(),
+        );
+        let delete = DocumentWrite {
+            doc_id: "d4".into(),
+            chunks: vec![],
+            delete: true,
+        };
+        let second = batch(vec![doc("d3", "words", 30.0), delete]);
+        for b in [first, second] {
+            apply(&leader, b.clone()).unwrap();
+            apply(&follower, b).unwrap();
+        }
+        assert_eq!(follower.pending_points(), 19, "every live point pending");
+        let same = |f: &Shard| {
+            for seed in (0..20).map(|i| i as f32).chain([30.0]) {
+                assert_eq!(top(f, seed), top(&leader, seed), "seed {seed}");
+            }
+            assert_ne!(top(f, 4.0), "d4#0", "deleted");
+        };
+        same(&follower);
+        // The leader dumped after the first batch (5 changes or more), not after the second.
+        let section = leader
+            .graph_dump_after(0, follower.visible_seq())
+            .unwrap()
+            .expect("a dump newer than none");
+        assert_eq!(follower.receive_graph(&section).unwrap(), 1);
+        let until = Instant::now() + std::time::Duration::from_secs(10);
+        while follower.graph_dump_seq() != 1 && Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(follower.graph_dump_seq(), 1, "dump adopted");
+        assert_eq!(
+            follower.pending_points(),
+            1,
+            "only d3's new chunk is pending"
+        );
+        assert_eq!(follower.figures().hnsw_points, 19);
+        same(&follower);
+        assert!(leader.graph_dump_after(1, 2).unwrap().is_none());
+        // Restarted, it loads the adopted dump and catches up from its op log.
+        let store = follower.store().clone();
+        follower.flush().unwrap();
+        drop(follower);
+        let reopened = open_with(fd.path(), ShardKey::new("c", 0), store, &o);
+        settle(&reopened);
+        same(&reopened);
     }
 
     #[test]

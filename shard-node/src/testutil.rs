@@ -9,7 +9,7 @@ use ragcluster_proto::v1::{Chunk, DocumentWrite, WriteBatchRequest, WriteBatchRe
 
 use crate::error::Result;
 use crate::index::hnsw::HnswParams;
-use crate::index::worker::{Compaction, Dumping};
+use crate::index::worker::{Compaction, Dumping, Following};
 use crate::shard::{Shard, ShardDirs, ShardOptions};
 use crate::storage::{ShardKey, ShardMeta, Store};
 
@@ -25,6 +25,10 @@ pub(crate) fn opts(compact_min: usize) -> ShardOptions {
         dumping: Dumping {
             min_changes: 10_000,
             interval: std::time::Duration::from_secs(3600),
+        },
+        following: Following {
+            enabled: true,
+            pending_max: 20_000,
         },
     }
 }

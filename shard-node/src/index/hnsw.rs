@@ -144,9 +144,10 @@ pub struct HnswIndex {
     dim: usize,
     params: HnswParams,
     graph: RwLock<Graph>,
-    /// Points that belong in the index but are not in the graph yet (a dump caught up at open):
-    /// scored exactly and merged with the graph's hits until the index worker has inserted
-    /// them (`absorb_pending`), so a restarted node serves before that work is done.
+    /// Points that belong in the index but are not in the graph yet (a dump caught up at open,
+    /// or a follower's writes since the leader's dump it loaded): scored exactly and merged
+    /// with the graph's hits until the index worker has inserted them (`absorb_pending`) or a
+    /// newer dump holds them, so a replica serves before that work is done.
     pending: RwLock<Vec<Point>>,
 }
 
@@ -242,6 +243,23 @@ impl HnswIndex {
         self.insert_graph(points);
     }
 
+    /// Holds written points beside the graph instead of inserting them (a follower that will
+    /// load its leader's dump of them, `index::worker`): an older copy of a chunk leaves the
+    /// graph and the pending points, so each chunk is searched once, exactly.
+    pub fn defer(&self, points: Vec<Point>) {
+        if points.is_empty() {
+            return;
+        }
+        let ids: Vec<String> = points.iter().map(|p| p.chunk_id.clone()).collect();
+        self.remove(&ids);
+        self.pending.write().extend(points);
+    }
+
+    /// Points searched beside the graph, not in it yet.
+    pub fn pending_len(&self) -> usize {
+        self.pending.read().len()
+    }
+
     /// Holds `points` beside the graph until `absorb_pending` (see `pending`).
     pub fn set_pending(&self, points: Vec<Point>) {
         *self.pending.write() = points;
@@ -256,6 +274,22 @@ impl HnswIndex {
             self.insert_graph(points);
             self.pending.write().clear();
         }
+        n
+    }
+
+    /// Moves up to `max` pending points into the graph (oldest first); returns how many.
+    pub fn absorb_some(&self, max: usize) -> usize {
+        let batch: Vec<Point> = {
+            let p = self.pending.read();
+            p[..p.len().min(max)].to_vec()
+        };
+        if batch.is_empty() {
+            return 0;
+        }
+        let ids: Vec<String> = batch.iter().map(|p| p.chunk_id.clone()).collect();
+        let n = batch.len();
+        self.insert_graph(batch);
+        self.drop_pending(ids.iter().map(String::as_str));
         n
     }
 

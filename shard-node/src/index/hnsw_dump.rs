@@ -205,7 +205,10 @@ impl Dumps {
             .listed("dump-")
             .into_iter()
             .find(|(seq, _)| *seq <= max_seq)?;
-        let dir = self.dir.join(format!("ship-{seq}"));
+        // A name of its own per call: a snapshot and followers may ship the same dump at once.
+        static SHIPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SHIPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = self.dir.join(format!("ship-{n}"));
         let linked = (|| -> Result<Vec<String>> {
             if dir.exists() {
                 std::fs::remove_dir_all(&dir)?;
@@ -270,6 +273,35 @@ impl Dumps {
             }
         }
         adopted
+    }
+
+    /// Makes the received dump `seq` a finished dump beside the others (a follower's graph
+    /// from its leader): the caller loads it, then keeps it alone or removes it. False when it
+    /// is gone or this replica already has a dump of that seq.
+    pub fn promote_received(&self, seq: u64) -> bool {
+        let _files = self.files.lock();
+        let from = self.dir.join(format!("recv-{seq}"));
+        let to = self.dir.join(format!("dump-{seq}"));
+        if !from.exists() || to.exists() {
+            let _ = std::fs::remove_dir_all(&from);
+            return false;
+        }
+        std::fs::rename(&from, &to).is_ok()
+            && std::fs::File::open(&self.dir)
+                .and_then(|d| d.sync_all())
+                .is_ok()
+    }
+
+    /// Removes the received dump of `seq` (not adopted).
+    pub fn discard_received(&self, seq: u64) {
+        let _files = self.files.lock();
+        let _ = std::fs::remove_dir_all(self.dir.join(format!("recv-{seq}")));
+    }
+
+    /// Removes the dump of `seq` (one that could not be caught up).
+    pub fn remove(&self, seq: u64) {
+        let _files = self.files.lock();
+        let _ = std::fs::remove_dir_all(self.dir.join(format!("dump-{seq}")));
     }
 
     /// Removes received dumps never adopted and links left by snapshots (at open).

@@ -21,6 +21,39 @@ pub fn open_hnsw(
     dumps: &Dumps,
     applied: u64,
 ) -> Result<(HnswIndex, DumpState)> {
+    if let Some(caught_up) = caught_up_dump(key, meta, store, dumps, applied)? {
+        return Ok(caught_up);
+    }
+    let started = Instant::now();
+    let dim = meta.dimension as usize;
+    dumps.remove_except(None);
+    let mut points = Vec::new();
+    store.for_each_chunk(key, true, |c| {
+        points.push(point(&c));
+        Ok(())
+    })?;
+    let live = points.len();
+    let hnsw = HnswIndex::new(dim, meta.hnsw, live);
+    hnsw.rebuild(points);
+    metrics::counter!("shard_hnsw_rebuilds_total").increment(1);
+    tracing::info!(shard = %key, chunks = live, ms = started.elapsed().as_millis() as u64,
+        "hnsw graph rebuilt from rocksdb");
+    let state = DumpState {
+        dumped: None,
+        changes: live.max(1),
+    };
+    Ok((hnsw, state))
+}
+
+/// The graph of the newest dump caught up to `applied` from the op log, or None when there
+/// is no dump or it cannot be caught up (the caller rebuilds, or keeps the graph it has).
+pub fn caught_up_dump(
+    key: &ShardKey,
+    meta: &ShardMeta,
+    store: &Store,
+    dumps: &Dumps,
+    applied: u64,
+) -> Result<Option<(HnswIndex, DumpState)>> {
     let started = Instant::now();
     let dim = meta.dimension as usize;
     let fetch = |ids: &[String]| store.get_vectors(key, ids);
@@ -61,29 +94,13 @@ pub fn open_hnsw(
                 dumped: Some(seq),
                 changes: removed + inserted,
             };
-            return Ok((idx, state));
+            return Ok(Some((idx, state)));
         }
         tracing::warn!(shard = %key, dump = seq, applied, reaches, unexplained,
             "hnsw dump cannot be caught up (op log does not reach back to it, or vectors \
-             changed outside it); rebuilding the graph");
+             changed outside it)");
     }
-    dumps.remove_except(None);
-    let mut points = Vec::new();
-    store.for_each_chunk(key, true, |c| {
-        points.push(point(&c));
-        Ok(())
-    })?;
-    let live = points.len();
-    let hnsw = HnswIndex::new(dim, meta.hnsw, live);
-    hnsw.rebuild(points);
-    metrics::counter!("shard_hnsw_rebuilds_total").increment(1);
-    tracing::info!(shard = %key, chunks = live, ms = started.elapsed().as_millis() as u64,
-        "hnsw graph rebuilt from rocksdb");
-    let state = DumpState {
-        dumped: None,
-        changes: live.max(1),
-    };
-    Ok((hnsw, state))
+    Ok(None)
 }
 
 /// Replays op-log entries newer than BM25's committed seq, or rebuilds BM25 from RocksDB when

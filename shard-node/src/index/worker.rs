@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::time::{Duration, Instant};
 
@@ -42,13 +42,17 @@ pub enum Job {
     /// Dump the graph now if it changed since the last dump (a snapshot waits for it).
     /// Carries no seq: it is taken out of a group before the group is applied.
     DumpNow,
+    /// The leader's dump of this seq was received (`Dumps::receive`): a follower loads it
+    /// instead of inserting the points it holds pending. Taken out of a group like `DumpNow`
+    /// and handled after it.
+    Adopt(u64),
 }
 
 impl Job {
     fn seq(&self) -> u64 {
         match self {
             Job::Batch { seq, .. } | Job::Skip(seq) | Job::Rebuild { seq, .. } => *seq,
-            Job::DumpNow => 0,
+            Job::DumpNow | Job::Adopt(_) => 0,
         }
     }
 }
@@ -68,6 +72,21 @@ pub struct Dumping {
     pub interval: Duration,
 }
 
+/// How a follower builds its graph: it holds written points pending (searched exactly) and
+/// loads its leader's dumps of them (`Job::Adopt`) instead of inserting each point itself,
+/// so a shard's graph is built once, not once per replica. Beyond `pending_max` pending points
+/// it inserts new points itself.
+#[derive(Debug, Clone, Copy)]
+pub struct Following {
+    pub enabled: bool,
+    pub pending_max: usize,
+}
+
+/// Pending points a leader inserts per group of jobs (and per idle moment) after it took
+/// over from a follower's role, so a write after a failover waits for a slice of that work,
+/// not all of it.
+const ABSORB_SLICE: usize = 1024;
+
 /// Where the HNSW graph stands against its dumps when the worker starts.
 pub struct DumpState {
     /// Seq of the dump on disk, if any.
@@ -85,6 +104,10 @@ pub struct IndexWorker {
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     wake: Arc<OnceLock<Box<dyn Fn() + Send + Sync>>>,
     undumped: Arc<AtomicUsize>,
+    /// Whether this replica follows (set from its Raft role) and defers inserts.
+    following: Arc<AtomicBool>,
+    /// Seq of the dump the graph comes from (0: none), for the leader to ship a newer one.
+    dumped: Arc<AtomicU64>,
 }
 
 struct Worker {
@@ -99,6 +122,11 @@ struct Worker {
     state: DumpState,
     /// `state.changes` as others see it.
     undumped: Arc<AtomicUsize>,
+    following: Arc<AtomicBool>,
+    follow: Following,
+    dumped: Arc<AtomicU64>,
+    /// Set while points are pending: the seq after which the graph lacks them.
+    deferred_after: Option<u64>,
     last_dump: Instant,
     /// Write silence before the next flat copy: ten times the last copy's duration (at
     /// least `FLAT_AFTER_QUIET`), so copying takes at most about a tenth of the worker's
@@ -130,8 +158,11 @@ impl IndexWorker {
         dumps: Arc<Dumps>,
         dumping: Dumping,
         state: DumpState,
+        follow: Following,
     ) -> Result<Self> {
         let (tx, rx) = std::sync::mpsc::channel();
+        let following = Arc::new(AtomicBool::new(false));
+        let dumped = Arc::new(AtomicU64::new(state.dumped.unwrap_or(0)));
         let (vtx, vrx) = watch::channel(visible);
         let failed = Arc::new(AtomicBool::new(false));
         let wake: Arc<OnceLock<Box<dyn Fn() + Send + Sync>>> = Arc::default();
@@ -147,6 +178,10 @@ impl IndexWorker {
             dumping,
             state,
             undumped: undumped.clone(),
+            following: following.clone(),
+            follow,
+            dumped: dumped.clone(),
+            deferred_after: None,
             last_dump: Instant::now(),
             flat_quiet: FLAT_AFTER_QUIET,
             at: visible,
@@ -172,7 +207,19 @@ impl IndexWorker {
             thread: Mutex::new(Some(thread)),
             wake,
             undumped,
+            following,
+            dumped,
         })
+    }
+
+    /// Whether this replica follows its group's leader (and so defers inserts, when enabled).
+    pub fn set_following(&self, following: bool) {
+        self.following.store(following, Ordering::Release);
+    }
+
+    /// Seq of the dump the graph comes from, 0 when none.
+    pub fn dumped_seq(&self) -> u64 {
+        self.dumped.load(Ordering::Acquire)
     }
 
     /// Called after each group of jobs (the Raft member republishes its status).
@@ -269,6 +316,10 @@ impl Worker {
             let first = match rx.recv_timeout(wait) {
                 Ok(j) => j,
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    if self.absorb_slice() {
+                        flat_due = true;
+                        continue;
+                    }
                     if flat_due {
                         self.refresh_flat();
                         flat_due = false;
@@ -283,7 +334,12 @@ impl Worker {
                     continue;
                 }
                 Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                    if dump_on_stop.load(Ordering::Acquire) && self.state.changes > 0 {
+                    // Pending points are not in the graph: a restart catches them up from the
+                    // op log after the last dump instead.
+                    if dump_on_stop.load(Ordering::Acquire)
+                        && self.state.changes > 0
+                        && self.indexes.hnsw.pending_len() == 0
+                    {
                         self.dump();
                     }
                     return;
@@ -297,9 +353,20 @@ impl Worker {
                 }
             }
             let asked = jobs.iter().any(|j| matches!(j, Job::DumpNow));
-            jobs.retain(|j| !matches!(j, Job::DumpNow));
-            if asked && jobs.is_empty() {
-                if self.state.changes > 0 {
+            let adopt = jobs
+                .iter()
+                .filter_map(|j| match j {
+                    Job::Adopt(seq) => Some(*seq),
+                    _ => None,
+                })
+                .max();
+            jobs.retain(|j| !matches!(j, Job::DumpNow | Job::Adopt(_)));
+            if jobs.is_empty() {
+                if let Some(seq) = adopt {
+                    self.adopt(seq);
+                    flat_due = true;
+                }
+                if asked && self.state.changes > 0 {
                     self.dump();
                 }
                 continue;
@@ -311,6 +378,9 @@ impl Worker {
                     last_write = Instant::now();
                     self.at = seq;
                     self.visible.send_replace(seq);
+                    if let Some(seq) = adopt {
+                        self.adopt(seq);
+                    }
                     if asked && self.state.changes > 0 {
                         self.dump();
                     } else {
@@ -345,24 +415,46 @@ impl Worker {
         for job in jobs.into_iter().skip(from) {
             match job {
                 Job::Batch {
-                    writes, removed, ..
+                    seq,
+                    writes,
+                    removed,
                 } => {
                     let points: Vec<_> = writes
                         .iter()
                         .flat_map(|w| w.chunks.iter().map(point))
                         .collect();
                     self.state.changes += points.len() + removed.len();
-                    ix.hnsw.insert(points);
+                    let pending = ix.hnsw.pending_len();
+                    if self.defers() && pending + points.len() <= self.follow.pending_max {
+                        if pending == 0 && !points.is_empty() {
+                            self.deferred_after.get_or_insert(seq - 1);
+                        }
+                        ix.hnsw.defer(points);
+                    } else {
+                        ix.hnsw.insert(points);
+                    }
                     ix.hnsw.remove(&removed);
                     ix.bm25.stage(&writes)?;
                 }
-                Job::Skip(_) | Job::DumpNow => {}
+                Job::Skip(_) | Job::DumpNow | Job::Adopt(_) => {}
                 Job::Rebuild { seq, dump } => self.restore(seq, dump)?,
             }
         }
+        if !self.defers() {
+            ix.hnsw.absorb_some(ABSORB_SLICE);
+        }
         ix.bm25.commit(last)?;
         // Entries after the HNSW dump stay: a restart catches the dump up from them.
-        let keep_after = self.state.dumped.map_or(last, |d| d.min(last));
+        // So do the entries after the last one whose points are all in the graph: a leader's
+        // dump is caught up from them.
+        if ix.hnsw.pending_len() == 0 {
+            self.deferred_after = None;
+        }
+        let keep_after = self
+            .state
+            .dumped
+            .map_or(last, |d| d.min(last))
+            .min(self.deferred_after.unwrap_or(last));
         self.store.truncate_oplog(&self.key, keep_after)?;
         self.maybe_compact()?;
         self.undumped.store(self.state.changes, Ordering::Release);
@@ -396,6 +488,8 @@ impl Worker {
             state.changes = usize::MAX / 2;
             "rebuilt"
         };
+        self.dumped
+            .store(state.dumped.unwrap_or(0), Ordering::Release);
         self.state = state;
         let graph_ms = t.elapsed().as_millis() as u64;
         self.indexes.bm25.clear()?;
@@ -407,6 +501,67 @@ impl Worker {
             graph_ms, ms = t.elapsed().as_millis() as u64,
             "indexes brought to an installed snapshot");
         Ok(())
+    }
+
+    fn defers(&self) -> bool {
+        self.follow.enabled && self.following.load(Ordering::Acquire)
+    }
+
+    /// A leader with points left pending from its follower days inserts a slice of them;
+    /// true when it did.
+    fn absorb_slice(&mut self) -> bool {
+        if self.defers() || self.indexes.hnsw.pending_len() == 0 {
+            return false;
+        }
+        let _g = self.indexes.update.lock();
+        self.indexes.hnsw.absorb_some(ABSORB_SLICE) > 0
+    }
+
+    /// Loads the leader's dump of `seq` (received beside this replica's dumps) caught up to
+    /// the applied seq from the op log, replacing the graph and the pending points it covers.
+    /// A dump that cannot be caught up is removed and the graph kept.
+    fn adopt(&mut self, seq: u64) {
+        let t = Instant::now();
+        let newer = self.state.dumped.is_none_or(|d| d < seq);
+        if !self.defers() || !newer || seq > self.at || !self.dumps.promote_received(seq) {
+            self.dumps.discard_received(seq);
+            metrics::counter!("shard_hnsw_graph_adoptions_total", "outcome" => "skipped")
+                .increment(1);
+            return;
+        }
+        let hnsw = &self.indexes.hnsw;
+        let meta = ShardMeta {
+            dimension: hnsw.dim() as u32,
+            hnsw: hnsw.params(),
+        };
+        let pending_before = hnsw.pending_len();
+        match recovery::caught_up_dump(&self.key, &meta, &self.store, &self.dumps, self.at) {
+            Ok(Some((graph, state))) if state.dumped == Some(seq) => {
+                {
+                    let _g = self.indexes.update.lock();
+                    hnsw.replace(graph);
+                }
+                self.dumps.remove_except(Some(seq));
+                self.deferred_after = (hnsw.pending_len() > 0).then_some(seq);
+                self.dumped.store(seq, Ordering::Release);
+                self.state = state;
+                self.undumped.store(self.state.changes, Ordering::Release);
+                metrics::counter!("shard_hnsw_graph_adoptions_total", "outcome" => "adopted")
+                    .increment(1);
+                tracing::info!(shard = %self.key, dump = seq, applied = self.at,
+                    points = hnsw.counts().0, pending_before, pending = hnsw.pending_len(),
+                    ms = t.elapsed().as_millis() as u64, "leader's hnsw graph adopted");
+            }
+            other => {
+                if let Err(e) = &other {
+                    tracing::warn!(shard = %self.key, dump = seq, error = %e,
+                        "leader's hnsw dump not adopted");
+                }
+                self.dumps.remove(seq);
+                metrics::counter!("shard_hnsw_graph_adoptions_total", "outcome" => "refused")
+                    .increment(1);
+            }
+        }
     }
 
     fn refresh_flat(&mut self) {
@@ -424,7 +579,9 @@ impl Worker {
     /// Dumps the graph when enough changed, or the interval passed with changes.
     fn maybe_dump(&mut self) {
         let changes = self.state.changes;
-        if changes == 0 {
+        // A dump holds only the graph; pending points wait for a leader's dump (followers) or
+        // for the slices a leader absorbs.
+        if changes == 0 || self.indexes.hnsw.pending_len() > 0 {
             return;
         }
         let (live, dead) = self.indexes.hnsw.counts();
@@ -438,6 +595,11 @@ impl Worker {
     /// Writes a dump of the graph as of `self.at`. A failure is logged and retried later: the
     /// op log is kept back to the last good dump meanwhile.
     fn dump(&mut self) {
+        // Asked for (a snapshot waits): the pending points go into the graph first.
+        if self.indexes.hnsw.pending_len() > 0 {
+            let _g = self.indexes.update.lock();
+            self.indexes.hnsw.absorb_pending();
+        }
         let started = Instant::now();
         self.last_dump = started;
         match self.dumps.write(&self.indexes.hnsw, self.at) {
@@ -450,6 +612,7 @@ impl Worker {
                     dumped: Some(self.at),
                     changes: 0,
                 };
+                self.dumped.store(self.at, Ordering::Release);
                 self.undumped.store(0, Ordering::Release);
             }
             Err(e) => {

@@ -7,7 +7,9 @@
 //! - `transport`: how shard nodes reach each other: one gRPC stream per peer node carrying the
 //!   messages of every group, snapshots streamed on their own call.
 //! - `snapshot`: snapshot files (the shard's RocksDB records), checked by size and CRC32.
+//! - `graph_follow`: followers load their leader's HNSW dumps instead of building a graph.
 
+pub mod graph_follow;
 pub mod machine;
 pub mod replica;
 pub mod snapshot;

@@ -41,7 +41,7 @@ pub struct GrpcDialer {
 }
 
 impl GrpcDialer {
-    async fn connect(
+    pub(crate) async fn connect(
         tls: Option<Arc<ragcluster_common::tls::Tls>>,
         address: &str,
     ) -> Result<ShardClient<tonic::transport::Channel>, String> {

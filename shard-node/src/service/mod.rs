@@ -71,6 +71,9 @@ fn info(r: &Replica) -> ShardInfoResponse {
 
 const READ_INDEX_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// Bytes per message of a shipped graph dump (under tonic's 4 MiB default).
+const GRAPH_CHUNK_BYTES: usize = 1 << 20;
+
 /// The caller's gRPC deadline ("grpc-timeout" header), if it sent one.
 fn deadline<T>(req: &Request<T>) -> Option<Duration> {
     let v = req.metadata().get("grpc-timeout")?.to_str().ok()?;
@@ -373,6 +376,28 @@ impl ShardRpc for ShardService {
             }
         }
         Ok(Response::new(RaftDone {}))
+    }
+
+    type FetchGraphDumpStream = std::pin::Pin<
+        Box<dyn futures::Stream<Item = Result<GraphDumpChunk, Status>> + Send + 'static>,
+    >;
+
+    async fn fetch_graph_dump(
+        &self,
+        req: Request<FetchGraphDumpRequest>,
+    ) -> Result<Response<Self::FetchGraphDumpStream>, Status> {
+        let r = req.into_inner();
+        let shard = self.shard(r.shard.as_ref())?;
+        let (after, max_seq) = (r.after_seq, r.max_seq);
+        let section = tokio::task::spawn_blocking(move || shard.graph_dump_after(after, max_seq))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
+        let chunks: Vec<Result<GraphDumpChunk, Status>> = section
+            .unwrap_or_default()
+            .chunks(GRAPH_CHUNK_BYTES)
+            .map(|c| Ok(GraphDumpChunk { data: c.to_vec() }))
+            .collect();
+        Ok(Response::new(Box::pin(futures::stream::iter(chunks))))
     }
 
     async fn install_snapshot(
