@@ -1,0 +1,137 @@
+use super::*;
+
+/// A unit vector determined by `seed` (shared with the `hnsw_flat` tests).
+pub(crate) fn unit(seed: u32, dim: usize) -> Vec<f32> {
+    let mut v: Vec<f32> = (0..dim)
+        .map(|i| ((seed as f32 + 1.0) * (i as f32 + 0.5)).sin())
+        .collect();
+    normalize(&mut v);
+    v
+}
+
+fn params() -> HnswParams {
+    HnswParams {
+        m: 16,
+        ef_construction: 100,
+        ef_search: 64,
+    }
+}
+
+#[test]
+fn finds_itself_and_respects_tombstones() {
+    let idx = HnswIndex::new(32, params(), 100);
+    let pts: Vec<Point> = (0..200)
+        .map(|i| Point {
+            chunk_id: format!("d{i}#0"),
+            doc_id: format!("d{i}"),
+            vector: unit(i, 32),
+            meta: vec![("parity".into(), (i % 2).to_string())],
+        })
+        .collect();
+    idx.insert(pts);
+    let SearchPlan::Hits(h) = idx.search(&unit(5, 32), 3, 64, &vec![]) else {
+        panic!()
+    };
+    assert_eq!(h[0].0, "d5#0");
+    assert!((h[0].1 - 1.0).abs() < 1e-5);
+    idx.remove(&["d5#0".to_string()]);
+    let SearchPlan::Hits(h) = idx.search(&unit(5, 32), 3, 64, &vec![]) else {
+        panic!()
+    };
+    assert!(h.iter().all(|(id, _)| id != "d5#0"));
+    assert_eq!(idx.counts(), (199, 1));
+    // Small filtered sets are answered exactly by the caller.
+    match idx.search(&unit(5, 32), 3, 64, &vec![("parity".into(), "1".into())]) {
+        SearchPlan::Exact(ids) => assert_eq!(ids.len(), 99),
+        SearchPlan::Hits(_) => panic!("expected exact plan"),
+    }
+    // Re-inserting a chunk id replaces the old point.
+    idx.insert(vec![Point {
+        chunk_id: "d7#0".into(),
+        doc_id: "d7".into(),
+        vector: unit(500, 32),
+        meta: vec![],
+    }]);
+    assert_eq!(idx.counts(), (199, 2));
+}
+
+/// The unfiltered walk drops tombstones after the fact; when they crowd out the live
+/// neighbours (all of the walk's ef results dead), the filtered walk still finds top_k.
+#[test]
+fn tombstones_crowding_the_walk_fall_back_to_the_filtered_walk() {
+    let idx = HnswIndex::new(32, params(), 300);
+    let base = unit(3, 32);
+    // 40 near-copies of one vector, then 200 unrelated points.
+    let near: Vec<Point> = (0..40)
+        .map(|i| {
+            let mut v: Vec<f32> = base
+                .iter()
+                .enumerate()
+                .map(|(j, x)| x + 0.001 * ((i * 7 + j) % 5) as f32)
+                .collect();
+            normalize(&mut v);
+            Point {
+                chunk_id: format!("n{i}#0"),
+                doc_id: format!("n{i}"),
+                vector: v,
+                meta: vec![],
+            }
+        })
+        .collect();
+    let far: Vec<Point> = (100..300)
+        .map(|i| Point {
+            chunk_id: format!("d{i}#0"),
+            doc_id: format!("d{i}"),
+            vector: unit(i, 32),
+            meta: vec![],
+        })
+        .collect();
+    idx.insert(near);
+    idx.insert(far);
+    let dead: Vec<String> = (0..40).map(|i| format!("n{i}#0")).collect();
+    idx.remove(&dead);
+    // ef 16 < 40 tombstones nearest the query: every unfiltered result is dead.
+    let SearchPlan::Hits(h) = idx.search(&base, 5, 16, &vec![]) else {
+        panic!()
+    };
+    assert_eq!(h.len(), 5, "{h:?}");
+    assert!(h.iter().all(|(id, _)| id.starts_with('d')), "{h:?}");
+}
+
+/// Pending points (caught up at open) are found before and after they enter the graph,
+/// filtered like graph points, and never twice.
+#[test]
+fn pending_points_are_searched_beside_the_graph() {
+    let idx = HnswIndex::new(32, params(), 100);
+    let point = |i: u32| Point {
+        chunk_id: format!("d{i}#0"),
+        doc_id: format!("d{i}"),
+        vector: unit(i, 32),
+        meta: vec![("parity".into(), (i % 2).to_string())],
+    };
+    idx.insert((0..100).map(point).collect());
+    idx.set_pending((100..110).map(point).collect());
+    assert_eq!(idx.counts(), (110, 0));
+    let top = |idx: &HnswIndex| match idx.search(&unit(105, 32), 3, 64, &vec![]) {
+        SearchPlan::Hits(h) => h,
+        SearchPlan::Exact(_) => panic!("expected hits"),
+    };
+    let before = top(&idx);
+    assert_eq!(before[0].0, "d105#0");
+    assert!((before[0].1 - 1.0).abs() < 1e-5);
+    match idx.search(&unit(5, 32), 3, 64, &vec![("parity".into(), "1".into())]) {
+        SearchPlan::Exact(ids) => {
+            assert_eq!(ids.len(), 55);
+            assert!(ids.contains(&"d105#0".to_string()));
+        }
+        SearchPlan::Hits(_) => panic!("expected exact plan"),
+    }
+    // Removing a pending chunk drops it before it ever reaches the graph.
+    idx.remove(&["d109#0".to_string()]);
+    assert_eq!(idx.absorb_pending(), 9);
+    assert_eq!(idx.counts(), (109, 0));
+    let after = top(&idx);
+    assert_eq!(after[0].0, "d105#0");
+    let ids: HashSet<&String> = after.iter().map(|h| &h.0).collect();
+    assert_eq!(ids.len(), after.len(), "no hit twice");
+}

@@ -1,0 +1,246 @@
+use super::*;
+use crate::testutil::*;
+use ragcluster_proto::v1::DocumentWrite;
+
+/// The crash window of the write path: the batch is in RocksDB (and the op log) but the
+/// process died before tantivy committed. Reopening must make it searchable by both indexes.
+#[test]
+fn batch_committed_only_to_rocksdb_is_replayed_on_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = ShardKey::new("c", 0);
+    let store = Arc::new(Store::open(&dir.path().join("db"), true).unwrap());
+    {
+        let shard = open(dir.path(), key.clone(), store.clone(), 1000);
+        apply(&shard, batch(vec![doc("a", "alpha apples", 1.0)])).unwrap();
+    }
+    // Simulated crash after step 1 of the write path: RocksDB only.
+    let mut b = batch(vec![doc("b", "bravo bananas", 2.0)]);
+    hnsw::normalize(&mut b.writes[0].chunks[0].embedding);
+    store.commit_batch(&key, 2, &b, None).unwrap();
+    let shard = open(dir.path(), key, store, 1000);
+    assert_eq!(shard.applied_seq(), 2);
+    assert_eq!(shard.visible_seq(), 2);
+    let hits = shard
+        .bm25_search("bananas", 5, &vec![], None, false)
+        .unwrap();
+    assert_eq!(hits.len(), 1);
+    assert_eq!(hits[0].0.doc_id, "b");
+    let v: Vec<f32> = (0..DIM).map(|i| (2.0 + i as f32).sin()).collect();
+    let hits = shard.vector_search(&v, 1, 16, &vec![], false).unwrap();
+    assert_eq!(hits[0].0.doc_id, "b");
+    assert!(
+        hits[0].0.embedding.is_empty(),
+        "search hits carry no vectors"
+    );
+}
+
+/// A follower holds its points pending (searched exactly), then loads the leader's dump
+/// and keeps pending only what changed after it; it answers like the leader throughout.
+#[test]
+fn follower_adopts_the_leaders_graph() {
+    let (ld, fd) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let key = ShardKey::new("c", 0);
+    let mut o = opts(1000);
+    o.dumping.min_changes = 5;
+    let leader = open_with(
+        ld.path(),
+        key.clone(),
+        Arc::new(Store::open(&ld.path().join("db"), false).unwrap()),
+        &o,
+    );
+    let follower = open_with(
+        fd.path(),
+        key,
+        Arc::new(Store::open(&fd.path().join("db"), false).unwrap()),
+        &o,
+    );
+    follower.set_following(true);
+    let first = batch(
+        (0..20)
+            .map(|i| doc(&format!("d{i}"), "words", i as f32))
+            .collect(),
+    );
+    let delete = DocumentWrite {
+        doc_id: "d4".into(),
+        chunks: vec![],
+        delete: true,
+    };
+    let second = batch(vec![doc("d3", "words", 30.0), delete]);
+    for b in [first, second] {
+        apply(&leader, b.clone()).unwrap();
+        apply(&follower, b).unwrap();
+    }
+    assert_eq!(follower.pending_points(), 19, "every live point pending");
+    let same = |f: &Shard| {
+        for seed in (0..20).map(|i| i as f32).chain([30.0]) {
+            assert_eq!(top(f, seed), top(&leader, seed), "seed {seed}");
+        }
+        assert_ne!(top(f, 4.0), "d4#0", "deleted");
+    };
+    same(&follower);
+    // The leader dumped after the first batch (5 changes or more), not after the second.
+    let section = leader
+        .graph_dump_after(0, follower.visible_seq())
+        .unwrap()
+        .expect("a dump newer than none");
+    assert_eq!(follower.receive_graph(&section).unwrap(), 1);
+    let until = Instant::now() + std::time::Duration::from_secs(10);
+    while follower.graph_dump_seq() != 1 && Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(follower.graph_dump_seq(), 1, "dump adopted");
+    assert_eq!(
+        follower.pending_points(),
+        1,
+        "only d3's new chunk is pending"
+    );
+    assert_eq!(follower.figures().hnsw_points, 19);
+    same(&follower);
+    assert!(leader.graph_dump_after(1, 2).unwrap().is_none());
+    // Restarted, it loads the adopted dump and catches up from its op log.
+    let store = follower.store().clone();
+    follower.flush().unwrap();
+    drop(follower);
+    let reopened = open_with(fd.path(), ShardKey::new("c", 0), store, &o);
+    settle(&reopened);
+    same(&reopened);
+}
+
+#[test]
+fn replacements_leave_tombstones_until_compaction() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(Store::open(&dir.path().join("db"), false).unwrap());
+    let shard = open(dir.path(), ShardKey::new("c", 1), store, 3);
+    apply(
+        &shard,
+        batch(
+            (0..8)
+                .map(|i| doc(&format!("d{i}"), "words", i as f32))
+                .collect(),
+        ),
+    )
+    .unwrap();
+    // Replacing d0 twice leaves two tombstones: under the compaction minimum of 3.
+    apply(&shard, batch(vec![doc("d0", "words", 10.0)])).unwrap();
+    apply(&shard, batch(vec![doc("d0", "words", 11.0)])).unwrap();
+    let f = shard.figures();
+    assert_eq!((f.hnsw_points, f.hnsw_tombstones), (8, 2));
+    // A third replacement crosses the minimum (3 of 11 >= 25 %): the graph is rebuilt.
+    apply(&shard, batch(vec![doc("d1", "words", 12.0)])).unwrap();
+    let f = shard.figures();
+    assert_eq!((f.hnsw_points, f.hnsw_tombstones), (8, 0));
+    assert_eq!(f.documents, 8);
+    assert_eq!(f.chunks, 8);
+    // Deleting and bad batches.
+    let mut del = batch(vec![DocumentWrite {
+        doc_id: "d2".into(),
+        chunks: vec![],
+        delete: true,
+    }]);
+    let applied = apply(&shard, del.clone()).unwrap();
+    assert_eq!(applied.existed, 1);
+    assert_eq!(shard.figures().documents, 7);
+    del.writes[0].doc_id = "nope".into();
+    assert_eq!(
+        apply(&shard, del).unwrap().not_found,
+        vec!["nope".to_string()]
+    );
+    let mut wrong = doc("x", "w", 1.0);
+    wrong.chunks[0].embedding.pop();
+    assert!(matches!(
+        apply(&shard, batch(vec![wrong])),
+        Err(ShardError::InvalidArgument(_))
+    ));
+    let seq = shard.applied_seq();
+    assert!(matches!(
+        apply(&shard, batch(vec![doc("y", "w", 1.0), doc("y", "w", 2.0)])),
+        Err(ShardError::InvalidArgument(_))
+    ));
+    assert_eq!(
+        shard.applied_seq(),
+        seq + 1,
+        "a rejected entry only moves the applied index"
+    );
+    assert_eq!(shard.figures().documents, 7);
+}
+
+/// A clean shutdown dumps the graph; entries written after the dump (here straight into
+/// RocksDB, as a crash before indexing leaves them) are caught up at open from the op log:
+/// replaced and deleted documents lose their old points, new ones are found.
+#[test]
+fn hnsw_dump_is_loaded_and_caught_up_from_the_op_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = ShardKey::new("c", 3);
+    let store = Arc::new(Store::open(&dir.path().join("db"), false).unwrap());
+    {
+        let shard = open(dir.path(), key.clone(), store.clone(), 1000);
+        let docs = (0..50)
+            .map(|i| doc(&format!("d{i}"), "w", i as f32))
+            .collect();
+        apply(&shard, batch(docs)).unwrap();
+        shard.flush().unwrap();
+    }
+    let dumps: Vec<_> = std::fs::read_dir(dir.path().join("hnsw"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(dumps, vec!["dump-1".to_string()]);
+    // After the dump: d0 gets a new vector, d1 is deleted, n0 is new.
+    let mut b = batch(vec![
+        doc("d0", "w", 100.0),
+        DocumentWrite {
+            doc_id: "d1".into(),
+            chunks: vec![],
+            delete: true,
+        },
+        doc("n0", "w", 200.0),
+    ]);
+    for w in &mut b.writes {
+        for c in &mut w.chunks {
+            hnsw::normalize(&mut c.embedding);
+        }
+    }
+    store.commit_batch(&key, 2, &b, None).unwrap();
+    let shard = open(dir.path(), key.clone(), store.clone(), 1000);
+    let f = shard.figures();
+    // Loaded, not rebuilt: the caught-up documents left tombstones (a rebuild leaves none).
+    assert_eq!((f.hnsw_points, f.hnsw_tombstones), (50, 2));
+    assert_eq!(top(&shard, 100.0), "d0#0");
+    assert_eq!(top(&shard, 200.0), "n0#0");
+    assert_ne!(top(&shard, 1.0), "d1#0");
+    assert_eq!(top(&shard, 7.0), "d7#0");
+    shard.flush().unwrap();
+    drop(shard);
+    // The dump holds no second copy of the live vectors (RocksDB has them).
+    assert!(!dir.path().join("hnsw/dump-2/graph.hnsw.data").exists());
+    // A damaged dump is refused and the graph rebuilt: same answers, no tombstones.
+    let data = dir.path().join("hnsw/dump-2/graph.hnsw.graph");
+    let mut bytes = std::fs::read(&data).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(&data, bytes).unwrap();
+    let shard = open(dir.path(), key, store, 1000);
+    let f = shard.figures();
+    assert_eq!((f.hnsw_points, f.hnsw_tombstones), (50, 0));
+    assert_eq!(top(&shard, 100.0), "d0#0");
+    assert_eq!(top(&shard, 7.0), "d7#0");
+}
+
+/// Retried request ids are applied once, and their first outcome is returned.
+#[test]
+fn request_ids_apply_at_most_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(Store::open(&dir.path().join("db"), false).unwrap());
+    let shard = open(dir.path(), ShardKey::new("c", 2), store, 1000);
+    let mut first = batch(vec![doc("a", "one", 1.0)]);
+    first.request_id = "req-1".into();
+    let r1 = apply(&shard, first.clone()).unwrap();
+    assert!(!r1.duplicate);
+    // A newer write of the same document, then a late retry of the first request.
+    apply(&shard, batch(vec![doc("a", "two", 2.0)])).unwrap();
+    let r2 = apply(&shard, first).unwrap();
+    assert!(r2.duplicate);
+    assert_eq!(r2.applied_seq, r1.applied_seq);
+    let hits = shard.bm25_search("two", 5, &vec![], None, false).unwrap();
+    assert_eq!(hits.len(), 1, "the retry did not overwrite the newer write");
+}
