@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-tokenize
+.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-tokenize bench-ingest
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -85,6 +85,10 @@ bench-embed: build ## MiniLM sentences/s vs sentence-transformers at batch 1/8/3
 
 bench-tokenize: build ## Embed calls of 16 MB: their latency, and health checks / small calls beside them
 	$(BIN)/tokenbench
+
+bench-ingest: build ## ragctl ingest of SciFact end to end: with the model, then with the model excluded (embedding cache)
+	mkdir -p bench-out
+	$(BIN)/ingestbench --out bench-out/ingest.json
 
 bench-ask: build  ## Ask latency per operator (p50/p99) for every example flow; engine overhead
 	mkdir -p bench-out

@@ -45,10 +45,14 @@ pub struct CoordinatorConfig {
     /// Deadline for one embedding call.
     #[serde(with = "humantime_serde")]
     pub embed_timeout: Duration,
-    /// Texts per Embed call during ingest.
+    /// Texts per Embed call during ingest (1..=256); 0: the model's advertised `max_batch`
+    /// (one forward pass of the worker per call).
     pub embed_batch: usize,
     /// Embed calls in flight per ingest request.
     pub embed_concurrency: usize,
+    /// Bytes of embeddings kept for reuse, keyed by model revision and exact text: texts
+    /// embedded before (re-ingested documents, repeated queries) skip the model. 0: off.
+    pub embed_cache_bytes: usize,
     pub port_file: Option<PathBuf>,
     /// This coordinator's Raft id in the catalog group (unique among `peers`). 0 takes it
     /// from the host name's StatefulSet ordinal (`NAME-N` -> N + 1), so that the pods of one
@@ -146,8 +150,9 @@ impl Default for CoordinatorConfig {
             write_timeout: Duration::from_secs(8),
             shutdown_timeout: Duration::from_secs(10),
             embed_timeout: Duration::from_secs(120),
-            embed_batch: 32,
+            embed_batch: 0,
             embed_concurrency: 2,
+            embed_cache_bytes: 64 * 1024 * 1024,
             port_file: None,
             node_id: 1,
             peers: Vec::new(),
@@ -176,8 +181,10 @@ impl CoordinatorConfig {
                 ));
             }
         }
-        if self.embed_batch == 0 || self.embed_batch > 256 {
-            return Err("coordinator.embed_batch must be in [1, 256]".into());
+        if self.embed_batch > 256 {
+            return Err(
+                "coordinator.embed_batch must be in [0, 256] (0: the model's max_batch)".into(),
+            );
         }
         if self.embed_concurrency == 0 {
             return Err("coordinator.embed_concurrency must be positive".into());

@@ -97,11 +97,6 @@ pub fn all() -> Vec<Family> {
             Counter,
             "member table state changes made by this coordinator, by new state",
         ),
-        (
-            "coordinator_model_worker_failovers_total",
-            Counter,
-            "model calls moved to another worker after one failed",
-        ),
         ("catalog_term", Gauge, "catalog Raft term"),
         ("catalog_commit_index", Gauge, "catalog Raft commit index"),
         ("catalog_applied_index", Gauge, "catalog Raft applied index"),
@@ -116,10 +111,38 @@ pub fn all() -> Vec<Family> {
             "catalog proposal to apply",
         ),
     ]));
+    f.extend(model_calls());
     f.extend(
         ragcluster_raft::counter_families("catalog")
             .into_iter()
             .map(|(n, h)| Family::new(n, Kind::Counter, h)),
     );
     f
+}
+
+/// The model worker as the coordinator calls it: failovers and the embedding cache.
+fn model_calls() -> Vec<Family> {
+    use Kind::*;
+    families::table(&[
+        (
+            "coordinator_model_worker_failovers_total",
+            Counter,
+            "model calls moved to another worker after one failed",
+        ),
+        (
+            "coordinator_embed_cache_hits_total",
+            Counter,
+            "texts whose embedding came from the embedding cache",
+        ),
+        (
+            "coordinator_embed_cache_misses_total",
+            Counter,
+            "texts looked up in the embedding cache and embedded by a model worker",
+        ),
+        (
+            "coordinator_embed_cache_bytes",
+            Gauge,
+            "bytes held by the embedding cache",
+        ),
+    ])
 }

@@ -3,7 +3,7 @@
 //! - `catalog`: collections, placement and API keys, replicated among the coordinators as a
 //!   group of the shared Raft core.
 //! - `shards`: the one client of shard nodes (routing, retries and failover, typed errors).
-//! - `models`: the model worker client.
+//! - `models`: the model worker client; `embed_cache`: embeddings already computed.
 //! - Components, each owning its work: `collections` (lifecycle), `ingest` (chunk, embed,
 //!   write), `search` (distributed BM25/dense/hybrid with the seeds' `fusion` formulas),
 //!   `flow` (Ask and the RAG flow engine), `rebalance` (replica moves and plans).
@@ -20,6 +20,7 @@ pub mod channels;
 pub mod chunking;
 pub mod collections;
 pub mod config;
+pub mod embed_cache;
 pub mod error;
 pub mod families;
 pub mod flow;

@@ -17,17 +17,77 @@ use ragcluster_proto::v1::*;
 use tonic::transport::Channel;
 
 use crate::channels::{Channels, MAX_MESSAGE, call, request};
+use crate::embed_cache::{EmbedCache, Key};
 use crate::error::{CoordError, Result};
 
 /// How ingest and queries embed.
 #[derive(Debug, Clone)]
 pub struct EmbedOptions {
-    /// Texts per Embed call.
+    /// Texts per Embed call; 0: the model's advertised `max_batch` (one forward pass per
+    /// call), `FALLBACK_BATCH` until the workers' models are known.
     pub batch: usize,
     /// Embed calls in flight per request.
     pub concurrency: usize,
     /// Deadline of one Embed call.
     pub timeout: Duration,
+    /// Bytes of the embedding cache (`embed_cache`); 0: off.
+    pub cache_bytes: usize,
+}
+
+/// Texts per Embed call under `batch = 0` while no worker has told its limits.
+const FALLBACK_BATCH: usize = 32;
+/// Texts per Embed call at most (the worker's `MAX_TEXTS`).
+const MAX_EMBED_TEXTS: usize = 256;
+/// How often the workers' models (revisions, batch limits) are listed again.
+const META_EVERY: Duration = Duration::from_secs(10);
+/// Deadline of one such listing.
+const META_TIMEOUT: Duration = Duration::from_secs(2);
+/// Least time between listings made because a model was not known.
+const META_RETRY: Duration = Duration::from_secs(1);
+/// Texts of one call hashed beyond this many bytes are hashed off the async workers.
+const HASH_INLINE_BYTES: usize = 256 * 1024;
+
+/// What the coordinator knows of a model from the workers serving it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ModelMeta {
+    /// The revision every answering worker reported; None when they differ (a model being
+    /// replaced) or report none: its vectors are then not cached.
+    pub revision: Option<String>,
+    /// The smallest advertised `max_batch` among them (0: none advertised).
+    pub max_batch: usize,
+}
+
+/// Joins the model lists of several workers: per model, one revision if all agree.
+pub fn merge_meta<'a>(
+    lists: impl IntoIterator<Item = &'a [ModelInfo]>,
+) -> HashMap<String, ModelMeta> {
+    let mut out: HashMap<String, (Option<Option<String>>, usize)> = HashMap::new();
+    for list in lists {
+        for m in list {
+            let e = out.entry(m.name.clone()).or_insert((None, 0));
+            let rev = (!m.revision.is_empty()).then(|| m.revision.clone());
+            e.0 = match e.0.take() {
+                None => Some(rev),
+                Some(r) if r == rev => Some(r),
+                Some(_) => Some(None),
+            };
+            let b = m.max_batch as usize;
+            if b > 0 && (e.1 == 0 || b < e.1) {
+                e.1 = b;
+            }
+        }
+    }
+    out.into_iter()
+        .map(|(name, (rev, max_batch))| {
+            (
+                name,
+                ModelMeta {
+                    revision: rev.flatten(),
+                    max_batch,
+                },
+            )
+        })
+        .collect()
 }
 
 /// A registered model worker (from the member table).
@@ -50,6 +110,14 @@ pub struct Models {
     /// Estimated tokens in flight per worker address.
     outstanding: Mutex<HashMap<String, Arc<AtomicU64>>>,
     down_until: Mutex<HashMap<String, Instant>>,
+    /// Per model name, from the workers' ListModels (refreshed by `spawn_meta_refresh`).
+    meta: RwLock<HashMap<String, ModelMeta>>,
+    /// Wakes the refresher early (the worker set changed).
+    meta_due: tokio::sync::Notify,
+    /// When the models were last listed (an unknown model lists them again, at most once
+    /// per `META_RETRY`).
+    meta_at: Mutex<Option<Instant>>,
+    cache: Option<EmbedCache>,
 }
 
 /// Counts a call's tokens as outstanding on its worker until dropped.
@@ -66,6 +134,28 @@ fn tokens(texts: &[&str]) -> u64 {
     texts.iter().map(|t| t.len() as u64 / 4 + 1).sum()
 }
 
+/// The cache keys of `texts`; many bytes are hashed off the async workers.
+async fn keys_of(
+    model: &str,
+    revision: &str,
+    texts: Vec<String>,
+) -> Result<(Vec<String>, Vec<Key>)> {
+    let hash = |model: &str, revision: &str, texts: Vec<String>| {
+        let keys = texts
+            .iter()
+            .map(|t| EmbedCache::key(model, revision, t))
+            .collect();
+        (texts, keys)
+    };
+    if texts.iter().map(String::len).sum::<usize>() <= HASH_INLINE_BYTES {
+        return Ok(hash(model, revision, texts));
+    }
+    let (model, revision) = (model.to_owned(), revision.to_owned());
+    tokio::task::spawn_blocking(move || hash(&model, &revision, texts))
+        .await
+        .map_err(|e| CoordError::Catalog(format!("hashing texts: {e}")))
+}
+
 /// Whether another worker may succeed where this one failed: it could not be reached or is
 /// going away, not a wrong request.
 fn worth_another(e: &CoordError) -> bool {
@@ -77,16 +167,66 @@ impl Models {
         Self {
             seed,
             channels,
+            cache: EmbedCache::new(embed.cache_bytes),
             embed,
             workers: RwLock::new(Vec::new()),
             outstanding: Mutex::default(),
             down_until: Mutex::default(),
+            meta: RwLock::default(),
+            meta_due: tokio::sync::Notify::new(),
+            meta_at: Mutex::new(None),
         }
     }
 
     /// Replaces the registered workers (the member table changed).
     pub fn set_workers(&self, workers: Vec<Worker>) {
-        *self.workers.write() = workers;
+        let changed = {
+            let mut w = self.workers.write();
+            let changed = w
+                .iter()
+                .map(|w| (&w.address, &w.models))
+                .ne(workers.iter().map(|w| (&w.address, &w.models)));
+            *w = workers;
+            changed
+        };
+        if changed {
+            self.meta_due.notify_one();
+        }
+    }
+
+    /// What is known of `model` from the workers (None before they first answered).
+    pub fn meta(&self, model: &str) -> Option<ModelMeta> {
+        self.meta.read().get(model).cloned()
+    }
+
+    /// The embedding cache's entries and bytes (None when off).
+    pub fn cache_usage(&self) -> Option<(usize, usize)> {
+        self.cache.as_ref().map(EmbedCache::usage)
+    }
+
+    /// Lists the workers' models now. A worker that does not answer keeps nothing of its
+    /// models: a model only it serves is dropped until it answers (no revision, no caching).
+    pub async fn refresh_meta(&self) {
+        *self.meta_at.lock() = Some(Instant::now());
+        let answers = self.list_each(META_TIMEOUT).await;
+        let lists: Vec<Vec<ModelInfo>> = answers.into_iter().filter_map(|(_, r)| r.ok()).collect();
+        let merged = merge_meta(lists.iter().map(Vec::as_slice));
+        *self.meta.write() = merged;
+    }
+
+    /// Keeps `meta` current: every `META_EVERY`, and at once when the worker set changes.
+    /// Runs until the runtime stops.
+    pub fn spawn_meta_refresh(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                me.refresh_meta().await;
+                tokio::select! {
+                    _ = tokio::time::sleep(META_EVERY) => {}
+                    _ = me.meta_due.notified() => {}
+                }
+            }
+        })
     }
 
     /// Every worker calls may go to: the registered ones, and the configured address unless
@@ -197,24 +337,33 @@ impl Models {
         }
     }
 
+    /// Each worker's models, or why it did not answer.
+    async fn list_each(&self, timeout: Duration) -> Vec<(String, Result<Vec<ModelInfo>>)> {
+        let addrs = self.addresses();
+        let calls = addrs.into_iter().map(|a| async move {
+            let r = async {
+                let mut c = self.client(&a)?;
+                call(
+                    "model worker",
+                    timeout,
+                    c.list_models(request(ListModelsRequest {}, timeout)),
+                )
+                .await
+            }
+            .await;
+            (a, r.map(|r| r.models))
+        });
+        futures::future::join_all(calls).await
+    }
+
     /// Every model the workers serve (the first answer per name).
     pub async fn list(&self, timeout: Duration) -> Result<Vec<ModelInfo>> {
-        let addrs = self.addresses();
-        let calls = addrs.iter().map(|a| async move {
-            let mut c = self.client(a)?;
-            call(
-                "model worker",
-                timeout,
-                c.list_models(request(ListModelsRequest {}, timeout)),
-            )
-            .await
-        });
         let mut out: Vec<ModelInfo> = Vec::new();
         let mut last = None;
-        for r in futures::future::join_all(calls).await {
+        for (_, r) in self.list_each(timeout).await {
             match r {
-                Ok(r) => {
-                    for m in r.models {
+                Ok(models) => {
+                    for m in models {
                         if !out.iter().any(|o| o.name == m.name) {
                             out.push(m);
                         }
@@ -229,15 +378,83 @@ impl Models {
         }
     }
 
-    /// Embeds texts with `model`, `batch` at a time with `concurrency` calls in flight.
+    /// Texts per Embed call for `model` (see `EmbedOptions::batch`).
+    fn batch_for(&self, meta: Option<&ModelMeta>) -> usize {
+        match (self.embed.batch, meta) {
+            (0, Some(m)) if m.max_batch > 0 => m.max_batch.min(MAX_EMBED_TEXTS),
+            (0, _) => FALLBACK_BATCH,
+            (b, _) => b,
+        }
+    }
+
+    /// Embeds texts with `model`: cached vectors where the cache has them (each distinct text
+    /// of the rest embedded once), the rest through the workers, `batch` texts per call with
+    /// `concurrency` calls in flight.
     pub async fn embed(&self, model: &str, texts: Vec<String>) -> Result<Vec<Vec<f32>>> {
+        let mut meta = self.meta(model);
+        // A model not listed yet (just started, a worker just joined): list now, not in 10 s.
+        let retry = self
+            .meta_at
+            .lock()
+            .is_none_or(|t| t.elapsed() >= META_RETRY);
+        if meta.is_none() && retry {
+            self.refresh_meta().await;
+            meta = self.meta(model);
+        }
+        let batch = self.batch_for(meta.as_ref());
+        let (Some(_), Some(revision)) = (&self.cache, meta.and_then(|m| m.revision)) else {
+            return Ok(self.embed_calls(model, texts, batch).await?.0);
+        };
+        let (texts, keys) = keys_of(model, &revision, texts).await?;
+        let cache = self.cache.as_ref().expect("checked above");
+        let mut out: Vec<Option<Arc<[f32]>>> = cache.get_many(&keys);
+        // The misses, each distinct text once, and where each answer goes.
+        let mut todo: Vec<String> = Vec::new();
+        let mut todo_keys: Vec<Key> = Vec::new();
+        let mut slot_of: HashMap<Key, usize> = HashMap::new();
+        let mut wanted: Vec<(usize, usize)> = Vec::new();
+        for (i, (text, key)) in texts.into_iter().zip(&keys).enumerate() {
+            if out[i].is_some() {
+                continue;
+            }
+            let slot = *slot_of.entry(*key).or_insert_with(|| {
+                todo.push(text);
+                todo_keys.push(*key);
+                todo.len() - 1
+            });
+            wanted.push((i, slot));
+        }
+        if !todo.is_empty() {
+            let (vectors, revisions) = self.embed_calls(model, todo, batch).await?;
+            let vectors: Vec<Arc<[f32]>> = vectors.into_iter().map(Arc::from).collect();
+            // Only vectors of the revision keyed by are kept (a worker replaced meanwhile
+            // answers with another).
+            if revisions.iter().all(|r| *r == revision) {
+                cache.put_many(todo_keys.into_iter().zip(vectors.iter().cloned()));
+            }
+            for (i, slot) in wanted {
+                out[i] = Some(vectors[slot].clone());
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|v| v.map(|v| v.to_vec()).unwrap_or_default())
+            .collect())
+    }
+
+    /// Embeds through the workers, `batch` texts per call with `concurrency` calls in flight;
+    /// also returns the revision each call reported.
+    async fn embed_calls(
+        &self,
+        model: &str,
+        texts: Vec<String>,
+        batch: usize,
+    ) -> Result<(Vec<Vec<f32>>, Vec<String>)> {
         let n = texts.len();
-        let batches: Vec<Vec<String>> = texts
-            .chunks(self.embed.batch.max(1))
-            .map(<[String]>::to_vec)
-            .collect();
+        let batches: Vec<Vec<String>> =
+            texts.chunks(batch.max(1)).map(<[String]>::to_vec).collect();
         let timeout = self.embed.timeout;
-        let out: Vec<Vec<Vec<f32>>> = stream::iter(batches)
+        let out: Vec<(Vec<Vec<f32>>, String)> = stream::iter(batches)
             .map(|b| async move {
                 let refs: Vec<&str> = b.iter().map(String::as_str).collect();
                 let (r, _) = self
@@ -252,12 +469,14 @@ impl Models {
                         async move { call("model worker", timeout, c.embed(req)).await }
                     })
                     .await?;
-                Ok::<_, CoordError>(r.embeddings.into_iter().map(|e| e.values).collect())
+                let vectors = r.embeddings.into_iter().map(|e| e.values).collect();
+                Ok::<_, CoordError>((vectors, r.revision))
             })
             .buffered(self.embed.concurrency.max(1))
             .try_collect()
             .await?;
-        let out: Vec<Vec<f32>> = out.into_iter().flatten().collect();
+        let (vectors, revisions): (Vec<Vec<Vec<f32>>>, Vec<String>) = out.into_iter().unzip();
+        let out: Vec<Vec<f32>> = vectors.into_iter().flatten().collect();
         if out.len() != n {
             return Err(CoordError::Unavailable {
                 what: "model worker".into(),
@@ -265,7 +484,7 @@ impl Models {
                 retry_after_ms: 100,
             });
         }
-        Ok(out)
+        Ok((out, revisions))
     }
 
     /// One score per passage, in the given order.
@@ -328,5 +547,46 @@ impl Generation {
     /// The next message of the stream; `None` at its end.
     pub async fn next(&mut self) -> Option<std::result::Result<GenerateResponse, tonic::Status>> {
         self.stream.next().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(name: &str, revision: &str, max_batch: u32) -> ModelInfo {
+        ModelInfo {
+            name: name.into(),
+            kind: "embed".into(),
+            revision: revision.into(),
+            max_batch,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_model_is_cached_only_while_its_workers_agree_on_its_revision() {
+        let a = vec![info("mini", "r1", 64), info("gen", "", 0)];
+        let b = vec![info("mini", "r1", 256)];
+        let m = merge_meta([a.as_slice(), b.as_slice()]);
+        assert_eq!(
+            m["mini"],
+            ModelMeta {
+                revision: Some("r1".into()),
+                max_batch: 64
+            },
+            "one revision; calls sized for the smallest batch"
+        );
+        assert_eq!(m["gen"].revision, None, "no revision reported");
+        // A worker with other weights under the same name (a model being replaced).
+        let c = vec![info("mini", "r2", 64)];
+        let m = merge_meta([a.as_slice(), c.as_slice(), b.as_slice()]);
+        assert_eq!(m["mini"].revision, None);
+        // One that reports none.
+        let d = vec![info("mini", "", 64)];
+        assert_eq!(
+            merge_meta([a.as_slice(), d.as_slice()])["mini"].revision,
+            None
+        );
     }
 }

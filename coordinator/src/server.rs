@@ -117,6 +117,7 @@ fn services(
         batch: cfg.embed_batch,
         concurrency: cfg.embed_concurrency,
         timeout: cfg.embed_timeout,
+        cache_bytes: cfg.embed_cache_bytes,
     };
     let limits = &cfg.limits;
     let h = Arc::new(Handles {
@@ -133,6 +134,8 @@ fn services(
             limits.max_concurrent_requests_per_key,
         )?),
     });
+    // Revisions (the embedding cache's keys) and batch limits of the workers' models.
+    h.models.spawn_meta_refresh();
     let membership = Membership::new(
         catalog.clone(),
         h.shards.clone(),

@@ -40,6 +40,8 @@ pub struct EncoderModel {
     tokenizer: Arc<Tokenizer>,
     pub dim: usize,
     pub max_len: usize,
+    /// `ModelInfo.revision`.
+    pub revision: String,
 }
 
 /// A local GGUF generator on its configured device. Under `device = "auto"` a GPU decoder
@@ -106,6 +108,7 @@ impl EncoderModel {
             tokenizer: Arc::new(enc.tokenizer()),
             dim: enc.dimension(),
             max_len: enc.max_sequence_length(),
+            revision: enc.revision().to_owned(),
             batcher: Batcher::start(spec.name.clone(), Box::new(enc), batch.clone()),
         };
         Ok((m, batch))
@@ -133,6 +136,7 @@ pub struct Embedded {
     pub vectors: Vec<Vec<f32>>,
     pub tokens: usize,
     pub truncated: Vec<u32>,
+    pub revision: String,
 }
 
 /// Output of `Registry::rerank`.
@@ -200,6 +204,7 @@ impl Registry {
                     info.max_sequence_length = m.max_len as u32;
                     info.max_batch = b.max_batch as u32;
                     info.max_batch_tokens = b.max_batch_tokens as u32;
+                    info.revision = m.revision.clone();
                     if r.default_embed.is_empty() {
                         r.default_embed = spec.name.clone();
                     }
@@ -232,6 +237,7 @@ impl Registry {
                             info.max_sequence_length = m.max_len as u32;
                             info.max_batch = b.max_batch as u32;
                             info.max_batch_tokens = b.max_batch_tokens as u32;
+                            info.revision = m.revision.clone();
                             if cross {
                                 Reranker::CrossEncoder(m)
                             } else {
@@ -313,6 +319,7 @@ impl Registry {
             vectors,
             tokens,
             truncated,
+            revision: m.revision.clone(),
         })
     }
 

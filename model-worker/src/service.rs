@@ -39,6 +39,7 @@ impl ModelWorker for ModelWorkerService {
                 .collect(),
             tokens: out.tokens as u32,
             truncated: out.truncated,
+            revision: out.revision,
         }))
     }
 

@@ -78,6 +78,10 @@ enum Cmd {
         /// Shards of a collection ingest creates (default: the coordinator's).
         #[arg(long)]
         shards: Option<u32>,
+        /// Print the summary as one JSON object (documents, chunks, seconds, chunks/s, the
+        /// summed stage times) instead of a sentence, and no progress bar.
+        #[arg(long)]
+        json: bool,
     },
     /// Search a collection and print a table.
     Search {
@@ -372,6 +376,7 @@ async fn main() -> Result<()> {
             concurrency,
             chunking,
             shards,
+            json,
         } => {
             let args = ingest::IngestArgs {
                 paths,
@@ -380,6 +385,7 @@ async fn main() -> Result<()> {
                 concurrency: *concurrency,
                 chunking: *chunking,
                 shards: *shards,
+                json: *json,
             };
             ingest::ingest(CoordinatorClient::new(channel(&cli).await?), args).await
         }

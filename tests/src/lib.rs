@@ -11,6 +11,7 @@ pub mod inproc;
 pub mod llama;
 pub mod load;
 pub mod metrics;
+pub mod pipeline;
 pub mod scale;
 pub mod workerload;
 

@@ -7,9 +7,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use ragcluster_proto::v1::*;
-use ragcluster_tests::{Cluster, http_get, workspace};
+use ragcluster_tests::{Cluster, http_get, metric_sum, workspace};
 use tokio::sync::Mutex;
 use tonic::Code;
 
@@ -101,6 +101,7 @@ async fn cluster_end_to_end() -> Result<()> {
         up.chunks > n_docs,
         "markdown sections should give several chunks per document"
     );
+    embedding_cache(&cluster, &mut c, docs.clone(), up.chunks).await?;
 
     // All three modes find the obvious document; hybrid explains both retrievers.
     for mode in [SearchMode::Bm25, SearchMode::Dense, SearchMode::Hybrid] {
@@ -243,6 +244,82 @@ async fn cluster_end_to_end() -> Result<()> {
     );
 
     kill_during_writes(&mut cluster).await
+}
+
+/// The same documents ingested into a second collection take their vectors from the
+/// coordinator's embedding cache (keyed by the model revision the worker reports), and those
+/// are the vectors the worker computed: dense search scores both collections alike.
+async fn embedding_cache(
+    cluster: &Cluster,
+    c: &mut ragcluster_proto::v1::coordinator_client::CoordinatorClient<tonic::transport::Channel>,
+    docs: Vec<Document>,
+    chunks: u32,
+) -> Result<()> {
+    let mut mw =
+        model_worker_client::ModelWorkerClient::connect(cluster.model_worker.grpc.clone()).await?;
+    let models = mw
+        .list_models(ListModelsRequest {})
+        .await?
+        .into_inner()
+        .models;
+    let mini = models
+        .iter()
+        .find(|m| m.kind == "embed")
+        .context("an embed model")?;
+    ensure!(
+        mini.revision.len() == 32 && mini.max_batch > 0,
+        "revision {:?}, max_batch {}",
+        mini.revision,
+        mini.max_batch
+    );
+    let hits = || async {
+        let page = http_get(&cluster.coordinator.metrics).await?;
+        anyhow::Ok(metric_sum(&page, "coordinator_embed_cache_hits_total"))
+    };
+    let before = hits().await?;
+    c.create_collection(CreateCollectionRequest {
+        name: "e2e-copy".into(),
+        shard_count: 1,
+        chunking: Some(ChunkingConfig {
+            strategy: ChunkingStrategy::Markdown as i32,
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+    .await?;
+    let up = c
+        .upsert_documents(UpsertDocumentsRequest {
+            collection: "e2e-copy".into(),
+            documents: docs,
+        })
+        .await?
+        .into_inner();
+    assert_eq!(up.chunks, chunks);
+    let hit = hits().await? - before;
+    ensure!(
+        hit >= f64::from(chunks),
+        "{hit} cache hits for {chunks} chunks embedded before"
+    );
+    for q in [
+        "sourdough starter flour and water",
+        "how is a leader elected",
+    ] {
+        let a = c
+            .search(search("e2e", q, SearchMode::Dense))
+            .await?
+            .into_inner();
+        let b = c
+            .search(search("e2e-copy", q, SearchMode::Dense))
+            .await?
+            .into_inner();
+        let top = |r: &SearchResponse| (r.hits[0].chunk_id.clone(), r.hits[0].score);
+        assert_eq!(top(&a), top(&b), "{q}");
+    }
+    c.drop_collection(DropCollectionRequest {
+        name: "e2e-copy".into(),
+    })
+    .await?;
+    Ok(())
 }
 
 /// Every process answers grpc.health.v1 and serves Prometheus metrics per RPC.

@@ -49,6 +49,8 @@ pub struct BertEncoder {
     device: Device,
     dim: usize,
     max_len: usize,
+    /// `ModelInfo.revision`: what this encoder computes, for caches of its vectors.
+    revision: String,
 }
 
 /// Which head to load.
@@ -57,6 +59,21 @@ pub enum HeadKind {
     MeanPool,
     Tokens,
     Classifier,
+}
+
+/// A hex SHA-256 prefix (128 bits) over the loaded files and the settings that shape the
+/// output; each part's length goes in first so no two inputs run together.
+fn revision(files: &[&[u8]], settings: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for part in files.iter().copied().chain([settings.as_bytes()]) {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    h.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// True when `dir/config.json` declares a sequence-classification architecture.
@@ -139,6 +156,11 @@ impl BertEncoder {
         let device = Device::Cpu;
         // Read into memory (no unsafe mmap); candle parses and validates the file.
         let bytes = std::fs::read(&weights).map_err(|e| fail(&weights, e.to_string()))?;
+        let tok_bytes = std::fs::read(&tok_path).map_err(|e| fail(&tok_path, e.to_string()))?;
+        let revision = revision(
+            &[cfg_text.as_bytes(), &tok_bytes, &bytes],
+            &format!("{max_len}/{kind:?}"),
+        );
         let vb = VarBuilder::from_buffered_safetensors(bytes, DType::F32, &device)
             .map_err(|e| fail(&weights, e.to_string()))?;
         let cpu =
@@ -185,7 +207,13 @@ impl BertEncoder {
             device,
             dim: config.hidden_size,
             max_len,
+            revision,
         })
+    }
+
+    /// What this encoder computes (`ModelInfo.revision`): equal revisions, equal vectors.
+    pub fn revision(&self) -> &str {
+        &self.revision
     }
 
     pub fn tokenizer(&self) -> Tokenizer {

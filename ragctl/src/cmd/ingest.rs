@@ -323,6 +323,8 @@ pub struct IngestArgs<'a> {
     pub concurrency: usize,
     pub chunking: Option<Chunker>,
     pub shards: Option<u32>,
+    /// The summary as one JSON object, no progress bar.
+    pub json: bool,
 }
 
 pub async fn ingest(c: CoordinatorClient<KeyedChannel>, a: IngestArgs<'_>) -> Result<()> {
@@ -359,19 +361,25 @@ pub async fn ingest(c: CoordinatorClient<KeyedChannel>, a: IngestArgs<'_>) -> Re
             })
             .await?
             .into_inner();
-        println!(
-            "created collection {} ({} chunking, {} shards)",
-            a.collection,
-            chunker.name(),
-            info.collection.map_or(0, |c| c.shard_count)
-        );
+        if !a.json {
+            println!(
+                "created collection {} ({} chunking, {} shards)",
+                a.collection,
+                chunker.name(),
+                info.collection.map_or(0, |c| c.shard_count)
+            );
+        }
     } else if a.chunking.is_some() || a.shards.is_some() {
         eprintln!(
             "note: {} exists; --chunking and --shards apply only to a collection ingest creates",
             a.collection
         );
     }
-    let bar = ProgressBar::new(total);
+    let bar = if a.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(total)
+    };
     bar.set_style(ProgressStyle::with_template(
         "{bar:30} {pos}/{len} docs {msg} [{elapsed}]",
     )?);
@@ -380,6 +388,25 @@ pub async fn ingest(c: CoordinatorClient<KeyedChannel>, a: IngestArgs<'_>) -> Re
     let t = upload(&client, a.collection, docs, a.batch, a.concurrency, &bar).await?;
     bar.finish();
     let secs = started.elapsed().as_secs_f64();
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "collection": a.collection,
+                "documents": t.documents,
+                "chunks": t.chunks,
+                "seconds": secs,
+                "chunks_per_s": t.chunks as f64 / secs.max(1e-3),
+                "calls_in_flight": a.concurrency.max(1),
+                "chunk_s": t.chunk.as_secs_f64(),
+                "embed_s": t.embed.as_secs_f64(),
+                "write_s": t.write.as_secs_f64(),
+                "retries": t.retries,
+                "skipped_without_text": empty,
+            })
+        );
+        return Ok(());
+    }
     println!(
         "ingested {} documents as {} chunks into {} in {secs:.1} s ({:.0} chunks/s, {:.0} \
          documents/s); time in calls: {} (chunk {:.1} s, embed {:.1} s, write {:.1} s summed \

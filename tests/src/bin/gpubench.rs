@@ -12,7 +12,10 @@
 //! - `python` (with `--python`): sentence-transformers fp32 and fp16 on the same GPU and
 //!   texts, and transformers `generate` on the same GGUF (needs the `gguf` wheel);
 //! - `cluster` (with `--cluster`): wall time of `ragctl eval retrieval --ingest` on SciFact
-//!   against a local 3-shard cluster.
+//!   against a local 3-shard cluster;
+//! - `ingest_pipeline` (with `--cluster`): `ragctl ingest` of SciFact into a fresh 3-shard
+//!   cluster, chunks/s with the model and with it excluded (embedding cache), the worker's
+//!   device-busy share and `nvidia-smi` utilisation samples (`ragcluster_tests::pipeline`).
 //!
 //! Without a usable GPU every section still runs on the CPU (and says so in `machine`), so
 //! the binary is exercised on any machine; the GPU targets only mean something on one.
@@ -309,6 +312,19 @@ async fn main() -> Result<()> {
     }
     if a.cluster {
         out["cluster"] = cluster_eval()?;
+        let cluster = Cluster::start(3)?;
+        let dataset = datasets_dir().join("scifact");
+        out["ingest_pipeline"] = ragcluster_tests::pipeline::ingest_twice(
+            &cluster,
+            &ragcluster_tests::pipeline::PipelineOptions {
+                dataset: &dataset,
+                docs: 0,
+                shards: 3,
+                batch: 32,
+                concurrency: 8,
+            },
+        )
+        .await?;
     }
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())

@@ -1,0 +1,62 @@
+//! `ingestbench`: the ingest pipeline end to end (`ragctl ingest` of SciFact into a local
+//! cluster of `--shard-nodes` shard nodes, a coordinator and a model worker on `device =
+//! "auto"`), with the model and then with the model excluded (every vector from the
+//! coordinator's embedding cache, `ragcluster_tests::pipeline`). Prints one JSON object.
+//!
+//! `cargo run --release -p ragcluster-tests --bin ingestbench -- --docs 0` (= `make bench-ingest`)
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Parser;
+use ragcluster_tests::pipeline::{PipelineOptions, ingest_twice};
+use ragcluster_tests::{Cluster, datasets_dir};
+
+#[derive(Parser)]
+struct Args {
+    /// BEIR dataset directory (default: the shared SciFact).
+    #[arg(long)]
+    dataset: Option<PathBuf>,
+    /// Only the first N documents (0: all).
+    #[arg(long, default_value_t = 0)]
+    docs: usize,
+    #[arg(long, default_value_t = 3)]
+    shard_nodes: usize,
+    /// Shards of the collections.
+    #[arg(long, default_value_t = 3)]
+    shards: u32,
+    /// `ragctl ingest --batch` (documents per upsert) and `--concurrency` (upserts in flight).
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let a = Args::parse();
+    let dataset = a
+        .dataset
+        .clone()
+        .unwrap_or_else(|| datasets_dir().join("scifact"));
+    let cluster = Cluster::start(a.shard_nodes)?;
+    let report = ingest_twice(
+        &cluster,
+        &PipelineOptions {
+            dataset: &dataset,
+            docs: a.docs,
+            shards: a.shards,
+            batch: a.batch,
+            concurrency: a.concurrency,
+        },
+    )
+    .await?;
+    let text = serde_json::to_string_pretty(&report)?;
+    match &a.out {
+        Some(p) => std::fs::write(p, &text)?,
+        None => println!("{text}"),
+    }
+    Ok(())
+}
