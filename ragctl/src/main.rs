@@ -64,8 +64,9 @@ enum Cmd {
         /// Collection to write into (created when missing).
         #[arg(long, default_value = "docs")]
         collection: String,
-        /// Documents per upsert call.
-        #[arg(long, default_value_t = 32)]
+        /// Documents per upsert call (each call is one write per shard it touches, and a
+        /// shard's fixed cost per write, a tantivy commit above all, is paid per call).
+        #[arg(long, default_value_t = ingest::DEFAULT_BATCH)]
         batch: usize,
         /// Upsert calls in flight (the coordinator refuses past its admission limit and
         /// ingest waits out the retry hint).

@@ -76,6 +76,11 @@ pub fn all() -> Vec<Family> {
             "HNSW layer-0 walks by kind (flat: the copy taken when writes paused; hnsw_rs: graph changed since; filtered: metadata filter or tombstones)",
         ),
         (
+            "shard_bm25_commit_seconds",
+            Histogram,
+            "one tantivy commit of a shard (at most one per bm25_commit_interval while busy)",
+        ),
+        (
             "shard_bm25_merge_seconds",
             Histogram,
             "time to merge a BM25 index's segments into one after writes pause",

@@ -10,7 +10,10 @@ use ragcluster_raft::{Options, Role, Transport};
 
 use crate::config::ShardNodeConfig;
 use crate::error::{Result, ShardError};
-use crate::index::worker::{Compaction, Dumping, Following};
+use crate::index::worker::{Committing, Compaction, Dumping, Following};
+
+/// Chunks staged in a shard's tantivy writer that make it commit before `bm25_commit_interval`.
+const BM25_COMMIT_MAX_CHUNKS: usize = 4096;
 use crate::raft::Replica;
 use crate::raft::transport::{GrpcDialer, ShardTransport};
 use crate::shard::{Shard, ShardDirs, ShardOptions};
@@ -180,6 +183,10 @@ impl Node {
             following: Following {
                 enabled: self.cfg.hnsw_follow_leader_graph,
                 pending_max: self.cfg.hnsw_follower_pending_max,
+            },
+            committing: Committing {
+                interval: self.cfg.bm25_commit_interval,
+                max_chunks: BM25_COMMIT_MAX_CHUNKS,
             },
         };
         let (bm25, hnsw, snap) = (self.bm25_dir(&key), self.hnsw_dir(&key), self.snap_dir());

@@ -26,7 +26,7 @@ use crate::index::bm25::Bm25Index;
 use crate::index::hnsw::{self, HnswParams, SearchPlan};
 use crate::index::hnsw_dump::Dumps;
 use crate::index::recovery;
-use crate::index::worker::{Compaction, Dumping, Following, IndexWorker, Job};
+use crate::index::worker::{Committing, Compaction, Dumping, Following, IndexWorker, Job};
 use crate::index::{Filter, Indexes};
 use crate::storage::{ShardKey, ShardMeta, Store};
 
@@ -61,6 +61,7 @@ pub struct ShardOptions {
     pub compaction: Compaction,
     pub dumping: Dumping,
     pub following: Following,
+    pub committing: Committing,
 }
 
 /// Where a shard's derived files live.
@@ -117,6 +118,7 @@ impl Shard {
             opts.dumping,
             dump_state,
             opts.following,
+            opts.committing,
         )?;
         Ok(Self {
             key,

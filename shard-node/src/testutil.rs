@@ -9,7 +9,7 @@ use ragcluster_proto::v1::{Chunk, DocumentWrite, WriteBatchRequest, WriteBatchRe
 
 use crate::error::Result;
 use crate::index::hnsw::HnswParams;
-use crate::index::worker::{Compaction, Dumping, Following};
+use crate::index::worker::{Committing, Compaction, Dumping, Following};
 use crate::shard::{Shard, ShardDirs, ShardOptions};
 use crate::storage::{ShardKey, ShardMeta, Store};
 
@@ -29,6 +29,11 @@ pub(crate) fn opts(compact_min: usize) -> ShardOptions {
         following: Following {
             enabled: true,
             pending_max: 20_000,
+        },
+        // One commit per group: each applied batch is searchable before `apply` returns.
+        committing: Committing {
+            interval: std::time::Duration::ZERO,
+            max_chunks: usize::MAX,
         },
     }
 }

@@ -221,3 +221,46 @@ pub async fn create_collection(
         .collection
         .ok_or_else(|| anyhow::anyhow!("DescribeCollection returned no collection"))
 }
+
+/// Every chunk (with its vector) of the documents `doc_ids` in `collection`, asked of every
+/// node for each of its `shards` shard numbers (placement puts a shard on some node), sorted
+/// by chunk id. Chunk ids are `doc#position`; up to 32 positions per document are asked for.
+pub async fn fetch_chunks(
+    nodes: &[String],
+    collection: &str,
+    shards: u32,
+    doc_ids: &[String],
+) -> Result<Vec<Chunk>> {
+    let mut out = Vec::new();
+    for node in nodes {
+        let mut sc = ShardClient::new(Channel::from_shared(node.clone())?.connect().await?)
+            .max_decoding_message_size(256 << 20);
+        for shard in 0..shards {
+            for docs in doc_ids.chunks(500) {
+                let ids: Vec<String> = docs
+                    .iter()
+                    .flat_map(|d| (0..32).map(move |p| format!("{d}#{p}")))
+                    .collect();
+                let r = sc
+                    .get_chunks(GetChunksRequest {
+                        shard: Some(ShardRef {
+                            collection: collection.into(),
+                            shard,
+                        }),
+                        chunk_ids: ids,
+                        with_embedding: true,
+                        consistency: 0,
+                    })
+                    .await;
+                match r {
+                    Ok(r) => out.extend(r.into_inner().chunks),
+                    Err(s) if s.code() == tonic::Code::NotFound => break,
+                    Err(s) => return Err(s.into()),
+                }
+            }
+        }
+    }
+    out.sort_by(|a, b| a.chunk_id.cmp(&b.chunk_id));
+    out.dedup_by(|a, b| a.chunk_id == b.chunk_id);
+    Ok(out)
+}

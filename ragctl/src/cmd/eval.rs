@@ -153,7 +153,15 @@ async fn ingest(
     let docs = docs.into_iter().filter_map(|d| {
         super::ingest::corpus_document(d.id, d.title, d.text, HashMap::new()).map(Ok)
     });
-    let t = super::ingest::upload(c, &a.collection, docs, 32, a.concurrency, &b).await?;
+    let t = super::ingest::upload(
+        c,
+        &a.collection,
+        docs,
+        super::ingest::DEFAULT_BATCH,
+        a.concurrency,
+        &b,
+    )
+    .await?;
     b.finish();
     eprintln!(
         "ingested {} documents as {} chunks ({})",

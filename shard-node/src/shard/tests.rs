@@ -244,3 +244,68 @@ fn request_ids_apply_at_most_once() {
     let hits = shard.bm25_search("two", 5, &vec![], None, false).unwrap();
     assert_eq!(hits.len(), 1, "the retry did not overwrite the newer write");
 }
+
+/// Commits wait for the interval while writes come concurrently (`worker::commit_due`): a
+/// write is acknowledged (visible) only once committed, and whatever is staged meanwhile
+/// stays in the op log, so a crash replays it; a clean stop commits it.
+#[test]
+fn staged_writes_stay_in_the_op_log_until_committed() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = ShardKey::new("c", 0);
+    let store = Arc::new(Store::open(&dir.path().join("db"), false).unwrap());
+    let mut o = opts(1000);
+    o.committing = crate::index::worker::Committing {
+        interval: std::time::Duration::from_secs(3600),
+        max_chunks: usize::MAX,
+    };
+    let shard = open_with(dir.path(), key.clone(), store.clone(), &o);
+    // Entries applied back to back, as the Raft thread does under concurrent writes.
+    for seq in 1..=6u64 {
+        let id = format!("d{seq}");
+        shard
+            .apply_entry(
+                seq,
+                batch(vec![doc(&id, "bravo bananas", seq as f32)]),
+                1_000,
+            )
+            .unwrap()
+            .unwrap();
+    }
+    let until = Instant::now() + std::time::Duration::from_secs(10);
+    while top(&shard, 6.0) != "d6#0" && Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(top(&shard, 6.0), "d6#0", "HNSW inserts are not held back");
+    // The worker may still be committing the last group at once (a lone batch): wait until
+    // it rests (the next commit is an hour away).
+    let mut committed = shard.indexes.bm25.committed_seq().unwrap();
+    loop {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let now = shard.indexes.bm25.committed_seq().unwrap();
+        if now == committed {
+            break;
+        }
+        committed = now;
+    }
+    assert!(committed <= shard.visible_seq() && shard.visible_seq() <= 6);
+    let kept: Vec<u64> = store
+        .oplog_after(&key, 0)
+        .unwrap()
+        .into_iter()
+        .map(|(seq, _)| seq)
+        .collect();
+    assert_eq!(
+        kept,
+        (committed + 1..=6).collect::<Vec<_>>(),
+        "every entry after the committed seq stays in the op log"
+    );
+    // A clean stop commits what was staged.
+    drop(shard);
+    let reopened = open_with(dir.path(), key, store, &o);
+    settle(&reopened);
+    assert_eq!(reopened.indexes.bm25.committed_seq().unwrap(), 6);
+    let hits = reopened
+        .bm25_search("bananas", 10, &vec![], None, false)
+        .unwrap();
+    assert_eq!(hits.len(), 6);
+}

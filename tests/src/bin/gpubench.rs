@@ -320,8 +320,10 @@ async fn main() -> Result<()> {
                 dataset: &dataset,
                 docs: 0,
                 shards: 3,
-                batch: 32,
+                batch: 128,
                 concurrency: 8,
+                cached_passes: 3,
+                dump_chunks: None,
             },
         )
         .await?;

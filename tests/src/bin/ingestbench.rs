@@ -26,10 +26,17 @@ struct Args {
     #[arg(long, default_value_t = 3)]
     shards: u32,
     /// `ragctl ingest --batch` (documents per upsert) and `--concurrency` (upserts in flight).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 128)]
     batch: usize,
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
+    /// Passes with the model excluded (each into a fresh collection; the median is reported).
+    #[arg(long, default_value_t = 3)]
+    cached_passes: usize,
+    /// Save the chunks of the pass with the model, with their vectors (for `scalebench`,
+    /// `hnswbench`).
+    #[arg(long)]
+    dump_chunks: Option<PathBuf>,
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -50,6 +57,8 @@ async fn main() -> Result<()> {
             shards: a.shards,
             batch: a.batch,
             concurrency: a.concurrency,
+            cached_passes: a.cached_passes,
+            dump_chunks: a.dump_chunks.as_deref(),
         },
     )
     .await?;

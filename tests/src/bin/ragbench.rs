@@ -395,45 +395,13 @@ async fn tune(
 
 /// All chunks of the collection with their vectors (chunk ids are `doc#position`).
 async fn fetch_all(cluster: &Cluster, coll: &str, corpus: &[BeirDoc]) -> Result<Vec<Stored>> {
-    let mut out = Vec::new();
-    for (i, node) in cluster.shards.iter().enumerate() {
-        let mut sc = ShardClient::new(Channel::from_shared(node.grpc.clone())?.connect().await?)
-            .max_decoding_message_size(256 << 20);
-        // Placement puts shard i on some node; ask every node for every shard number it may hold.
-        for shard in 0..3u32 {
-            for docs in corpus.chunks(500) {
-                let ids: Vec<String> = docs
-                    .iter()
-                    .flat_map(|d| (0..32).map(move |p| format!("{}#{p}", d.id)))
-                    .collect();
-                let r = sc
-                    .get_chunks(GetChunksRequest {
-                        shard: Some(ShardRef {
-                            collection: coll.into(),
-                            shard,
-                        }),
-                        chunk_ids: ids,
-                        with_embedding: true,
-                        consistency: 0,
-                    })
-                    .await;
-                match r {
-                    Ok(r) => out.extend(
-                        r.into_inner()
-                            .chunks
-                            .into_iter()
-                            .map(|chunk| Stored { chunk }),
-                    ),
-                    Err(s) if s.code() == tonic::Code::NotFound => break,
-                    Err(s) => return Err(s.into()),
-                }
-            }
-        }
-        let _ = i;
-    }
-    out.sort_by(|a, b| a.chunk.chunk_id.cmp(&b.chunk.chunk_id));
-    out.dedup_by(|a, b| a.chunk.chunk_id == b.chunk.chunk_id);
-    Ok(out)
+    let nodes: Vec<String> = cluster.shards.iter().map(|p| p.grpc.clone()).collect();
+    let ids: Vec<String> = corpus.iter().map(|d| d.id.clone()).collect();
+    Ok(ragcluster_tests::scale::fetch_chunks(&nodes, coll, 3, &ids)
+        .await?
+        .into_iter()
+        .map(|chunk| Stored { chunk })
+        .collect())
 }
 
 /// `n` chunks: the real ones repeated under new document ids, vectors perturbed by Gaussian-ish
