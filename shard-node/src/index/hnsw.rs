@@ -413,6 +413,18 @@ impl HnswIndex {
                 .into_iter()
                 .map(|n| (n.d_id, n.distance))
                 .collect();
+            // hnsw_rs's filtered walk only grows its result set from accepted points, so a
+            // walk that enters a cluster of tombstones whose edges lead only to each other
+            // ends with nothing. Rare (compaction rebuilds such graphs), but the answer must
+            // stay right: score every live point instead.
+            let live = s.slots.len() - s.dead;
+            if found.len() < top_k && found.len() < live {
+                metrics::counter!("shard_hnsw_walks_total", "walk" => "exact").increment(1);
+                found = (0..s.slots.len())
+                    .filter(|id| accept(id))
+                    .map(|id| (id, 0.0))
+                    .collect();
+            }
         }
         // Every candidate rescored with its f32 vector: exact scores, exact order.
         let mut scored: Vec<(usize, f32)> = found
