@@ -155,22 +155,20 @@ struct Worker {
     committing: Committing,
     /// The last seq staged in tantivy but not committed (searches do not see it yet).
     staged: Option<u64>,
-    /// Chunks and batches staged since the last commit.
-    staged_chunks: usize,
-    staged_batches: usize,
-    last_commit: Option<Instant>,
-    /// Batches the last commit held: more than one means writes come concurrently.
-    last_commit_batches: usize,
+    /// What is staged since the last commit, and how that commit went.
+    tally: Staged,
 }
 
 const MAX_GROUP: usize = 256;
 
 /// What waits for a tantivy commit, and how the last one went.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct Staged {
+    /// Batches and chunks staged since the last commit.
     batches: usize,
     chunks: usize,
     last_commit: Option<Instant>,
+    /// Batches the last commit held: more than one means writes come concurrently.
     last_commit_batches: usize,
 }
 
@@ -255,10 +253,7 @@ impl IndexWorker {
             at: visible,
             committing,
             staged: None,
-            staged_chunks: 0,
-            staged_batches: 0,
-            last_commit: None,
-            last_commit_batches: 0,
+            tally: Staged::default(),
         };
         let f = failed.clone();
         let dump_on_stop = Arc::new(AtomicBool::new(false));
@@ -487,16 +482,7 @@ impl Worker {
     /// interval, concurrent writers share commits.
     fn commit_at(&self) -> Option<Instant> {
         self.staged?;
-        Some(commit_due(
-            &self.committing,
-            Staged {
-                batches: self.staged_batches,
-                chunks: self.staged_chunks,
-                last_commit: self.last_commit,
-                last_commit_batches: self.last_commit_batches,
-            },
-            Instant::now(),
-        ))
+        Some(commit_due(&self.committing, self.tally, Instant::now()))
     }
 
     /// Commits what tantivy has staged, with the last staged seq as payload, and publishes
@@ -507,9 +493,12 @@ impl Worker {
         };
         let started = Instant::now();
         self.indexes.bm25.commit(seq)?;
-        self.staged_chunks = 0;
-        self.last_commit_batches = std::mem::take(&mut self.staged_batches);
-        self.last_commit = Some(Instant::now());
+        self.tally = Staged {
+            batches: 0,
+            chunks: 0,
+            last_commit: Some(Instant::now()),
+            last_commit_batches: self.tally.batches,
+        };
         // Entries after the HNSW dump stay: a restart catches the dump up from them.
         // So do the entries after the last one whose points are all in the graph: a leader's
         // dump is caught up from them.
@@ -563,8 +552,8 @@ impl Worker {
                     }
                     ix.hnsw.remove(&removed);
                     ix.bm25.stage(&writes)?;
-                    self.staged_chunks += writes.iter().map(|w| w.chunks.len()).sum::<usize>();
-                    self.staged_batches += 1;
+                    self.tally.chunks += writes.iter().map(|w| w.chunks.len()).sum::<usize>();
+                    self.tally.batches += 1;
                 }
                 Job::Skip(_) | Job::DumpNow | Job::Adopt(_) => {}
                 Job::Rebuild { seq, dump } => self.restore(seq, dump)?,
