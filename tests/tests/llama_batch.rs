@@ -13,8 +13,10 @@
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
+use model_worker::backend::decoder::Decoder;
 use model_worker::backend::llama::{GenParams, LlamaGenerator};
-use model_worker::backend::llama_batch::{KvCache, LlamaModel, Row};
+use model_worker::backend::llama_batch::{KvCache, LlamaModel, Row, Sampled, Want, logprob};
+use model_worker::error::ModelError;
 use ragcluster_tests::generate_model;
 use ragcluster_tests::llama::{PROMPTS, TOKENS, argmax};
 
@@ -166,5 +168,62 @@ fn batched_decoder_matches_candle_quantized_llama() -> Result<()> {
             yes_together[i]
         );
     }
+
+    // The decoder's answers per wanted row (what the engine and the scoring calls ask for):
+    // on the CPU, computed from the same logits `forward` returns.
+    let decoder = Decoder::Cpu(model_worker::backend::llama_batch::load(&path, 4096)?);
+    let p = &prompts[0];
+    let rows: Vec<Row> = p.iter().map(|&token| Row { seq: 0, token }).collect();
+    let want: Vec<usize> = vec![rows.len() - 3, rows.len() - 2, rows.len() - 1];
+    let how = [Want::Logits, Want::LogprobOf(target[0]), Want::Greedy];
+    let answers = decoder.forward_sampled(&rows, &mut [&mut decoder.new_cache()], &want, &how)?;
+    let logits = model.forward(&rows, &mut [&mut model.new_cache()], &want)?;
+    assert_eq!(answers[0], Sampled::Logits(logits[0].clone()));
+    assert_eq!(
+        answers[1],
+        Sampled::Token {
+            token: target[0],
+            logprob: logprob(&logits[1], target[0])
+        }
+    );
+    let next = argmax(&logits[2]);
+    assert_eq!(
+        answers[2],
+        Sampled::Token {
+            token: next,
+            logprob: logprob(&logits[2], next)
+        }
+    );
+    // UPR's score is the mean log-probability of the target's tokens after the prompt.
+    let mut teacher: Vec<Row> = rows.clone();
+    teacher.extend(
+        target[..target.len() - 1]
+            .iter()
+            .map(|&token| Row { seq: 0, token }),
+    );
+    let at: Vec<usize> = (rows.len() - 1..teacher.len()).collect();
+    let forced = model.forward(&teacher, &mut [&mut model.new_cache()], &at)?;
+    let mean = forced
+        .iter()
+        .zip(&target)
+        .map(|(l, &t)| logprob(l, t))
+        .sum::<f32>()
+        / target.len() as f32;
+    assert!(
+        (mean - together[0]).abs() < 1e-4,
+        "UPR {mean} vs {}",
+        together[0]
+    );
+    let vocab = model.dims.vocab;
+    let bad = decoder.forward_sampled(
+        &rows,
+        &mut [&mut decoder.new_cache()],
+        &want[..1],
+        &[Want::LogprobOf(vocab as u32)],
+    );
+    assert!(
+        matches!(bad, Err(ModelError::InvalidArgument(_))),
+        "a target outside the vocabulary is refused: {bad:?}"
+    );
     Ok(())
 }

@@ -14,7 +14,7 @@
 use anyhow::Result;
 use model_worker::backend::device::Placement;
 use model_worker::backend::llama::{GenParams, LlamaGenerator};
-use model_worker::backend::llama_batch::Row;
+use model_worker::backend::llama_batch::{Row, Sampled, Want, logprob};
 use model_worker::backend::llama_cuda::{CudaLlama, PagedCache};
 use ragcluster_tests::generate_model;
 use ragcluster_tests::llama::{PROMPTS, TOKENS, argmax};
@@ -102,6 +102,40 @@ fn cuda_decoder_matches_the_cpu_decoder() -> Result<()> {
         }
     }
 
+    // Tokens picked on the device (pick_rows) against the host's picks from the same
+    // device logits, rows of every kind mixed in one forward, in order.
+    let p = &prompts[0];
+    let rows: Vec<Row> = p.iter().map(|&token| Row { seq: 0, token }).collect();
+    let want: Vec<usize> = (rows.len() - 4..rows.len()).collect();
+    let target = p[1];
+    let how = [
+        Want::Greedy,
+        Want::Logits,
+        Want::LogprobOf(target),
+        Want::Greedy,
+    ];
+    let logits = gpu.forward(&rows, &mut [&mut gpu.new_cache()], &want)?;
+    let answers = gpu.forward_sampled(&rows, &mut [&mut gpu.new_cache()], &want, &how)?;
+    for (i, (a, l)) in answers.iter().zip(&logits).enumerate() {
+        match (how[i], a) {
+            (Want::Logits, Sampled::Logits(got)) => {
+                assert!(cosine(got, l) > 0.99999, "row {i}: logits");
+            }
+            (Want::Greedy, Sampled::Token { token, logprob: lp }) => {
+                assert_eq!(*token, argmax(l), "row {i}: greedy token");
+                assert!((lp - logprob(l, *token)).abs() < 1e-3, "row {i}: {lp}");
+            }
+            (Want::LogprobOf(t), Sampled::Token { token, logprob: lp }) => {
+                assert_eq!(*token, t);
+                assert!((lp - logprob(l, t)).abs() < 1e-3, "row {i}: {lp}");
+            }
+            (h, a) => panic!("row {i}: {h:?} answered with {a:?}"),
+        }
+    }
+    // UPR scoring on the GPU (target log-probabilities computed there) against the CPU.
+    let upr_target = generator.encode("Paris is the capital.")?;
+    let served_cpu = generator.continuation_logprobs(&prompts, &upr_target)?;
+
     // The engine on the GPU: three concurrent greedy streams.
     let served = LlamaGenerator::load_on("smollm2", &path, Placement::Cuda, 8 * 4096)?;
     assert_eq!(served.placement(), Placement::Cuda);
@@ -112,6 +146,13 @@ fn cuda_decoder_matches_the_cpu_decoder() -> Result<()> {
         stop: vec![],
         seed: 0,
     };
+    let served_gpu = served.continuation_logprobs(&prompts, &upr_target)?;
+    for (c, g) in served_cpu.iter().zip(&served_gpu) {
+        assert!(
+            (c - g).abs() < 0.05,
+            "UPR score on the GPU {g} vs the CPU {c}"
+        );
+    }
     std::thread::scope(|s| {
         let handles: Vec<_> = prompts
             .iter()

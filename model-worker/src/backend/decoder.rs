@@ -3,9 +3,10 @@
 //! scoring calls see one interface: a cache per sequence and a forward over rows.
 
 use candle_core::quantized::gguf_file;
+use rayon::prelude::*;
 
 use super::device::Placement;
-use super::llama_batch::{KvCache, LlamaModel, Row};
+use super::llama_batch::{KvCache, LlamaModel, Row, Sampled, Want, check_wants, greedy};
 use super::llama_cuda::{CudaLlama, PagedCache};
 use crate::error::ModelError;
 
@@ -62,26 +63,32 @@ impl Decoder {
         want: &[usize],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         match self {
+            Decoder::Cpu(m) => m.forward(rows, &mut cpu_caches(caches)?, want),
+            Decoder::Cuda(m) => m.forward(rows, &mut cuda_caches(caches)?, want),
+        }
+    }
+
+    /// As `forward`, with what each wanted row is for (`how`, one per `want`): the GPU
+    /// decoder answers greedy and single-token rows on the device; on the CPU they are
+    /// computed from the logits, the rows in parallel.
+    pub fn forward_sampled(
+        &self,
+        rows: &[Row],
+        caches: &mut [&mut Cache],
+        want: &[usize],
+        how: &[Want],
+    ) -> Result<Vec<Sampled>, ModelError> {
+        match self {
             Decoder::Cpu(m) => {
-                let mut cs = caches
-                    .iter_mut()
-                    .map(|c| match &mut **c {
-                        Cache::Cpu(c) => Ok(c),
-                        Cache::Cuda(_) => Err(mismatch()),
-                    })
-                    .collect::<Result<Vec<&mut KvCache>, _>>()?;
-                m.forward(rows, &mut cs, want)
+                check_wants(how, want.len(), m.dims.vocab)?;
+                let logits = m.forward(rows, &mut cpu_caches(caches)?, want)?;
+                Ok(logits
+                    .into_par_iter()
+                    .zip(how.par_iter())
+                    .map(|(l, &h)| Sampled::from_logits(l, h))
+                    .collect())
             }
-            Decoder::Cuda(m) => {
-                let mut cs = caches
-                    .iter_mut()
-                    .map(|c| match &mut **c {
-                        Cache::Cuda(c) => Ok(c),
-                        Cache::Cpu(_) => Err(mismatch()),
-                    })
-                    .collect::<Result<Vec<&mut PagedCache>, _>>()?;
-                m.forward(rows, &mut cs, want)
-            }
+            Decoder::Cuda(m) => m.forward_sampled(rows, &mut cuda_caches(caches)?, want, how),
         }
     }
 
@@ -101,7 +108,7 @@ impl Decoder {
         if placement == Placement::Cpu {
             return Ok(Decoder::Cpu(cpu));
         }
-        let gpu = CudaLlama::from_gguf(content, reader, context, pool_tokens, 0)?;
+        let mut gpu = CudaLlama::from_gguf(content, reader, context, pool_tokens, 0)?;
         let rows: Vec<Row> = probe.iter().map(|&token| Row { seq: 0, token }).collect();
         let want: Vec<usize> = (0..rows.len()).collect();
         let a = cpu.forward(&rows, &mut [&mut cpu.new_cache()], &want)?;
@@ -112,9 +119,75 @@ impl Decoder {
                 "the CUDA decoder disagrees with the CPU on the probe (lowest logits cosine {cos}, top tokens agree: {top_ok})"
             )));
         }
-        tracing::info!(gpu = %gpu.device_name, cosine = cos, "decoder on CUDA, checked against CPU");
+        let picks_ok = device_picks_agree(&gpu, &rows, &want, &b)?;
+        if !picks_ok {
+            tracing::warn!(gpu = %gpu.device_name, "device-side token picks disagree with the host's: logits are copied to the host instead");
+        }
+        gpu.set_device_picks(picks_ok);
+        tracing::info!(gpu = %gpu.device_name, cosine = cos, device_picks = picks_ok, "decoder on CUDA, checked against CPU");
         Ok(Decoder::Cuda(Box::new(gpu)))
     }
+}
+
+fn cpu_caches<'a>(caches: &'a mut [&mut Cache]) -> Result<Vec<&'a mut KvCache>, ModelError> {
+    caches
+        .iter_mut()
+        .map(|c| match &mut **c {
+            Cache::Cpu(c) => Ok(c),
+            Cache::Cuda(_) => Err(mismatch()),
+        })
+        .collect()
+}
+
+fn cuda_caches<'a>(caches: &'a mut [&mut Cache]) -> Result<Vec<&'a mut PagedCache>, ModelError> {
+    caches
+        .iter_mut()
+        .map(|c| match &mut **c {
+            Cache::Cuda(c) => Ok(c),
+            Cache::Cpu(_) => Err(mismatch()),
+        })
+        .collect()
+}
+
+/// Whether the GPU's own token picks (`pick_rows`) match the host's on the GPU's logits of
+/// the probe (`logits`): the same greedy token, and log-probabilities within 1e-3 for the
+/// greedy token and for a target token per row.
+fn device_picks_agree(
+    gpu: &CudaLlama,
+    rows: &[Row],
+    want: &[usize],
+    logits: &[Vec<f32>],
+) -> Result<bool, ModelError> {
+    let greedy_how = vec![Want::Greedy; want.len()];
+    let greedy_out = gpu.forward_sampled(rows, &mut [&mut gpu.new_cache()], want, &greedy_how)?;
+    // A target per row: the probe's next token (any in-vocabulary token would do).
+    let target_how: Vec<Want> = (0..want.len())
+        .map(|i| Want::LogprobOf(rows[(i + 1) % rows.len()].token))
+        .collect();
+    let target_out = gpu.forward_sampled(rows, &mut [&mut gpu.new_cache()], want, &target_how)?;
+    let close = |out: &Sampled, host: Sampled| match (out, host) {
+        (
+            Sampled::Token { token, logprob },
+            Sampled::Token {
+                token: t,
+                logprob: lp,
+            },
+        ) => *token == t && (logprob - lp).abs() <= 1e-3,
+        _ => false,
+    };
+    Ok(logits.iter().enumerate().all(|(i, l)| {
+        let g = greedy(l);
+        // The GPU's own logits can differ between two forwards in the last bits; a
+        // near-tie then may pick another token, which is no fault of the kernel.
+        let tie = l.iter().filter(|&&x| x >= l[g as usize] - 1e-4).count() > 1;
+        (tie || close(
+            &greedy_out[i],
+            Sampled::from_logits(l.clone(), Want::Greedy),
+        )) && close(
+            &target_out[i],
+            Sampled::from_logits(l.clone(), target_how[i]),
+        )
+    }))
 }
 
 /// Lowest cosine between matching logit rows, and whether each GPU top token is among the

@@ -14,8 +14,8 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 
 use super::decoder::{Cache, Decoder};
 use super::device::Placement;
-use super::llama_batch::Row;
-use super::llama_engine::{Engine, Event, Job, logprob};
+use super::llama_batch::{Row, Sampled, Want};
+use super::llama_engine::{Engine, Event, Job};
 pub use super::llama_engine::{Finish, GenParams, Piece};
 use crate::error::ModelError;
 
@@ -176,24 +176,30 @@ impl LlamaGenerator {
             )));
         }
         let items: Vec<Scored> = prompts.iter().map(|p| (&p[..], &[][..], 1)).collect();
-        self.score_many(&items, |logits| {
-            let logits = &logits[0];
-            // Only the ratio matters, so raw logits do: the softmax normaliser cancels.
-            let lse = |ids: &[u32]| {
-                let m = ids
-                    .iter()
-                    .map(|&i| logits[i as usize])
-                    .fold(f32::NEG_INFINITY, f32::max);
-                m + ids
-                    .iter()
-                    .map(|&i| (logits[i as usize] - m).exp())
-                    .sum::<f32>()
-                    .ln()
-            };
-            let (y, n) = (lse(&self.yes), lse(&self.no));
-            // Softmax over the two answers, computed stably.
-            1.0 / (1.0 + (n - y).exp())
-        })
+        self.score_many(
+            &items,
+            |_| Want::Logits,
+            |out| {
+                let Some(Sampled::Logits(logits)) = out.first() else {
+                    return f32::NAN;
+                };
+                // Only the ratio matters, so raw logits do: the softmax normaliser cancels.
+                let lse = |ids: &[u32]| {
+                    let m = ids
+                        .iter()
+                        .map(|&i| logits[i as usize])
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    m + ids
+                        .iter()
+                        .map(|&i| (logits[i as usize] - m).exp())
+                        .sum::<f32>()
+                        .ln()
+                };
+                let (y, n) = (lse(&self.yes), lse(&self.no));
+                // Softmax over the two answers, computed stably.
+                1.0 / (1.0 + (n - y).exp())
+            },
+        )
     }
 
     /// For each prompt, the mean natural log-probability of `target` following it (teacher
@@ -212,26 +218,40 @@ impl LlamaGenerator {
             .iter()
             .map(|p| (&p[..], more, target.len()))
             .collect();
-        self.score_many(&items, |logits| {
-            let total: f32 = logits.iter().zip(target).map(|(l, &t)| logprob(l, t)).sum();
-            total / target.len() as f32
-        })
+        // Only the target tokens' log-probabilities leave the decoder (on a GPU: computed
+        // there, two numbers per row instead of the vocabulary's logits).
+        self.score_many(
+            &items,
+            |j| Want::LogprobOf(target[j]),
+            |out| {
+                let total: f32 = out
+                    .iter()
+                    .map(|o| match o {
+                        Sampled::Token { logprob, .. } => *logprob,
+                        Sampled::Logits(_) => f32::NAN,
+                    })
+                    .sum();
+                total / target.len() as f32
+            },
+        )
     }
 
-    /// For each item (prompt, continuation, `last`): `score` of the logits after each of the
-    /// last `last` tokens of prompt + continuation. The items' sequences share forwards of
+    /// For each item (prompt, continuation, `last`): `score` of the decoder's answers to
+    /// `want_of(j)` after each (the j-th) of the last `last` tokens of prompt + continuation. The items' sequences share forwards of
     /// up to [`SCORE_ROWS`] rows and [`SCORE_LOGITS`] logit rows (an item beyond either runs
     /// alone), on the calling thread; each forward's logits are scored and dropped before
     /// the next.
     fn score_many(
         &self,
         items: &[Scored],
-        score: impl Fn(&[Vec<f32>]) -> f32,
+        want_of: impl Fn(usize) -> Want,
+        score: impl Fn(&[Sampled]) -> f32,
     ) -> Result<Vec<f32>, ModelError> {
         let mut out = Vec::with_capacity(items.len());
         let mut next = 0;
         while next < items.len() {
             let (mut rows, mut want, mut lasts) = (Vec::new(), Vec::new(), Vec::new());
+            let mut how = Vec::new();
             while let Some(&(prompt, more, last)) = items.get(next) {
                 let n = prompt.len() + more.len();
                 if n == 0 || last == 0 || last > n {
@@ -243,16 +263,17 @@ impl LlamaGenerator {
                 }
                 let seq = lasts.len();
                 want.extend(rows.len() + n - last..rows.len() + n);
+                how.extend((0..last).map(&want_of));
                 rows.extend(prompt.iter().chain(more).map(|&token| Row { seq, token }));
                 lasts.push(last);
                 next += 1;
             }
             let mut caches: Vec<Cache> = lasts.iter().map(|_| self.model.new_cache()).collect();
             let mut refs: Vec<&mut Cache> = caches.iter_mut().collect();
-            let logits = self.model.forward(&rows, &mut refs, &want)?;
+            let answers = self.model.forward_sampled(&rows, &mut refs, &want, &how)?;
             let mut at = 0;
             for last in lasts {
-                out.push(score(&logits[at..at + last]));
+                out.push(score(&answers[at..at + last]));
                 at += last;
             }
         }

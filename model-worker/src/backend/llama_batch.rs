@@ -88,6 +88,85 @@ pub struct Row {
     pub token: u32,
 }
 
+/// What a caller needs from one wanted row of a forward: a decoder on a GPU answers the last
+/// two on the device, so only two numbers per row cross to the host.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Want {
+    /// The row's logits (sampling with a temperature, or a score over several tokens).
+    Logits,
+    /// The greedy token (the first largest logit) and its log-probability.
+    Greedy,
+    /// The log-probability of this token.
+    LogprobOf(u32),
+}
+
+/// A wanted row's result: its logits, or a token with its log-probability (temperature 1).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Sampled {
+    Logits(Vec<f32>),
+    Token { token: u32, logprob: f32 },
+}
+
+impl Sampled {
+    /// The host's answer to `want` from a row's logits (what the GPU kernel computes).
+    pub fn from_logits(logits: Vec<f32>, want: Want) -> Self {
+        match want {
+            Want::Logits => Sampled::Logits(logits),
+            Want::Greedy => {
+                let token = greedy(&logits);
+                Sampled::Token {
+                    token,
+                    logprob: logprob(&logits, token),
+                }
+            }
+            Want::LogprobOf(token) => Sampled::Token {
+                token,
+                logprob: logprob(&logits, token),
+            },
+        }
+    }
+}
+
+/// Checks a forward's `how` (one per wanted row, targets inside the vocabulary) before it runs.
+pub fn check_wants(how: &[Want], wanted: usize, vocab: usize) -> Result<(), ModelError> {
+    if how.len() != wanted {
+        return Err(ModelError::Inference(format!(
+            "{} answers asked for {wanted} wanted rows",
+            how.len()
+        )));
+    }
+    match how.iter().find_map(|h| match *h {
+        Want::LogprobOf(t) if t as usize >= vocab => Some(t),
+        _ => None,
+    }) {
+        Some(t) => Err(ModelError::InvalidArgument(format!(
+            "token {t} is outside the vocabulary of {vocab}"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Natural log-probability of `token` under `logits` (temperature 1).
+pub fn logprob(logits: &[f32], token: u32) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f32>().ln();
+    logits[token as usize] - lse
+}
+
+/// The greedy token: the first of the largest logits, exactly as candle's argmax (and so
+/// `LogitsProcessor` without a temperature) picks it.
+pub fn greedy(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    let mut val = logits.first().copied().unwrap_or(f32::NEG_INFINITY);
+    for (i, &v) in logits.iter().enumerate() {
+        if val < v {
+            best = i;
+            val = v;
+        }
+    }
+    best as u32
+}
+
 fn infer(e: candle_core::Error) -> ModelError {
     ModelError::Inference(e.to_string())
 }
@@ -471,4 +550,56 @@ pub fn load(path: &Path, context: usize) -> Result<LlamaModel, ModelError> {
     let mut f = std::fs::File::open(path).map_err(|e| ModelError::Inference(e.to_string()))?;
     let content = gguf_file::Content::read(&mut f).map_err(infer)?;
     LlamaModel::from_gguf(&content, &mut f, context)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_transformers::generation::LogitsProcessor;
+
+    /// `greedy` is candle's argmax (the decode engine used `LogitsProcessor` for greedy
+    /// streams before the decoder picked tokens itself): first of equal maxima included.
+    #[test]
+    fn greedy_matches_candles_argmax() {
+        let mut state = 0x2545_f491_u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            // Few distinct values, so ties are common.
+            (state % 7) as f32 - 3.0
+        };
+        for len in [1, 2, 5, 64, 1000] {
+            for _ in 0..50 {
+                let logits: Vec<f32> = (0..len).map(|_| next()).collect();
+                let t = Tensor::new(&logits[..], &Device::Cpu).unwrap();
+                let want = LogitsProcessor::new(0, None, None).sample(&t).unwrap();
+                assert_eq!(greedy(&logits), want, "{logits:?}");
+            }
+        }
+        assert_eq!(greedy(&[f32::NEG_INFINITY; 4]), 0);
+    }
+
+    #[test]
+    fn wants_answered_from_logits() {
+        let logits = vec![0.5f32, 2.0, -1.0, 2.0];
+        let lse = logits.iter().map(|l| l.exp()).sum::<f32>().ln();
+        assert_eq!(
+            Sampled::from_logits(logits.clone(), Want::Logits),
+            Sampled::Logits(logits.clone())
+        );
+        let Sampled::Token { token, logprob } = Sampled::from_logits(logits.clone(), Want::Greedy)
+        else {
+            panic!("greedy gives a token");
+        };
+        assert_eq!(token, 1);
+        assert!((logprob - (2.0 - lse)).abs() < 1e-6);
+        let Sampled::Token { token, logprob } =
+            Sampled::from_logits(logits.clone(), Want::LogprobOf(2))
+        else {
+            panic!("a target gives a token");
+        };
+        assert_eq!(token, 2);
+        assert!((logprob - (-1.0 - lse)).abs() < 1e-6);
+    }
 }

@@ -12,6 +12,10 @@
 //!   head), residual add and the SiLU gate are NVRTC kernels (header-free f16 as in
 //!   `cuda_half`).
 //!
+//! - Rows a caller only needs one token of (a greedy step, a scored target token) are
+//!   answered on the device by `pick_rows`: two numbers per row cross to the host instead of
+//!   the vocabulary's logits (196 KB per row for SmolLM2).
+//!
 //! `llama` checks this decoder against the CPU one on a probe prompt at load and keeps the
 //! CPU decoder when they disagree.
 
@@ -31,7 +35,7 @@ use cudarc::driver::{
 
 use super::cuda::{compile, elems, gemm_f16, upload_f16};
 use super::cuda_half::HALF_HELPERS;
-use super::llama_batch::{Dims, Row};
+use super::llama_batch::{Dims, Row, Sampled, Want, check_wants};
 use crate::error::ModelError;
 
 /// Tokens per KV-cache page.
@@ -40,132 +44,9 @@ pub const PAGE: usize = 16;
 /// Threads per block of the row-wise kernels.
 const THREADS: u32 = 128;
 
-const KERNELS: &str = r#"
-#define PAGE 16
-
-__device__ float block_reduce(float v, float* buf, int is_max) {
-  buf[threadIdx.x] = v;
-  __syncthreads();
-  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) {
-      float o = buf[threadIdx.x + s];
-      buf[threadIdx.x] = is_max ? fmaxf(buf[threadIdx.x], o) : buf[threadIdx.x] + o;
-    }
-    __syncthreads();
-  }
-  float r = buf[0];
-  __syncthreads();
-  return r;
-}
-
-// x[r, :] = table[tokens[r], :] (f16 table, f32 residual stream).
-extern "C" __global__ void embed_rows(float* x, const unsigned short* table,
-    const unsigned* tokens, int rows, int h) {
-  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (size_t)rows * h) return;
-  size_t r = i / h, c = i % h;
-  x[i] = h2f(table[(size_t)tokens[r] * h + c]);
-}
-
-// out[b] = x[src] * rsqrt(mean(x[src]^2) + eps) * w as f16, src = rows ? rows[b] : b.
-extern "C" __global__ void rms_norm(unsigned short* out, const float* x, const float* w,
-    const int* rows, int h, float eps) {
-  extern __shared__ float buf[];
-  size_t b = blockIdx.x;
-  const float* xr = x + (size_t)(rows ? rows[b] : (int)b) * h;
-  float s = 0.f;
-  for (int c = threadIdx.x; c < h; c += blockDim.x) s += xr[c] * xr[c];
-  float inv = rsqrtf(block_reduce(s, buf, 0) / h + eps);
-  for (int c = threadIdx.x; c < h; c += blockDim.x) out[b * h + c] = f2h(xr[c] * inv * w[c]);
-}
-
-// One block per row: rotates the consecutive pairs of every q and k head by the row's
-// position, then stores the row's k and v into its cache slot. qkv rows are
-// [q (heads*d) | k (kvh*d) | v (kvh*d)]; the caches hold slots of kvh*d.
-extern "C" __global__ void rope_store(unsigned short* qkv, unsigned short* kc,
-    unsigned short* vc, const int* pos, const int* slots, const float* cos_t,
-    const float* sin_t, int heads, int kvh, int d) {
-  int r = blockIdx.x, half = d / 2;
-  int qw = heads * d, kw = kvh * d;
-  unsigned short* row = qkv + (size_t)r * (qw + 2 * kw);
-  const float* cs = cos_t + (size_t)pos[r] * half;
-  const float* sn = sin_t + (size_t)pos[r] * half;
-  for (int i = threadIdx.x; i < (heads + kvh) * half; i += blockDim.x) {
-    int head = i / half, j = i % half;
-    unsigned short* p = row + head * d + 2 * j;  // k heads follow the q heads
-    float a = h2f(p[0]), b = h2f(p[1]);
-    p[0] = f2h(a * cs[j] - b * sn[j]);
-    p[1] = f2h(a * sn[j] + b * cs[j]);
-  }
-  __syncthreads();
-  size_t slot = slots[r];
-  for (int c = threadIdx.x; c < kw; c += blockDim.x) {
-    kc[slot * kw + c] = row[qw + c];
-    vc[slot * kw + c] = row[qw + kw + c];
-  }
-}
-
-// One block per (row, head): causal attention of the row's query over positions
-// 0..=pos[r] of its sequence, whose pages are tables[tstart[r]..]. Shared memory: d + 
-// blockDim.x + the longest span of the batch, in floats.
-extern "C" __global__ void attention(unsigned short* out, const unsigned short* qkv,
-    const unsigned short* kc, const unsigned short* vc, const int* pos, const int* tstart,
-    const int* tables, int heads, int kvh, int d, float scale) {
-  extern __shared__ float sh[];
-  int r = blockIdx.x / heads, head = blockIdx.x % heads;
-  int kvhead = head / (heads / kvh);
-  int qw = heads * d, kw = kvh * d;
-  float* q = sh;
-  float* red = sh + d;
-  float* sc = red + blockDim.x;
-  int span = pos[r] + 1;
-  const unsigned short* qr = qkv + (size_t)r * (qw + 2 * kw) + head * d;
-  for (int j = threadIdx.x; j < d; j += blockDim.x) q[j] = h2f(qr[j]) * scale;
-  __syncthreads();
-  const int* table = tables + tstart[r];
-  float mx = -1e30f;
-  for (int p = threadIdx.x; p < span; p += blockDim.x) {
-    size_t slot = (size_t)table[p / PAGE] * PAGE + p % PAGE;
-    const unsigned short* k = kc + slot * kw + kvhead * d;
-    float s = 0.f;
-    for (int j = 0; j < d; j++) s += q[j] * h2f(k[j]);
-    sc[p] = s;
-    mx = fmaxf(mx, s);
-  }
-  mx = block_reduce(mx, red, 1);
-  float sum = 0.f;
-  for (int p = threadIdx.x; p < span; p += blockDim.x) {
-    float e = __expf(sc[p] - mx);
-    sc[p] = e;
-    sum += e;
-  }
-  float inv = 1.f / block_reduce(sum, red, 0);
-  for (int j = threadIdx.x; j < d; j += blockDim.x) {
-    float acc = 0.f;
-    for (int p = 0; p < span; p++) {
-      size_t slot = (size_t)table[p / PAGE] * PAGE + p % PAGE;
-      acc += sc[p] * h2f(vc[slot * kw + kvhead * d + j]);
-    }
-    out[(size_t)r * qw + head * d + j] = f2h(acc * inv);
-  }
-}
-
-// x += y (f32 += f16).
-extern "C" __global__ void add_rows(float* x, const unsigned short* y, int n) {
-  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < (size_t)n) x[i] += h2f(y[i]);
-}
-
-// out[r, i] = silu(gu[r, i]) * gu[r, inter + i] (gate and up stacked per row).
-extern "C" __global__ void silu_mul(unsigned short* out, const unsigned short* gu, int rows,
-    int inter) {
-  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (size_t)rows * inter) return;
-  size_t r = i / inter, c = i % inter;
-  float g = h2f(gu[r * 2 * inter + c]), u = h2f(gu[r * 2 * inter + inter + c]);
-  out[i] = f2h(g / (1.f + __expf(-g)) * u);
-}
-"#;
+mod kernels;
+mod picks;
+use kernels::KERNELS;
 
 /// The kernel source as compiled.
 pub(crate) fn kernel_source() -> String {
@@ -189,10 +70,12 @@ struct Layer {
 struct Kernels {
     embed_rows: CudaFunction,
     rms_norm: CudaFunction,
+    add_rms_norm: CudaFunction,
     rope_store: CudaFunction,
     attention: CudaFunction,
     add_rows: CudaFunction,
     silu_mul: CudaFunction,
+    pick_rows: CudaFunction,
 }
 
 /// Activations for up to `rows` rows, reused across forwards.
@@ -206,6 +89,9 @@ struct Workspace {
     gu: CudaSlice<u16>,
     act: CudaSlice<u16>,
     logits: CudaSlice<f32>,
+    /// `pick_rows` output: a token and its log-probability per wanted row.
+    picked: CudaSlice<u32>,
+    picked_logprob: CudaSlice<f32>,
 }
 
 /// The free pages of the KV pool.
@@ -251,6 +137,9 @@ pub struct CudaLlama {
     sin: CudaSlice<f32>,
     free: FreePages,
     work: Mutex<Option<Workspace>>,
+    /// Whether `Want::Greedy` / `Want::LogprobOf` rows are answered on the device (`pick_rows`);
+    /// `decoder` turns it off when the kernel disagrees with the host at load.
+    device_picks: bool,
     pub device_name: String,
 }
 
@@ -317,10 +206,12 @@ impl CudaLlama {
         let k = Kernels {
             embed_rows: f("embed_rows")?,
             rms_norm: f("rms_norm")?,
+            add_rms_norm: f("add_rms_norm")?,
             rope_store: f("rope_store")?,
             attention: f("attention")?,
             add_rows: f("add_rows")?,
             silu_mul: f("silu_mul")?,
+            pick_rows: f("pick_rows")?,
         };
         let dev = Device::Cpu;
         let mut tensor = |name: &str| -> Result<Tensor, ModelError> {
@@ -378,6 +269,7 @@ impl CudaLlama {
             sin: stream.clone_htod(&sin).map_err(err)?,
             free: Arc::new(Mutex::new((0..pages as i32).rev().collect())),
             work: Mutex::new(None),
+            device_picks: true,
             embed,
             output,
             norm,
@@ -416,6 +308,9 @@ impl CudaLlama {
             gu: h(rows * 2 * self.intermediate)?,
             act: h(rows * self.intermediate)?,
             logits: f(rows * d.vocab)?,
+            // SAFETY: as above (pick_rows writes the rows that are read back).
+            picked: unsafe { st.alloc::<u32>(rows) }.map_err(err)?,
+            picked_logprob: f(rows)?,
         })
     }
 }
@@ -529,8 +424,40 @@ impl CudaLlama {
         caches: &mut [&mut PagedCache],
         want: &[usize],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.run(rows, caches, want, |w| {
+            self.head(want.len(), w)?;
+            self.copy_logits(w, 0..want.len())
+        })
+    }
+
+    /// As `forward`, with what each wanted row is for (`how`, one per `want`): greedy and
+    /// single-token rows are answered on the device, so a decode step or a scoring call
+    /// copies a token and a log-probability per row instead of the vocabulary's logits.
+    pub fn forward_sampled(
+        &self,
+        rows: &[Row],
+        caches: &mut [&mut PagedCache],
+        want: &[usize],
+        how: &[Want],
+    ) -> Result<Vec<Sampled>, ModelError> {
+        check_wants(how, want.len(), self.dims.vocab)?;
+        self.run(rows, caches, want, |w| {
+            self.head(want.len(), w)?;
+            self.sampled(w, how)
+        })
+    }
+
+    /// Uploads the indexes, runs the layers over `rows` in the workspace and hands it to
+    /// `out` (which reads the wanted rows' results); the caches grow by their rows.
+    fn run<T: Default>(
+        &self,
+        rows: &[Row],
+        caches: &mut [&mut PagedCache],
+        want: &[usize],
+        out: impl FnOnce(&mut Workspace) -> Result<T, ModelError>,
+    ) -> Result<T, ModelError> {
         if rows.is_empty() {
-            return Ok(Vec::new());
+            return Ok(T::default());
         }
         let ix = self.indexes(rows, caches, want)?;
         let mut guard = self
@@ -543,13 +470,17 @@ impl CudaLlama {
         }
         let w = guard.as_mut().ok_or_else(|| err("no workspace"))?;
         self.layers_forward(rows.len(), &ix, w)?;
-        let logits = self.logits(want.len(), &ix, w)?;
+        if !want.is_empty() {
+            // The final norm reads the wanted rows through the uploaded index.
+            self.rms_norm(&mut w.hn, &w.x, &self.norm, Some(&ix.want), want.len())?;
+        }
+        let result = out(w)?;
         drop(guard);
         for (i, c) in caches.iter_mut().enumerate() {
             let added = rows.iter().filter(|r| r.seq == i).count();
             c.len += added;
         }
-        Ok(logits)
+        Ok(result)
     }
 
     fn layers_forward(&self, n: usize, ix: &Indexes, w: &mut Workspace) -> Result<(), ModelError> {
@@ -569,8 +500,11 @@ impl CudaLlama {
             unsafe { l.launch(elems(n * h)) }.map_err(err)?;
         }
         let scale = 1.0 / (d.head_dim as f32).sqrt();
-        for layer in &self.layers {
-            self.rms_norm(&mut w.hn, &w.x, &layer.attn_norm, None, n)?;
+        if let Some(first) = self.layers.first() {
+            // Later layers' attention norms are fused into the previous layer's last add.
+            self.rms_norm(&mut w.hn, &w.x, &first.attn_norm, None, n)?;
+        }
+        for (li, layer) in self.layers.iter().enumerate() {
             self.gemm(
                 &w.hn,
                 &layer.qkv,
@@ -626,8 +560,7 @@ impl CudaLlama {
                 &mut w.o,
                 cudaDataType_t::CUDA_R_16F,
             )?;
-            self.add(&mut w.x, &w.o, n * h)?;
-            self.rms_norm(&mut w.hn, &w.x, &layer.ffn_norm, None, n)?;
+            self.add_norm(&mut w.hn, &mut w.x, &w.o, &layer.ffn_norm, n)?;
             let inter = self.intermediate;
             self.gemm(
                 &w.hn,
@@ -654,23 +587,20 @@ impl CudaLlama {
                 &mut w.o,
                 cudaDataType_t::CUDA_R_16F,
             )?;
-            self.add(&mut w.x, &w.o, n * h)?;
+            match self.layers.get(li + 1) {
+                Some(next) => self.add_norm(&mut w.hn, &mut w.x, &w.o, &next.attn_norm, n)?,
+                None => self.add(&mut w.x, &w.o, n * h)?,
+            }
         }
         Ok(())
     }
 
-    /// Final norm of the `want` rows and their logits, copied to the host.
-    fn logits(
-        &self,
-        wanted: usize,
-        ix: &Indexes,
-        w: &mut Workspace,
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
+    /// The logits of the `wanted` rows (normed into `w.hn` by `run`), on the device.
+    fn head(&self, wanted: usize, w: &mut Workspace) -> Result<(), ModelError> {
         if wanted == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
         let d = self.dims;
-        self.rms_norm(&mut w.hn, &w.x, &self.norm, Some(&ix.want), wanted)?;
         let out = self.output.as_ref().unwrap_or(&self.embed);
         self.gemm(
             &w.hn,
@@ -680,12 +610,29 @@ impl CudaLlama {
             d.hidden,
             &mut w.logits,
             cudaDataType_t::CUDA_R_32F,
-        )?;
+        )
+    }
+
+    /// Wanted rows `rows` of the logits, copied to the host in one transfer.
+    fn copy_logits(
+        &self,
+        w: &Workspace,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let v = self.dims.vocab;
         let host = self
             .stream
-            .clone_dtoh(&w.logits.slice(..wanted * d.vocab))
+            .clone_dtoh(&w.logits.slice(rows.start * v..rows.end * v))
             .map_err(err)?;
-        Ok(host.chunks(d.vocab).map(<[f32]>::to_vec).collect())
+        Ok(host.chunks(v).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Turns the device's `pick_rows` on or off (off: every row's logits come to the host).
+    pub fn set_device_picks(&mut self, on: bool) {
+        self.device_picks = on;
     }
 
     /// `out[b] = RMSNorm(x[rows[b]])` (or of row b without `rows`) for `n` rows.
@@ -708,6 +655,24 @@ impl CudaLlama {
         l.arg(&h).arg(&eps);
         // SAFETY: one block per output row; source rows (when given) index rows of x that
         // this forward wrote; shared memory holds the reduction.
+        unsafe { l.launch(blocks(n, THREADS as usize)) }.map_err(err)?;
+        Ok(())
+    }
+
+    /// `x += y`, then `out = RMSNorm(x)` for `n` rows, in one launch.
+    fn add_norm(
+        &self,
+        out: &mut CudaSlice<u16>,
+        x: &mut CudaSlice<f32>,
+        y: &CudaSlice<u16>,
+        weight: &CudaSlice<f32>,
+        n: usize,
+    ) -> Result<(), ModelError> {
+        let (h, eps) = (self.dims.hidden as i32, self.dims.eps);
+        let mut l = self.stream.launch_builder(&self.k.add_rms_norm);
+        l.arg(out).arg(x).arg(y).arg(weight).arg(&h).arg(&eps);
+        // SAFETY: one block per row of this forward; out, x and y hold at least n rows of
+        // h; shared memory holds the reduction.
         unsafe { l.launch(blocks(n, THREADS as usize)) }.map_err(err)?;
         Ok(())
     }

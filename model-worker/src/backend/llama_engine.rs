@@ -13,7 +13,7 @@ use candle_transformers::generation::LogitsProcessor;
 use rayon::prelude::*;
 
 use super::decoder::{Cache, Decoder};
-use super::llama_batch::Row;
+use super::llama_batch::{Row, Sampled, Want, logprob};
 use crate::error::ModelError;
 
 /// Prompt rows per forward (shared by the streams still prefilling): bounds how long one step
@@ -139,19 +139,14 @@ impl<'a> Detok<'a> {
     }
 }
 
-/// Natural log-probability of `token` under `logits` (temperature 1).
-pub fn logprob(logits: &[f32], token: u32) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f32>().ln();
-    logits[token as usize] - lse
-}
-
 struct Stream<'a> {
     job: Job,
     cache: Cache,
     /// Prompt tokens not yet run through the model.
     prefill_at: usize,
     sampler: LogitsProcessor,
+    /// No temperature: the sampler is an argmax, so the decoder may pick the token itself.
+    greedy: bool,
     detok: Detok<'a>,
     /// The token to feed next (decoding) and how many were generated.
     next: u32,
@@ -159,10 +154,18 @@ struct Stream<'a> {
 }
 
 impl Stream<'_> {
-    /// Samples from `logits` and tells the caller. Returns how the stream ended, if it did.
-    fn on_logits(&mut self, logits: &[f32], eos: &[u32]) -> Result<Option<Finish>, ModelError> {
-        let next = self.sampler.sample(&Tensor::new(logits, &Device::Cpu)?)?;
-        let logprob = logprob(logits, next);
+    /// Takes the decoder's token (greedy) or samples one from the logits, and tells the
+    /// caller. Returns how the stream ended, if it did.
+    fn on_sampled(&mut self, out: Sampled, eos: &[u32]) -> Result<Option<Finish>, ModelError> {
+        let (next, logprob) = match out {
+            Sampled::Token { token, logprob } => (token, logprob),
+            Sampled::Logits(logits) => {
+                let next = self
+                    .sampler
+                    .sample(&Tensor::new(&logits[..], &Device::Cpu)?)?;
+                (next, logprob(&logits, next))
+            }
+        };
         self.generated += 1;
         let last = self.generated == self.job.params.max_tokens;
         let (text, stopped) = if eos.contains(&next) {
@@ -249,6 +252,8 @@ fn run(
                 cache: model.new_cache(),
                 prefill_at: 0,
                 sampler,
+                // LogitsProcessor's own rule for an argmax.
+                greedy: temperature.is_none_or(|t| t < 1e-7),
                 detok: Detok::new(tokenizer, job.params.stop.clone()),
                 next: 0,
                 generated: 0,
@@ -324,21 +329,31 @@ fn step(
     metrics::histogram!("model_decode_step_rows", "model" => label.to_owned())
         .record(rows.len() as f64);
     let want: Vec<usize> = sample_at.iter().map(|&(_, r)| r).collect();
-    let logits = {
+    let how: Vec<Want> = sample_at
+        .iter()
+        .map(|&(i, _)| {
+            if active[i].greedy {
+                Want::Greedy
+            } else {
+                Want::Logits
+            }
+        })
+        .collect();
+    let outs = {
         let mut caches: Vec<&mut Cache> = active.iter_mut().map(|s| &mut s.cache).collect();
-        model.forward(&rows, &mut caches, &want)?
+        model.forward_sampled(&rows, &mut caches, &want, &how)?
     };
     // Sampling, detokenising and sending run per stream in parallel: on the decode thread
     // alone they left the cores idle between forwards.
-    let mut by_stream: Vec<Option<Vec<f32>>> = vec![None; active.len()];
-    for ((i, _), l) in sample_at.into_iter().zip(logits) {
-        by_stream[i] = Some(l);
+    let mut by_stream: Vec<Option<Sampled>> = vec![None; active.len()];
+    for ((i, _), out) in sample_at.into_iter().zip(outs) {
+        by_stream[i] = Some(out);
     }
     let mut ended: Vec<(usize, Outcome)> = active
         .par_iter_mut()
         .zip(by_stream)
         .enumerate()
-        .filter_map(|(i, (s, l))| match s.on_logits(&l?, eos) {
+        .filter_map(|(i, (s, out))| match s.on_sampled(out?, eos) {
             Ok(None) => None,
             Ok(Some(f)) => Some((i, Ok((f, s.generated)))),
             Err(e) => Some((i, Err(e))),

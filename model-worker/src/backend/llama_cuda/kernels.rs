@@ -1,0 +1,191 @@
+//! The NVRTC kernels of the CUDA llama decoder (header-free f16 helpers from `cuda_half`
+//! are prepended at compile time).
+
+pub(super) const KERNELS: &str = r#"
+#define PAGE 16
+
+__device__ float block_reduce(float v, float* buf, int is_max) {
+  buf[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) {
+      float o = buf[threadIdx.x + s];
+      buf[threadIdx.x] = is_max ? fmaxf(buf[threadIdx.x], o) : buf[threadIdx.x] + o;
+    }
+    __syncthreads();
+  }
+  float r = buf[0];
+  __syncthreads();
+  return r;
+}
+
+// x[r, :] = table[tokens[r], :] (f16 table, f32 residual stream).
+extern "C" __global__ void embed_rows(float* x, const unsigned short* table,
+    const unsigned* tokens, int rows, int h) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)rows * h) return;
+  size_t r = i / h, c = i % h;
+  x[i] = h2f(table[(size_t)tokens[r] * h + c]);
+}
+
+// out[b] = x[src] * rsqrt(mean(x[src]^2) + eps) * w as f16, src = rows ? rows[b] : b.
+extern "C" __global__ void rms_norm(unsigned short* out, const float* x, const float* w,
+    const int* rows, int h, float eps) {
+  extern __shared__ float buf[];
+  size_t b = blockIdx.x;
+  const float* xr = x + (size_t)(rows ? rows[b] : (int)b) * h;
+  float s = 0.f;
+  for (int c = threadIdx.x; c < h; c += blockDim.x) s += xr[c] * xr[c];
+  float inv = rsqrtf(block_reduce(s, buf, 0) / h + eps);
+  for (int c = threadIdx.x; c < h; c += blockDim.x) out[b * h + c] = f2h(xr[c] * inv * w[c]);
+}
+
+// One block per row: rotates the consecutive pairs of every q and k head by the row's
+// position, then stores the row's k and v into its cache slot. qkv rows are
+// [q (heads*d) | k (kvh*d) | v (kvh*d)]; the caches hold slots of kvh*d.
+extern "C" __global__ void rope_store(unsigned short* qkv, unsigned short* kc,
+    unsigned short* vc, const int* pos, const int* slots, const float* cos_t,
+    const float* sin_t, int heads, int kvh, int d) {
+  int r = blockIdx.x, half = d / 2;
+  int qw = heads * d, kw = kvh * d;
+  unsigned short* row = qkv + (size_t)r * (qw + 2 * kw);
+  const float* cs = cos_t + (size_t)pos[r] * half;
+  const float* sn = sin_t + (size_t)pos[r] * half;
+  for (int i = threadIdx.x; i < (heads + kvh) * half; i += blockDim.x) {
+    int head = i / half, j = i % half;
+    unsigned short* p = row + head * d + 2 * j;  // k heads follow the q heads
+    float a = h2f(p[0]), b = h2f(p[1]);
+    p[0] = f2h(a * cs[j] - b * sn[j]);
+    p[1] = f2h(a * sn[j] + b * cs[j]);
+  }
+  __syncthreads();
+  size_t slot = slots[r];
+  for (int c = threadIdx.x; c < kw; c += blockDim.x) {
+    kc[slot * kw + c] = row[qw + c];
+    vc[slot * kw + c] = row[qw + kw + c];
+  }
+}
+
+// One block per (row, head): causal attention of the row's query over positions
+// 0..=pos[r] of its sequence, whose pages are tables[tstart[r]..]. Shared memory: d + 
+// blockDim.x + the longest span of the batch, in floats.
+extern "C" __global__ void attention(unsigned short* out, const unsigned short* qkv,
+    const unsigned short* kc, const unsigned short* vc, const int* pos, const int* tstart,
+    const int* tables, int heads, int kvh, int d, float scale) {
+  extern __shared__ float sh[];
+  int r = blockIdx.x / heads, head = blockIdx.x % heads;
+  int kvhead = head / (heads / kvh);
+  int qw = heads * d, kw = kvh * d;
+  float* q = sh;
+  float* red = sh + d;
+  float* sc = red + blockDim.x;
+  int span = pos[r] + 1;
+  const unsigned short* qr = qkv + (size_t)r * (qw + 2 * kw) + head * d;
+  for (int j = threadIdx.x; j < d; j += blockDim.x) q[j] = h2f(qr[j]) * scale;
+  __syncthreads();
+  const int* table = tables + tstart[r];
+  float mx = -1e30f;
+  for (int p = threadIdx.x; p < span; p += blockDim.x) {
+    size_t slot = (size_t)table[p / PAGE] * PAGE + p % PAGE;
+    const unsigned short* k = kc + slot * kw + kvhead * d;
+    float s = 0.f;
+    for (int j = 0; j < d; j++) s += q[j] * h2f(k[j]);
+    sc[p] = s;
+    mx = fmaxf(mx, s);
+  }
+  mx = block_reduce(mx, red, 1);
+  float sum = 0.f;
+  for (int p = threadIdx.x; p < span; p += blockDim.x) {
+    float e = __expf(sc[p] - mx);
+    sc[p] = e;
+    sum += e;
+  }
+  float inv = 1.f / block_reduce(sum, red, 0);
+  for (int j = threadIdx.x; j < d; j += blockDim.x) {
+    float acc = 0.f;
+    for (int p = 0; p < span; p++) {
+      size_t slot = (size_t)table[p / PAGE] * PAGE + p % PAGE;
+      acc += sc[p] * h2f(vc[slot * kw + kvhead * d + j]);
+    }
+    out[(size_t)r * qw + head * d + j] = f2h(acc * inv);
+  }
+}
+
+// x[b] += y[b] (the residual add), then out[b] = RMSNorm(x[b]) * w as f16: one launch for
+// what add_rows and rms_norm did in two, with the same arithmetic in the same order.
+extern "C" __global__ void add_rms_norm(unsigned short* out, float* x, const unsigned short* y,
+    const float* w, int h, float eps) {
+  extern __shared__ float buf[];
+  size_t b = blockIdx.x;
+  float* xr = x + b * h;
+  const unsigned short* yr = y + b * h;
+  float s = 0.f;
+  for (int c = threadIdx.x; c < h; c += blockDim.x) {
+    float v = xr[c] + h2f(yr[c]);
+    xr[c] = v;
+    s += v * v;
+  }
+  float inv = rsqrtf(block_reduce(s, buf, 0) / h + eps);
+  for (int c = threadIdx.x; c < h; c += blockDim.x) out[b * h + c] = f2h(xr[c] * inv * w[c]);
+}
+
+// x += y (f32 += f16).
+extern "C" __global__ void add_rows(float* x, const unsigned short* y, int n) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < (size_t)n) x[i] += h2f(y[i]);
+}
+
+// out[r, i] = silu(gu[r, i]) * gu[r, inter + i] (gate and up stacked per row).
+extern "C" __global__ void silu_mul(unsigned short* out, const unsigned short* gu, int rows,
+    int inter) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)rows * inter) return;
+  size_t r = i / inter, c = i % inter;
+  float g = h2f(gu[r * 2 * inter + c]), u = h2f(gu[r * 2 * inter + inter + c]);
+  out[i] = f2h(g / (1.f + __expf(-g)) * u);
+}
+
+// One block per wanted row of logits: the row's log-softmax at one token (temperature 1),
+// either targets[b] or, without targets, the greedy token: the first of the largest logits,
+// as the CPU's argmax picks it (a NaN logit is never picked). A greedy decode step or a
+// scoring call then copies two numbers per row back instead of the vocabulary's logits.
+// Shared memory: 2 * blockDim.x words.
+extern "C" __global__ void pick_rows(const float* logits, int vocab, const unsigned* targets,
+    unsigned* tokens, float* logprobs) {
+  extern __shared__ float sh[];
+  int* bi = (int*)(sh + blockDim.x);
+  const float* l = logits + (size_t)blockIdx.x * vocab;
+  const int none = 0x7fffffff;
+  float best = __int_as_float(0xff800000);  // -inf
+  int idx = none;
+  for (int c = threadIdx.x; c < vocab; c += blockDim.x) {
+    float v = l[c];
+    if (v > best) { best = v; idx = c; }  // each thread's columns rise: the first max stays
+  }
+  sh[threadIdx.x] = best;
+  bi[threadIdx.x] = idx;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) {
+      float v = sh[threadIdx.x + s];
+      int j = bi[threadIdx.x + s];
+      if (v > sh[threadIdx.x] || (v == sh[threadIdx.x] && j < bi[threadIdx.x])) {
+        sh[threadIdx.x] = v;
+        bi[threadIdx.x] = j;
+      }
+    }
+    __syncthreads();
+  }
+  best = sh[0];
+  idx = bi[0] == none ? 0 : bi[0];
+  __syncthreads();
+  float sum = 0.f;
+  for (int c = threadIdx.x; c < vocab; c += blockDim.x) sum += expf(l[c] - best);
+  sum = block_reduce(sum, sh, 0);
+  if (threadIdx.x == 0) {
+    unsigned t = targets ? targets[blockIdx.x] : (unsigned)idx;
+    tokens[blockIdx.x] = t;
+    logprobs[blockIdx.x] = (l[t] - best) - logf(sum);
+  }
+}
+"#;

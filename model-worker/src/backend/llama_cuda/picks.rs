@@ -1,0 +1,125 @@
+//! Rows a caller needs one token of, answered on the device: `pick_rows` computes the
+//! greedy token or a target token's log-probability per row, so a greedy decode step or a
+//! scoring call copies two numbers per row instead of the vocabulary's logits.
+
+use cudarc::driver::PushKernelArg;
+
+use super::{CudaLlama, THREADS, Workspace, blocks, err};
+use crate::backend::llama_batch::{Sampled, Want};
+use crate::error::ModelError;
+
+impl CudaLlama {
+    /// Each wanted row's result as `how` asks: `pick_rows` on the device for greedy and
+    /// single-token rows (every row, then only the two numbers of those rows come back),
+    /// logits copied for the rest, one transfer per run of consecutive logit rows.
+    pub(super) fn sampled(
+        &self,
+        w: &mut Workspace,
+        how: &[Want],
+    ) -> Result<Vec<Sampled>, ModelError> {
+        let n = how.len();
+        let on_device = self.device_picks && how.iter().any(|h| *h != Want::Logits);
+        if !on_device {
+            let logits = self.copy_logits(w, 0..n)?;
+            return Ok(logits
+                .into_iter()
+                .zip(how)
+                .map(|(l, &h)| Sampled::from_logits(l, h))
+                .collect());
+        }
+        let targets: Vec<u32> = how
+            .iter()
+            .map(|h| match *h {
+                Want::LogprobOf(t) => t,
+                _ => u32::MAX,
+            })
+            .collect();
+        let any_target = how.iter().any(|h| matches!(h, Want::LogprobOf(_)));
+        let greedy_too = how.contains(&Want::Greedy);
+        if any_target && greedy_too {
+            // One launch takes targets for every row or for none: a mix runs twice.
+            let greedy = self.pick(w, n, None)?;
+            let scored = self.pick(w, n, Some(&targets))?;
+            return self.assemble(w, how, |i| {
+                if how[i] == Want::Greedy {
+                    greedy[i]
+                } else {
+                    scored[i]
+                }
+            });
+        }
+        let picked = self.pick(w, n, any_target.then_some(&targets[..]))?;
+        self.assemble(w, how, |i| picked[i])
+    }
+
+    /// `pick_rows` over the first `n` wanted rows: (token, log-probability) per row.
+    fn pick(
+        &self,
+        w: &mut Workspace,
+        n: usize,
+        targets: Option<&[u32]>,
+    ) -> Result<Vec<(u32, f32)>, ModelError> {
+        let vocab = self.dims.vocab as i32;
+        // A target of a Greedy / Logits row (u32::MAX) is read by no one: it is replaced
+        // by 0 so that every row's read stays inside the vocabulary.
+        let targets = targets
+            .map(|t| {
+                let t: Vec<u32> = t
+                    .iter()
+                    .map(|&x| if x == u32::MAX { 0 } else { x })
+                    .collect();
+                self.stream.clone_htod(&t).map_err(err)
+            })
+            .transpose()?;
+        let null = 0u64;
+        {
+            let mut l = self.stream.launch_builder(&self.k.pick_rows);
+            l.arg(&w.logits).arg(&vocab);
+            match &targets {
+                Some(t) => l.arg(t),
+                None => l.arg(&null),
+            };
+            l.arg(&mut w.picked).arg(&mut w.picked_logprob);
+            // SAFETY: one block per wanted row (n <= the workspace's rows), each reading its
+            // row of vocab logits written by `head`; targets were checked against the
+            // vocabulary (forward_sampled) and hold one per row; shared memory is the two
+            // reduction arrays of THREADS words.
+            unsafe { l.launch(blocks(n, 2 * THREADS as usize)) }.map_err(err)?;
+        }
+        let tokens = self.stream.clone_dtoh(&w.picked.slice(..n)).map_err(err)?;
+        let logprobs = self
+            .stream
+            .clone_dtoh(&w.picked_logprob.slice(..n))
+            .map_err(err)?;
+        Ok(tokens.into_iter().zip(logprobs).collect())
+    }
+
+    /// The results in `how`'s order: picked rows from `picked(i)`, logit rows copied in runs.
+    fn assemble(
+        &self,
+        w: &Workspace,
+        how: &[Want],
+        picked: impl Fn(usize) -> (u32, f32),
+    ) -> Result<Vec<Sampled>, ModelError> {
+        let mut out = Vec::with_capacity(how.len());
+        let mut i = 0;
+        while i < how.len() {
+            if how[i] == Want::Logits {
+                let end = (i..how.len())
+                    .find(|&j| how[j] != Want::Logits)
+                    .unwrap_or(how.len());
+                out.extend(
+                    self.copy_logits(w, i..end)?
+                        .into_iter()
+                        .map(Sampled::Logits),
+                );
+                i = end;
+            } else {
+                let (token, logprob) = picked(i);
+                out.push(Sampled::Token { token, logprob });
+                i += 1;
+            }
+        }
+        Ok(out)
+    }
+}
