@@ -98,30 +98,79 @@ mod x86 {
         _mm_cvtss_f32(s)
     }
 
-    /// out[r] = dot(w, x[r]) for every row r of x (m = out.len() rows of k), 8 lanes at a
-    /// time, four activation rows per pass so each weight vector feeds four FMAs. `$load`
-    /// gives the 8 weights at column `$c` as f32 lanes.
+    /// Bytes ahead of the weight being read that the first pass prefetches: the weight
+    /// stream is the memory traffic of a decode step, and with several rows per weight the
+    /// loop issues too few loads per byte for the out-of-order window alone to keep enough
+    /// cache misses in flight (8 rows ran at half the bandwidth of one before this).
+    const PREFETCH_BYTES: usize = 1024;
+
+    /// One pass of `$rows` (a literal) activation rows from row `$r`: each 8-lane weight
+    /// vector feeds `$rows` FMAs into as many register accumulators (the loops over rows
+    /// have constant bounds, so they unroll with no per-row checks). `$load` gives the 8
+    /// weights at column `$c` as f32 lanes; `$pf` runs once per column step (the prefetch).
+    macro_rules! dot_pass {
+        ($rows:literal, $x:ident, $k:ident, $r:expr, $out:ident, |$c:ident| $load:expr, $pf:expr) => {{
+            let r = $r;
+            let mut acc = [_mm256_setzero_ps(); $rows];
+            let mut $c = 0;
+            while $c < $k {
+                $pf;
+                let wv = $load;
+                for (j, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: row r + j < m and c + 8 <= k, so the 8 floats are in x.
+                    let xv = unsafe { _mm256_loadu_ps($x.as_ptr().add((r + j) * $k + $c)) };
+                    *a = _mm256_fmadd_ps(wv, xv, *a);
+                }
+                $c += 8;
+            }
+            for (j, a) in acc.iter().enumerate() {
+                $out[r + j] = hsum(*a);
+            }
+        }};
+    }
+
+    /// out[r] = dot(w, x[r]) for every row r of x (m = out.len() rows of k): passes of 8,
+    /// 4, then 3/2/1 rows; the first pass streams the weights from memory (prefetching
+    /// `PREFETCH_BYTES` ahead, `$line` elements per cache line), later ones find them in L1.
     macro_rules! dot_rows {
-        ($x:ident, $k:ident, $out:ident, |$c:ident| $load:expr) => {{
+        ($w:ident, $x:ident, $k:ident, $out:ident, $line:expr, |$c:ident| $load:expr) => {{
             let m = $out.len();
+            let base = $w.as_ptr().cast::<i8>();
+            let size = std::mem::size_of_val(&$w[0]);
             let mut r = 0;
             while r < m {
-                let take = (m - r).min(4);
-                let mut acc = [_mm256_setzero_ps(); 4];
-                let mut $c = 0;
-                while $c < $k {
-                    let wv = $load;
-                    for (j, a) in acc.iter_mut().enumerate().take(take) {
-                        // SAFETY: row r + j < m and c + 8 <= k, so the 8 floats are in x.
-                        let xv = unsafe { _mm256_loadu_ps($x.as_ptr().add((r + j) * $k + $c)) };
-                        *a = _mm256_fmadd_ps(wv, xv, *a);
+                let first = r == 0;
+                let pf = |c: usize| {
+                    if first && c % $line == 0 {
+                        // A hint only: past the row it reads the next row of the matrix,
+                        // past the matrix nothing (prefetches do not fault).
+                        let at = base.wrapping_add(c * size + PREFETCH_BYTES);
+                        _mm_prefetch::<_MM_HINT_T0>(at);
                     }
-                    $c += 8;
-                }
-                for (j, a) in acc.iter().enumerate().take(take) {
-                    $out[r + j] = hsum(*a);
-                }
-                r += take;
+                };
+                let rows = match m - r {
+                    n if n >= 8 => {
+                        dot_pass!(8, $x, $k, r, $out, |$c| $load, pf($c));
+                        8
+                    }
+                    n if n >= 4 => {
+                        dot_pass!(4, $x, $k, r, $out, |$c| $load, pf($c));
+                        4
+                    }
+                    3 => {
+                        dot_pass!(3, $x, $k, r, $out, |$c| $load, pf($c));
+                        3
+                    }
+                    2 => {
+                        dot_pass!(2, $x, $k, r, $out, |$c| $load, pf($c));
+                        2
+                    }
+                    _ => {
+                        dot_pass!(1, $x, $k, r, $out, |$c| $load, pf($c));
+                        1
+                    }
+                };
+                r += rows;
             }
         }};
     }
@@ -131,7 +180,9 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn row_f32(w: &[f32], x: &[f32], k: usize, out: &mut [f32]) {
         // SAFETY: c + 8 <= k == w.len() for every c the loop passes.
-        dot_rows!(x, k, out, |c| unsafe { _mm256_loadu_ps(w.as_ptr().add(c)) })
+        dot_rows!(w, x, k, out, 16, |c| unsafe {
+            _mm256_loadu_ps(w.as_ptr().add(c))
+        })
     }
 
     /// # Safety
@@ -139,7 +190,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn row_f16(w: &[half::f16], x: &[f32], k: usize, out: &mut [f32]) {
         // SAFETY: 8 halves (16 bytes) at c, c + 8 <= k == w.len().
-        dot_rows!(x, k, out, |c| unsafe {
+        dot_rows!(w, x, k, out, 32, |c| unsafe {
             _mm256_cvtph_ps(_mm_loadu_si128(w.as_ptr().add(c).cast::<__m128i>()))
         })
     }
@@ -171,7 +222,7 @@ mod tests {
             .collect();
         let wh: Vec<half::f16> = w.iter().map(|&v| half::f16::from_f32(v)).collect();
         let w_rounded: Vec<f32> = wh.iter().map(|v| v.to_f32()).collect();
-        for m in [1usize, 3, 4, 7, 16] {
+        for m in [1usize, 2, 3, 4, 7, 8, 9, 12, 15, 16] {
             let x: Vec<f32> = (0..m * k)
                 .map(|i| ((i * 13 % 29) as f32 - 14.0) / 8.0)
                 .collect();
