@@ -95,7 +95,8 @@ impl Decoder {
     /// The decoder of a llama GGUF on `placement`. On CUDA the GPU decoder must agree with
     /// the CPU one on `probe` (prompt tokens): cosine of the logits after every probe token
     /// above 0.999 and the GPU's top token among the CPU's top 5 at each; otherwise the load
-    /// fails (the registry then falls back to the CPU under `device = "auto"`).
+    /// fails (the registry then falls back to the CPU under `device = "auto"`). The GPU's own
+    /// token picks must then match the host's on its logits, or they are switched off.
     pub fn load<R: std::io::Read + std::io::Seek>(
         content: &gguf_file::Content,
         reader: &mut R,
