@@ -146,8 +146,9 @@ extern "C" __global__ void silu_mul(unsigned short* out, const unsigned short* g
 }
 
 // One block per wanted row of logits: the row's log-softmax at one token (temperature 1),
-// either targets[b] or, without targets, the greedy token: the first of the largest logits,
-// as the CPU's argmax picks it (a NaN logit is never picked). A greedy decode step or a
+// either targets[b] or, without targets or where targets[b] is 0xffffffff, the greedy
+// token: the first of the largest logits, as the CPU's argmax picks it (a NaN logit is never
+// picked). A greedy decode step or a
 // scoring call then copies two numbers per row back instead of the vocabulary's logits.
 // Shared memory: 2 * blockDim.x words.
 extern "C" __global__ void pick_rows(const float* logits, int vocab, const unsigned* targets,
@@ -183,7 +184,8 @@ extern "C" __global__ void pick_rows(const float* logits, int vocab, const unsig
   for (int c = threadIdx.x; c < vocab; c += blockDim.x) sum += expf(l[c] - best);
   sum = block_reduce(sum, sh, 0);
   if (threadIdx.x == 0) {
-    unsigned t = targets ? targets[blockIdx.x] : (unsigned)idx;
+    unsigned t = targets ? targets[blockIdx.x] : 0xffffffffu;
+    if (t == 0xffffffffu) t = (unsigned)idx;
     tokens[blockIdx.x] = t;
     logprobs[blockIdx.x] = (l[t] - best) - logf(sum);
   }

@@ -9,9 +9,9 @@ use crate::backend::llama_batch::{Sampled, Want};
 use crate::error::ModelError;
 
 impl CudaLlama {
-    /// Each wanted row's result as `how` asks: `pick_rows` on the device for greedy and
-    /// single-token rows (every row, then only the two numbers of those rows come back),
-    /// logits copied for the rest, one transfer per run of consecutive logit rows.
+    /// Each wanted row's result as `how` asks: one `pick_rows` launch on the device for
+    /// greedy and single-token rows (every row, then only the two numbers of those rows come
+    /// back), logits copied for the rest, one transfer per run of consecutive logit rows.
     pub(super) fn sampled(
         &self,
         w: &mut Workspace,
@@ -27,6 +27,8 @@ impl CudaLlama {
                 .map(|(l, &h)| Sampled::from_logits(l, h))
                 .collect());
         }
+        // One launch for every row: a greedy (or logits) row's target is the kernel's
+        // "greedy" sentinel; the targets go up only when some row has one.
         let targets: Vec<u32> = how
             .iter()
             .map(|h| match *h {
@@ -35,24 +37,12 @@ impl CudaLlama {
             })
             .collect();
         let any_target = how.iter().any(|h| matches!(h, Want::LogprobOf(_)));
-        let greedy_too = how.contains(&Want::Greedy);
-        if any_target && greedy_too {
-            // One launch takes targets for every row or for none: a mix runs twice.
-            let greedy = self.pick(w, n, None)?;
-            let scored = self.pick(w, n, Some(&targets))?;
-            return self.assemble(w, how, |i| {
-                if how[i] == Want::Greedy {
-                    greedy[i]
-                } else {
-                    scored[i]
-                }
-            });
-        }
         let picked = self.pick(w, n, any_target.then_some(&targets[..]))?;
         self.assemble(w, how, |i| picked[i])
     }
 
-    /// `pick_rows` over the first `n` wanted rows: (token, log-probability) per row.
+    /// `pick_rows` over the first `n` wanted rows: (token, log-probability) per row; a row's
+    /// target `u32::MAX` (or no targets) asks for its greedy token.
     fn pick(
         &self,
         w: &mut Workspace,
@@ -60,16 +50,8 @@ impl CudaLlama {
         targets: Option<&[u32]>,
     ) -> Result<Vec<(u32, f32)>, ModelError> {
         let vocab = self.dims.vocab as i32;
-        // A target of a Greedy / Logits row (u32::MAX) is read by no one: it is replaced
-        // by 0 so that every row's read stays inside the vocabulary.
         let targets = targets
-            .map(|t| {
-                let t: Vec<u32> = t
-                    .iter()
-                    .map(|&x| if x == u32::MAX { 0 } else { x })
-                    .collect();
-                self.stream.clone_htod(&t).map_err(err)
-            })
+            .map(|t| self.stream.clone_htod(t).map_err(err))
             .transpose()?;
         let null = 0u64;
         {
@@ -81,9 +63,9 @@ impl CudaLlama {
             };
             l.arg(&mut w.picked).arg(&mut w.picked_logprob);
             // SAFETY: one block per wanted row (n <= the workspace's rows), each reading its
-            // row of vocab logits written by `head`; targets were checked against the
-            // vocabulary (forward_sampled) and hold one per row; shared memory is the two
-            // reduction arrays of THREADS words.
+            // row of vocab logits written by `head`; targets hold one per row, each checked
+            // against the vocabulary (forward_sampled) or the greedy sentinel; shared memory
+            // is the two reduction arrays of THREADS words.
             unsafe { l.launch(blocks(n, 2 * THREADS as usize)) }.map_err(err)?;
         }
         let tokens = self.stream.clone_dtoh(&w.picked.slice(..n)).map_err(err)?;
