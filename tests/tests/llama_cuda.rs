@@ -25,13 +25,10 @@ fn cosine(a: &[f32], b: &[f32]) -> f32 {
     dot / (n(a) * n(b))
 }
 
-/// One sequence's greedy tokens, each with the logits it was chosen from.
-type Decoded = Vec<(u32, Vec<f32>)>;
-
-/// Greedy tokens and their logits for each prompt, every sequence in one forward per step.
-fn gpu_greedy(m: &CudaLlama, prompts: &[Vec<u32>]) -> Result<Vec<Decoded>> {
+/// The prompts prefilled together in one forward, as the engine does: a cache per prompt
+/// and the logits of each prompt's last row.
+fn prefill(m: &CudaLlama, prompts: &[Vec<u32>]) -> Result<(Vec<PagedCache>, Vec<Vec<f32>>)> {
     let mut caches: Vec<PagedCache> = prompts.iter().map(|_| m.new_cache()).collect();
-    // Prompts prefilled together, as the engine does.
     let mut rows = Vec::new();
     let mut last = Vec::new();
     for (seq, p) in prompts.iter().enumerate() {
@@ -39,21 +36,61 @@ fn gpu_greedy(m: &CudaLlama, prompts: &[Vec<u32>]) -> Result<Vec<Decoded>> {
         last.push(rows.len() - 1);
     }
     let mut refs: Vec<&mut PagedCache> = caches.iter_mut().collect();
-    let mut logits = m.forward(&rows, &mut refs, &last)?;
+    let logits = m.forward(&rows, &mut refs, &last)?;
+    Ok((caches, logits))
+}
+
+/// A decode step: one row per sequence (its next token), every row wanted.
+fn decode_rows(next: &[u32]) -> (Vec<Row>, Vec<usize>) {
+    let rows: Vec<Row> = next
+        .iter()
+        .enumerate()
+        .map(|(seq, &token)| Row { seq, token })
+        .collect();
+    let want = (0..rows.len()).collect();
+    (rows, want)
+}
+
+/// One sequence's greedy tokens, each with the logits it was chosen from.
+type Decoded = Vec<(u32, Vec<f32>)>;
+
+/// Greedy tokens and their logits for each prompt, every sequence in one forward per step.
+fn gpu_greedy(m: &CudaLlama, prompts: &[Vec<u32>]) -> Result<Vec<Decoded>> {
+    let (mut caches, mut logits) = prefill(m, prompts)?;
     let mut out: Vec<Decoded> = prompts.iter().map(|_| Vec::new()).collect();
     for _ in 0..TOKENS {
         let next: Vec<u32> = logits.iter().map(|l| argmax(l)).collect();
         for ((o, &t), l) in out.iter_mut().zip(&next).zip(logits) {
             o.push((t, l));
         }
-        let rows: Vec<Row> = next
-            .iter()
-            .enumerate()
-            .map(|(seq, &token)| Row { seq, token })
-            .collect();
+        let (rows, want) = decode_rows(&next);
         let mut refs: Vec<&mut PagedCache> = caches.iter_mut().collect();
-        let want: Vec<usize> = (0..rows.len()).collect();
         logits = m.forward(&rows, &mut refs, &want)?;
+    }
+    Ok(out)
+}
+
+/// As `gpu_greedy`, with every decode step through `forward_sampled` (one greedy row per
+/// sequence: the steps the decoder replays from CUDA graphs).
+fn gpu_greedy_sampled(m: &CudaLlama, prompts: &[Vec<u32>]) -> Result<Vec<Vec<u32>>> {
+    let (mut caches, logits) = prefill(m, prompts)?;
+    let mut next: Vec<u32> = logits.iter().map(|l| argmax(l)).collect();
+    let mut out: Vec<Vec<u32>> = prompts.iter().map(|_| Vec::new()).collect();
+    for _ in 0..TOKENS {
+        for (o, &t) in out.iter_mut().zip(&next) {
+            o.push(t);
+        }
+        let (rows, want) = decode_rows(&next);
+        let mut refs: Vec<&mut PagedCache> = caches.iter_mut().collect();
+        let how = vec![Want::Greedy; rows.len()];
+        next = m
+            .forward_sampled(&rows, &mut refs, &want, &how)?
+            .into_iter()
+            .map(|s| match s {
+                Sampled::Token { token, .. } => token,
+                Sampled::Logits(l) => argmax(&l),
+            })
+            .collect();
     }
     Ok(out)
 }
@@ -81,6 +118,21 @@ fn cuda_decoder_matches_the_cpu_decoder() -> Result<()> {
         .map(|p| generator.prompt_tokens(p, "", &[], false, ""))
         .collect::<Result<_, _>>()?;
     let decoded = gpu_greedy(&gpu, &prompts)?;
+    // Decode steps replayed from CUDA graphs against the launched ones: the same greedy
+    // tokens until a near-tie (after which the sequences may rightly differ).
+    let replayed = gpu_greedy_sampled(&gpu, &prompts)?;
+    for (i, (r, d)) in replayed.iter().zip(&decoded).enumerate() {
+        for (step, (t, (dt, l))) in r.iter().zip(d).enumerate() {
+            let tie = l.iter().filter(|&&x| x >= l[*dt as usize] - 1e-3).count() > 1;
+            assert!(
+                tie || t == dt,
+                "prompt {i} step {step}: graph {t}, launched {dt}"
+            );
+            if t != dt {
+                break;
+            }
+        }
+    }
     for (i, p) in prompts.iter().enumerate() {
         let tokens: Vec<u32> = decoded[i].iter().map(|(t, _)| *t).collect();
         let rows: Vec<Row> = p

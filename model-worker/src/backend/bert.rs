@@ -276,6 +276,10 @@ impl Encoder for BertEncoder {
         if n == 0 || len == 0 {
             return Ok(vec![Vec::new(); n]);
         }
+        if let (Stack::CudaHalf(g), Head::MeanPool) = (&self.model, &self.head) {
+            // Pooled on the device: only n vectors cross to the host.
+            return g.forward_mean_pooled(batch);
+        }
         let (ids, types, maskf) = pad(batch, len);
         let mask_t = Tensor::from_vec(maskf, (n, len), &self.device)?;
         let hidden = match &self.model {
@@ -347,7 +351,9 @@ fn cuda_stack(
 ) -> Result<Stack, ModelError> {
     let half = CudaHalfTransformer::load(vb.clone(), config, 0).and_then(|g| {
         let cos = cuda_agreement(cpu, probe, |b| g.forward(b))?;
-        Ok((g, cos))
+        let all: Vec<&Seq> = probe.iter().collect();
+        let pooled = g.forward_mean_pooled(&all)?;
+        Ok((g, cos.min(pooled_agreement(cpu, probe, &pooled)?)))
     });
     match half {
         Ok((g, cos)) if cos > 0.999 => {
@@ -418,13 +424,37 @@ fn cuda_agreement(
         let n = s.ids.len();
         let a = pooled(&cpu.forward(&[s])?, 0, n)?;
         for b in [pooled(&gpu(&[s])?, 0, n)?, pooled(&together, i, n)?] {
-            let dot: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
-            let na = a.iter().map(|x| x * x).sum::<f32>().sqrt();
-            let nb = b.iter().map(|x| x * x).sum::<f32>().sqrt();
-            worst = worst.min(dot / (na * nb).max(1e-12));
+            worst = worst.min(cosine(&a, &b));
         }
     }
     Ok(worst)
+}
+
+/// Lowest cosine between the CPU's mean-pooled outputs of the probes and `pooled` (the
+/// device-pooled vectors of the f16 encoder, one per probe).
+fn pooled_agreement(
+    cpu: &Transformer,
+    probe: &[Seq],
+    pooled: &[Vec<f32>],
+) -> Result<f32, ModelError> {
+    let mut worst = 1f32;
+    for (s, b) in probe.iter().zip(pooled) {
+        let hidden = cpu.forward(&[s])?;
+        let a = hidden.get(0)?.narrow(0, 0, s.ids.len())?.mean(0)?;
+        worst = worst.min(cosine(&a.to_vec1::<f32>()?, b));
+    }
+    Ok(if pooled.len() == probe.len() {
+        worst
+    } else {
+        0.0
+    })
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let na = a.iter().map(|x| x * x).sum::<f32>().sqrt();
+    let nb = b.iter().map(|x| x * x).sum::<f32>().sqrt();
+    dot / (na * nb).max(1e-12)
 }
 
 fn l2_normalize(t: &Tensor) -> candle_core::Result<Tensor> {

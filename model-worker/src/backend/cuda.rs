@@ -218,6 +218,51 @@ pub(crate) fn nvrtc_options() -> cudarc::nvrtc::CompileOptions {
     }
 }
 
+/// A context and one stream for a model whose buffers are used only on that stream. Once a
+/// context has a stream of its own, cudarc records and waits on an event for every buffer
+/// each kernel or copy touches (cross-stream safety); one stream already orders every use,
+/// so tracking is off before any buffer exists: a decode step launches hundreds of kernels.
+pub(crate) fn single_stream(
+    ordinal: usize,
+) -> Result<(Arc<CudaContext>, Arc<CudaStream>), cudarc::driver::DriverError> {
+    let ctx = CudaContext::new(ordinal)?;
+    // SAFETY: every buffer made on this context (a `CudaContext` value of its own) is made,
+    // used and freed on the stream returned here only, so stream order synchronises them.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream()?;
+    Ok((ctx, stream))
+}
+
+/// cuBLAS's workspace for one handle: 32 MB, as cuBLAS recommends for Hopper.
+const BLAS_WORKSPACE: usize = 32 << 20;
+
+/// Gives a cuBLAS handle a workspace of its own on `stream` (kept alive by the caller, with
+/// the handle): GEMMs then never allocate scratch memory, so they cost the same on every
+/// call and can be captured into CUDA graphs.
+pub(crate) fn set_blas_workspace(
+    blas: &CudaBlas,
+    stream: &Arc<CudaStream>,
+) -> Result<CudaSlice<u8>, String> {
+    use cudarc::driver::DevicePtr;
+    // SAFETY: cuBLAS writes its scratch data before reading it.
+    let ws = unsafe { stream.alloc::<u8>(BLAS_WORKSPACE) }.map_err(|e| e.to_string())?;
+    {
+        let (p, _g) = ws.device_ptr(stream);
+        // SAFETY: the handle is live; the buffer holds BLAS_WORKSPACE bytes (device
+        // allocations are 256-byte aligned) and the caller keeps it as long as the handle.
+        unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                p as *mut std::ffi::c_void,
+                BLAS_WORKSPACE,
+            )
+        }
+        .result()
+        .map_err(|e| e.to_string())?;
+    }
+    Ok(ws)
+}
+
 /// Compiles kernel source with NVRTC and loads it on `ctx`.
 pub(crate) fn compile(
     ctx: &Arc<CudaContext>,

@@ -21,11 +21,9 @@ use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{Config, HiddenAct, PositionEmbeddingType};
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::cudaDataType_t;
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
-use super::cuda::{compile, elems, gemm_f16, upload_f16};
+use super::cuda::{compile, elems, gemm_f16, set_blas_workspace, single_stream, upload_f16};
 use super::{Packed, Seq};
 use crate::error::ModelError;
 
@@ -108,6 +106,27 @@ extern "C" __global__ void bias_res_ln(unsigned short* out, float* out32,
     row[c] = h2f(x[r * h + c]) + bias[c] + h2f(res[r * h + c]);
   __syncthreads();
   norm_store(row, h, eps, g, b, out + r * h, out32 ? out32 + r * h : 0, buf);
+}
+
+// One block per sequence: out[s] = the mean of rows offsets[s]..offsets[s+1] of x, divided
+// by its L2 norm (at least 1e-12), as sentence-transformers' mean pooling + Normalize.
+// Shared: blockDim.x + h floats.
+extern "C" __global__ void mean_pool(float* out, const float* x, const int* offsets, int h) {
+  extern __shared__ float sh[];
+  float* buf = sh;
+  float* row = sh + blockDim.x;
+  int s = blockIdx.x, start = offsets[s], end = offsets[s + 1];
+  float inv_n = 1.f / (float)max(end - start, 1);
+  float q = 0.f;
+  for (int c = threadIdx.x; c < h; c += blockDim.x) {
+    float acc = 0.f;
+    for (int r = start; r < end; r++) acc += x[(size_t)r * h + c];
+    acc *= inv_n;
+    row[c] = acc;
+    q += acc * acc;
+  }
+  float inv = 1.f / fmaxf(sqrtf(block_sum(q, buf)), 1e-12f);
+  for (int c = threadIdx.x; c < h; c += blockDim.x) out[(size_t)s * h + c] = row[c] * inv;
 }
 
 // x[r, c] = act(x[r, c] + bias[c]) in place; act 1 = GELU (erf), 2 = GELU (tanh), 3 = ReLU.
@@ -204,6 +223,7 @@ struct Kernels {
     bias_res_ln: CudaFunction,
     bias_act: CudaFunction,
     attention: CudaFunction,
+    mean_pool: CudaFunction,
 }
 
 /// Activations for up to `tokens` packed rows, reused across forwards.
@@ -234,6 +254,8 @@ pub struct CudaHalfTransformer {
     act: i32,
     eps: f32,
     work: Mutex<Option<Workspace>>,
+    /// cuBLAS's workspace (`set_blas_workspace`), alive as long as the handle.
+    _blas_workspace: CudaSlice<u8>,
     pub device_name: String,
 }
 
@@ -272,10 +294,10 @@ impl CudaHalfTransformer {
             // The last layer's LayerNorm writes the f32 output.
             return Err(err("an encoder without layers"));
         }
-        let ctx = CudaContext::new(ordinal).map_err(err)?;
+        let (ctx, stream) = single_stream(ordinal).map_err(err)?;
         let device_name = ctx.name().map_err(err)?;
-        let stream = ctx.new_stream().map_err(err)?;
         let blas = CudaBlas::new(stream.clone()).map_err(err)?;
+        let blas_workspace = set_blas_workspace(&blas, &stream).map_err(err)?;
         let module = compile(&ctx, &kernel_source(head_dim)).map_err(err)?;
         let f = |name: &str| module.load_function(name).map_err(err);
         let k = Kernels {
@@ -283,6 +305,7 @@ impl CudaHalfTransformer {
             bias_res_ln: f("bias_res_ln")?,
             bias_act: f("bias_act")?,
             attention: f("attention")?,
+            mean_pool: f("mean_pool")?,
         };
         let vb = super::transformer::encoder_root(vb);
         let dense = |w: &Tensor, b: &Tensor| -> Result<Dense, ModelError> {
@@ -344,6 +367,7 @@ impl CudaHalfTransformer {
             },
             eps: c.layer_norm_eps as f32,
             work: Mutex::new(None),
+            _blas_workspace: blas_workspace,
             stream,
             blas,
             k,
@@ -454,21 +478,75 @@ impl CudaHalfTransformer {
     pub fn forward(&self, batch: &[&Seq]) -> Result<Tensor, ModelError> {
         let n = batch.len();
         let longest = batch.iter().map(|s| s.ids.len()).max().unwrap_or(0);
-        if longest > self.max_positions {
-            return Err(ModelError::InvalidArgument(format!(
-                "sequence of {longest} tokens is longer than the position table"
-            )));
-        }
-        let (h, rows) = (
-            self.hidden,
-            batch.iter().map(|s| s.ids.len()).sum::<usize>(),
-        );
-        if rows == 0 {
+        let h = self.hidden;
+        let packed_batch = Packed::new(batch);
+        let rows = packed_batch.ids.len();
+        let Some(packed) = self.encode(&packed_batch, |w, _| {
+            self.stream
+                .clone_dtoh(&w.out32.slice(..rows * h))
+                .map_err(err)
+        })?
+        else {
             return Ok(Tensor::zeros(
                 (n, longest, h),
                 DType::F32,
                 &candle_core::Device::Cpu,
             )?);
+        };
+        let padded = packed_batch.unpack(&packed, longest, h);
+        Ok(Tensor::from_vec(
+            padded,
+            (n, longest, h),
+            &candle_core::Device::Cpu,
+        )?)
+    }
+
+    /// Each sequence's mean-pooled, L2-normalised hidden state (sentence-transformers'
+    /// mean pooling + Normalize), pooled on the device: `n * hidden` floats come back
+    /// instead of every token's hidden state.
+    pub fn forward_mean_pooled(&self, batch: &[&Seq]) -> Result<Vec<Vec<f32>>, ModelError> {
+        let (n, h) = (batch.len(), self.hidden);
+        let packed = Packed::new(batch);
+        let pooled = self.encode(&packed, |w, offsets| {
+            // SAFETY: mean_pool writes all n * h floats before the copy reads them.
+            let mut out = unsafe { self.stream.alloc::<f32>(n * h) }.map_err(err)?;
+            let hi = h as i32;
+            let mut l = self.stream.launch_builder(&self.k.mean_pool);
+            l.arg(&mut out).arg(&w.out32).arg(offsets).arg(&hi);
+            // SAFETY: one block per sequence; offsets has n + 1 entries ending at the row
+            // count, out32 holds those rows; shared memory holds the reduction and one row.
+            unsafe { l.launch(rows_cfg(n, h)) }.map_err(err)?;
+            self.stream.clone_dtoh(&out).map_err(err)
+        })?;
+        Ok(match pooled {
+            Some(v) => v.chunks(h).map(<[f32]>::to_vec).collect(),
+            None => vec![vec![0.0; h]; n],
+        })
+    }
+
+    /// Runs the layers over the packed batch and hands the workspace (the last layer's f32
+    /// output in `out32`) and the sequence offsets to `out`; `None` for a batch without
+    /// tokens.
+    fn encode<T>(
+        &self,
+        packed_batch: &Packed,
+        out: impl FnOnce(&Workspace, &CudaSlice<i32>) -> Result<T, ModelError>,
+    ) -> Result<Option<T>, ModelError> {
+        let n = packed_batch.offsets.len() - 1;
+        let longest = packed_batch
+            .offsets
+            .windows(2)
+            .map(|o| o[1] - o[0])
+            .max()
+            .unwrap_or(0);
+        if longest > self.max_positions {
+            return Err(ModelError::InvalidArgument(format!(
+                "sequence of {longest} tokens is longer than the position table"
+            )));
+        }
+        let rows = packed_batch.ids.len();
+        if rows == 0 {
+            return Ok(None);
         }
         let mut guard = self
             .work
@@ -479,8 +557,7 @@ impl CudaHalfTransformer {
             *guard = Some(self.workspace(rows.max(grown).max(1024))?);
         }
         let w = guard.as_mut().ok_or_else(|| err("no workspace"))?;
-        let packed_batch = Packed::new(batch);
-        let offsets = self.embed(&packed_batch, w)?;
+        let offsets = self.embed(packed_batch, w)?;
         let last = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
             self.gemm(&w.x, &layer.qkv, rows, &mut w.qkv)?;
@@ -527,17 +604,7 @@ impl CudaHalfTransformer {
             let out32 = (i == last).then_some(&mut w.out32);
             self.bias_res_ln(&mut w.x, out32, &w.o, &w.a, &layer.out.b, &layer.ln2, rows)?;
         }
-        let packed = self
-            .stream
-            .clone_dtoh(&w.out32.slice(..rows * h))
-            .map_err(err)?;
-        drop(guard);
-        let padded = packed_batch.unpack(&packed, longest, h);
-        Ok(Tensor::from_vec(
-            padded,
-            (n, longest, h),
-            &candle_core::Device::Cpu,
-        )?)
+        out(w, &offsets).map(Some)
     }
 }
 

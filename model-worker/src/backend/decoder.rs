@@ -47,6 +47,16 @@ impl Decoder {
         }
     }
 
+    /// Prompt rows per forward (shared by the streams still prefilling): bounds how long one
+    /// step takes while long prompts come in. A GPU runs 2,048 rows of a small model in
+    /// about the time of a few decode steps, so new streams reach their first token sooner.
+    pub fn prefill_rows(&self) -> usize {
+        match self {
+            Decoder::Cpu(_) => 256,
+            Decoder::Cuda(_) => 2048,
+        }
+    }
+
     pub fn new_cache(&self) -> Cache {
         match self {
             Decoder::Cpu(m) => Cache::Cpu(m.new_cache()),
@@ -125,7 +135,15 @@ impl Decoder {
             tracing::warn!(gpu = %gpu.device_name, "device-side token picks disagree with the host's: logits are copied to the host instead");
         }
         gpu.set_device_picks(picks_ok);
-        tracing::info!(gpu = %gpu.device_name, cosine = cos, device_picks = picks_ok, "decoder on CUDA, checked against CPU");
+        // RAGCLUSTER_CUDA_GRAPHS=0 launches every step kernel by kernel (an escape hatch,
+        // and the other side of an A/B).
+        let graphs_wanted = std::env::var("RAGCLUSTER_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let graphs_ok = graphs_wanted && graph_steps_agree(&mut gpu, probe)?;
+        if graphs_wanted && !graphs_ok {
+            tracing::warn!(gpu = %gpu.device_name, "decode steps replayed from CUDA graphs disagree with launched ones: graphs off");
+        }
+        gpu.set_graphs(graphs_ok);
+        tracing::info!(gpu = %gpu.device_name, cosine = cos, device_picks = picks_ok, graphs = graphs_ok, "decoder on CUDA, checked against CPU");
         Ok(Decoder::Cuda(Box::new(gpu)))
     }
 }
@@ -189,6 +207,42 @@ fn device_picks_agree(
             Sampled::from_logits(l.clone(), target_how[i]),
         )
     }))
+}
+
+/// Whether three greedy decode steps after the probe's prefill pick the same tokens (log-
+/// probabilities within 1e-3) replayed from CUDA graphs as launched kernel by kernel; the
+/// second and third replays check that a graph reads each step's new indexes.
+fn graph_steps_agree(gpu: &mut CudaLlama, probe: &[u32]) -> Result<bool, ModelError> {
+    let Some((&last, prompt)) = probe.split_last() else {
+        return Ok(true);
+    };
+    let steps = |gpu: &mut CudaLlama, graphs: bool| -> Result<Vec<(u32, f32)>, ModelError> {
+        gpu.set_graphs(graphs);
+        let mut cache = gpu.new_cache();
+        let rows: Vec<Row> = prompt.iter().map(|&token| Row { seq: 0, token }).collect();
+        gpu.forward(&rows, &mut [&mut cache], &[])?;
+        let (mut next, mut out) = (last, Vec::new());
+        for _ in 0..3 {
+            let row = [Row {
+                seq: 0,
+                token: next,
+            }];
+            let s = gpu.forward_sampled(&row, &mut [&mut cache], &[0], &[Want::Greedy])?;
+            let (token, logprob) = match s.into_iter().next() {
+                Some(Sampled::Token { token, logprob }) => (token, logprob),
+                _ => return Err(ModelError::Inference("a greedy step gave logits".into())),
+            };
+            out.push((token, logprob));
+            next = token;
+        }
+        Ok(out)
+    };
+    let launched = steps(gpu, false)?;
+    let replayed = steps(gpu, true)?;
+    Ok(launched
+        .iter()
+        .zip(&replayed)
+        .all(|(a, b)| a.0 == b.0 && (a.1 - b.1).abs() <= 1e-3))
 }
 
 /// Lowest cosine between matching logit rows, and whether each GPU top token is among the

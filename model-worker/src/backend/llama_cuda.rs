@@ -29,11 +29,9 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::cudaDataType_t;
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
-use super::cuda::{compile, elems, gemm_f16, upload_f16};
+use super::cuda::{compile, elems, gemm_f16, set_blas_workspace, single_stream, upload_f16};
 use super::cuda_half::HALF_HELPERS;
 use super::llama_batch::{Dims, Row, Sampled, Want, check_wants};
 use crate::error::ModelError;
@@ -44,6 +42,7 @@ pub const PAGE: usize = 16;
 /// Threads per block of the row-wise kernels.
 const THREADS: u32 = 128;
 
+mod graphs;
 mod kernels;
 mod picks;
 use kernels::KERNELS;
@@ -92,6 +91,8 @@ struct Workspace {
     /// `pick_rows` output: a token and its log-probability per wanted row.
     picked: CudaSlice<u32>,
     picked_logprob: CudaSlice<f32>,
+    /// Decode-step graphs captured over this workspace's buffers (dropped with them).
+    decode: Option<Box<graphs::Decode>>,
 }
 
 /// The free pages of the KV pool.
@@ -140,6 +141,11 @@ pub struct CudaLlama {
     /// Whether `Want::Greedy` / `Want::LogprobOf` rows are answered on the device (`pick_rows`);
     /// `decoder` turns it off when the kernel disagrees with the host at load.
     device_picks: bool,
+    /// Whether pure decode steps replay a captured CUDA graph (`graphs`); `decoder` turns it
+    /// off when a replayed step disagrees with the launched one at load.
+    graphs: bool,
+    /// cuBLAS's workspace, set once so that captured GEMMs never allocate.
+    _blas_workspace: CudaSlice<u8>,
     pub device_name: String,
 }
 
@@ -153,6 +159,11 @@ fn blocks(n: usize, shared_floats: usize) -> LaunchConfig {
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: (shared_floats * 4) as u32,
     }
+}
+
+/// Shared memory of the attention kernel, in floats, for spans up to `longest`.
+fn attention_shared(d: &Dims, longest: usize) -> usize {
+    d.head_dim + 32 + (THREADS as usize / 32) * d.head_dim + longest
 }
 
 /// A GGUF llama's shapes (the same metadata `llama_batch` reads).
@@ -197,10 +208,16 @@ impl CudaLlama {
         ordinal: usize,
     ) -> Result<Self, ModelError> {
         let (mut d, blocks_n, base) = dims(content, context)?;
-        let ctx = CudaContext::new(ordinal).map_err(err)?;
+        if d.head_dim != 64 && d.head_dim != 128 {
+            return Err(err(format!(
+                "head size {} unsupported (64 or 128)",
+                d.head_dim
+            )));
+        }
+        let (ctx, stream) = single_stream(ordinal).map_err(err)?;
         let device_name = ctx.name().map_err(err)?;
-        let stream = ctx.new_stream().map_err(err)?;
         let blas = CudaBlas::new(stream.clone()).map_err(err)?;
+        let blas_workspace = set_blas_workspace(&blas, &stream).map_err(err)?;
         let module = compile(&ctx, &kernel_source()).map_err(err)?;
         let f = |name: &str| module.load_function(name).map_err(err);
         let k = Kernels {
@@ -270,6 +287,8 @@ impl CudaLlama {
             free: Arc::new(Mutex::new((0..pages as i32).rev().collect())),
             work: Mutex::new(None),
             device_picks: true,
+            graphs: graphs::fits(&d),
+            _blas_workspace: blas_workspace,
             embed,
             output,
             norm,
@@ -288,6 +307,19 @@ impl CudaLlama {
             len: 0,
             free: self.free.clone(),
         }
+    }
+
+    /// The workspace, grown (doubling, at least 64 rows) when it holds fewer than `rows`.
+    fn workspace_for<'w>(
+        &self,
+        slot: &'w mut Option<Workspace>,
+        rows: usize,
+    ) -> Result<&'w mut Workspace, ModelError> {
+        if slot.as_ref().is_none_or(|w| w.rows < rows) {
+            let grown = slot.as_ref().map_or(0, |w| w.rows * 2);
+            *slot = Some(self.workspace(rows.max(grown).max(64))?);
+        }
+        slot.as_mut().ok_or_else(|| err("no workspace"))
     }
 
     fn workspace(&self, rows: usize) -> Result<Workspace, ModelError> {
@@ -311,8 +343,20 @@ impl CudaLlama {
             // SAFETY: as above (pick_rows writes the rows that are read back).
             picked: unsafe { st.alloc::<u32>(rows) }.map_err(err)?,
             picked_logprob: f(rows)?,
+            decode: None,
         })
     }
+}
+
+/// The per-forward index arrays on the host, as `plan` lays them out.
+struct Plan {
+    tokens: Vec<u32>,
+    pos: Vec<i32>,
+    slots: Vec<i32>,
+    tstart: Vec<i32>,
+    tables: Vec<i32>,
+    want: Vec<i32>,
+    longest: usize,
 }
 
 /// The per-forward index arrays, on the device.
@@ -350,14 +394,35 @@ impl CudaLlama {
         )
     }
 
-    /// Validates the rows, gives each row a cache slot (taking pages from the pool as
-    /// sequences grow) and uploads the index arrays.
+    /// Validates the rows and uploads their index arrays (`plan`).
     fn indexes(
         &self,
         rows: &[Row],
         caches: &mut [&mut PagedCache],
         want: &[usize],
     ) -> Result<Indexes, ModelError> {
+        let p = self.plan(rows, caches, want)?;
+        let st = &self.stream;
+        let up_i = |v: &[i32]| st.clone_htod(v).map_err(err);
+        Ok(Indexes {
+            tokens: st.clone_htod(&p.tokens).map_err(err)?,
+            pos: up_i(&p.pos)?,
+            slots: up_i(&p.slots)?,
+            tstart: up_i(&p.tstart)?,
+            tables: up_i(if p.tables.is_empty() { &[0] } else { &p.tables })?,
+            want: up_i(if p.want.is_empty() { &[0] } else { &p.want })?,
+            longest: p.longest,
+        })
+    }
+
+    /// Validates the rows, gives each row a cache slot (taking pages from the pool as
+    /// sequences grow) and lays out the index arrays on the host.
+    fn plan(
+        &self,
+        rows: &[Row],
+        caches: &mut [&mut PagedCache],
+        want: &[usize],
+    ) -> Result<Plan, ModelError> {
         let d = &self.dims;
         let lens: Vec<usize> = caches.iter().map(|c| c.len).collect();
         let positions = super::llama_batch::positions(rows, &lens, d.context)?;
@@ -399,19 +464,13 @@ impl CudaLlama {
             .zip(&positions)
             .map(|(r, &p)| slot(r, p) as i32)
             .collect();
-        let st = &self.stream;
-        let up_i = |v: &[i32]| st.clone_htod(v).map_err(err);
-        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
-        let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-        let tstart: Vec<i32> = rows.iter().map(|r| seq_start[r.seq]).collect();
-        let want_i: Vec<i32> = want.iter().map(|&w| w as i32).collect();
-        Ok(Indexes {
-            tokens: st.clone_htod(&tokens).map_err(err)?,
-            pos: up_i(&pos)?,
-            slots: up_i(&slots)?,
-            tstart: up_i(&tstart)?,
-            tables: up_i(if tables.is_empty() { &[0] } else { &tables })?,
-            want: up_i(if want_i.is_empty() { &[0] } else { &want_i })?,
+        Ok(Plan {
+            tokens: rows.iter().map(|r| r.token).collect(),
+            pos: positions.iter().map(|&p| p as i32).collect(),
+            slots,
+            tstart: rows.iter().map(|r| seq_start[r.seq]).collect(),
+            tables,
+            want: want.iter().map(|&w| w as i32).collect(),
             longest: positions.iter().max().map_or(0, |p| p + 1),
         })
     }
@@ -441,6 +500,9 @@ impl CudaLlama {
         how: &[Want],
     ) -> Result<Vec<Sampled>, ModelError> {
         check_wants(how, want.len(), self.dims.vocab)?;
+        if let Some(out) = self.decode_step(rows, caches, want, how)? {
+            return Ok(out);
+        }
         self.run(rows, caches, want, |w| {
             self.head(want.len(), w)?;
             self.sampled(w, how)
@@ -464,11 +526,7 @@ impl CudaLlama {
             .work
             .lock()
             .map_err(|_| err("workspace lock poisoned"))?;
-        if guard.as_ref().is_none_or(|w| w.rows < rows.len()) {
-            let grown = guard.as_ref().map_or(0, |w| w.rows * 2);
-            *guard = Some(self.workspace(rows.len().max(grown).max(64))?);
-        }
-        let w = guard.as_mut().ok_or_else(|| err("no workspace"))?;
+        let w = self.workspace_for(&mut guard, rows.len())?;
         self.layers_forward(rows.len(), &ix, w)?;
         if !want.is_empty() {
             // The final norm reads the wanted rows through the uploaded index.
@@ -544,7 +602,7 @@ impl CudaLlama {
                     .arg(&kvh)
                     .arg(&hd)
                     .arg(&scale);
-                let shared = d.head_dim + THREADS as usize + ix.longest;
+                let shared = attention_shared(&d, ix.longest);
                 // SAFETY: one block per (row, head); every position up to the row's own has
                 // a page in its table (indexes() took them) and was stored by rope_store in
                 // this or an earlier forward; shared memory holds q, the reduction and the

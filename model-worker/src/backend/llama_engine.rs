@@ -16,10 +16,6 @@ use super::decoder::{Cache, Decoder};
 use super::llama_batch::{Row, Sampled, Want, logprob};
 use crate::error::ModelError;
 
-/// Prompt rows per forward (shared by the streams still prefilling): bounds how long one step
-/// takes while a long prompt comes in.
-const PREFILL_ROWS: usize = 256;
-
 /// How a generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finish {
@@ -289,7 +285,7 @@ fn run(
     }
 }
 
-/// One forward over every decoding stream plus up to [`PREFILL_ROWS`] prompt rows; streams
+/// One forward over every decoding stream plus up to `Decoder::prefill_rows` prompt rows; streams
 /// that end leave `active`.
 fn step(
     model: &Decoder,
@@ -300,7 +296,7 @@ fn step(
     let mut rows = Vec::new();
     // (stream, row whose logits it samples from)
     let mut sample_at = Vec::new();
-    let mut budget = PREFILL_ROWS;
+    let mut budget = model.prefill_rows();
     for (i, s) in active.iter_mut().enumerate() {
         if s.prefilling() {
             if budget == 0 {
@@ -339,10 +335,14 @@ fn step(
             }
         })
         .collect();
+    let started = std::time::Instant::now();
     let outs = {
         let mut caches: Vec<&mut Cache> = active.iter_mut().map(|s| &mut s.cache).collect();
         model.forward_sampled(&rows, &mut caches, &want, &how)?
     };
+    // The forward alone: against the step rate it shows how much of a step is the model.
+    metrics::histogram!("model_decode_forward_seconds", "model" => label.to_owned())
+        .record(started.elapsed().as_secs_f64());
     // Sampling, detokenising and sending run per stream in parallel: on the decode thread
     // alone they left the cores idle between forwards.
     let mut by_stream: Vec<Option<Sampled>> = vec![None; active.len()];

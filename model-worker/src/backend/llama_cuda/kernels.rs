@@ -67,8 +67,12 @@ extern "C" __global__ void rope_store(unsigned short* qkv, unsigned short* kc,
 }
 
 // One block per (row, head): causal attention of the row's query over positions
-// 0..=pos[r] of its sequence, whose pages are tables[tstart[r]..]. Shared memory: d + 
-// blockDim.x + the longest span of the batch, in floats.
+// 0..=pos[r] of its sequence, whose pages are tables[tstart[r]..]. Scores: a thread per
+// position (its key row read in 16-byte loads), so a decode row's few hundred positions
+// take a few iterations of independent loads. Weighted sum: each warp takes every nw-th
+// position and its lanes hold two dims each of the value row (one coalesced 4-byte load per
+// lane), partial sums combined through shared memory. d is 64 or 128 (checked at load).
+// Shared memory, in floats: d + 32 + nw * d + the longest span of the batch.
 extern "C" __global__ void attention(unsigned short* out, const unsigned short* qkv,
     const unsigned short* kc, const unsigned short* vc, const int* pos, const int* tstart,
     const int* tables, int heads, int kvh, int d, float scale) {
@@ -76,9 +80,11 @@ extern "C" __global__ void attention(unsigned short* out, const unsigned short* 
   int r = blockIdx.x / heads, head = blockIdx.x % heads;
   int kvhead = head / (heads / kvh);
   int qw = heads * d, kw = kvh * d;
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   float* q = sh;
-  float* red = sh + d;
-  float* sc = red + blockDim.x;
+  float* wred = q + d;
+  float* part = wred + 32;
+  float* sc = part + nw * d;
   int span = pos[r] + 1;
   const unsigned short* qr = qkv + (size_t)r * (qw + 2 * kw) + head * d;
   for (int j = threadIdx.x; j < d; j += blockDim.x) q[j] = h2f(qr[j]) * scale;
@@ -87,27 +93,59 @@ extern "C" __global__ void attention(unsigned short* out, const unsigned short* 
   float mx = -1e30f;
   for (int p = threadIdx.x; p < span; p += blockDim.x) {
     size_t slot = (size_t)table[p / PAGE] * PAGE + p % PAGE;
-    const unsigned short* k = kc + slot * kw + kvhead * d;
+    const uint4* k = (const uint4*)(kc + slot * kw + kvhead * d);
     float s = 0.f;
-    for (int j = 0; j < d; j++) s += q[j] * h2f(k[j]);
+    for (int c = 0; c < d / 8; c++) {
+      uint4 u = k[c];
+      unsigned w[4] = {u.x, u.y, u.z, u.w};
+      for (int e = 0; e < 4; e++) {
+        s += q[8 * c + 2 * e] * h2f((unsigned short)(w[e] & 0xffffu));
+        s += q[8 * c + 2 * e + 1] * h2f((unsigned short)(w[e] >> 16));
+      }
+    }
     sc[p] = s;
     mx = fmaxf(mx, s);
   }
-  mx = block_reduce(mx, red, 1);
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (lane == 0) wred[warp] = mx;
+  __syncthreads();
+  mx = wred[0];
+  for (int i = 1; i < nw; i++) mx = fmaxf(mx, wred[i]);
+  __syncthreads();
   float sum = 0.f;
   for (int p = threadIdx.x; p < span; p += blockDim.x) {
     float e = __expf(sc[p] - mx);
     sc[p] = e;
     sum += e;
   }
-  float inv = 1.f / block_reduce(sum, red, 0);
-  for (int j = threadIdx.x; j < d; j += blockDim.x) {
-    float acc = 0.f;
-    for (int p = 0; p < span; p++) {
-      size_t slot = (size_t)table[p / PAGE] * PAGE + p % PAGE;
-      acc += sc[p] * h2f(vc[slot * kw + kvhead * d + j]);
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (lane == 0) wred[warp] = sum;
+  __syncthreads();
+  float total = 0.f;
+  for (int i = 0; i < nw; i++) total += wred[i];
+  int pairs = d / 64;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+  for (int p = warp; p < span; p += nw) {
+    size_t slot = (size_t)table[p / PAGE] * PAGE + p % PAGE;
+    const unsigned* v = (const unsigned*)(vc + slot * kw + kvhead * d);
+    float e = sc[p];
+    for (int t = 0; t < pairs; t++) {
+      unsigned u = v[lane + 32 * t];
+      acc[2 * t] += e * h2f((unsigned short)(u & 0xffffu));
+      acc[2 * t + 1] += e * h2f((unsigned short)(u >> 16));
     }
-    out[(size_t)r * qw + head * d + j] = f2h(acc * inv);
+  }
+  for (int t = 0; t < pairs; t++) {
+    part[warp * d + 2 * (lane + 32 * t)] = acc[2 * t];
+    part[warp * d + 2 * (lane + 32 * t) + 1] = acc[2 * t + 1];
+  }
+  __syncthreads();
+  float inv = 1.f / total;
+  for (int j = threadIdx.x; j < d; j += blockDim.x) {
+    float a = 0.f;
+    for (int i = 0; i < nw; i++) a += part[i * d + j];
+    out[(size_t)r * qw + head * d + j] = f2h(a * inv);
   }
 }
 
