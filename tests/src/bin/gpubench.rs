@@ -17,6 +17,12 @@
 //!   cluster, chunks/s with the model and with it excluded (embedding cache), the worker's
 //!   device-busy share and `nvidia-smi` utilisation samples (`ragcluster_tests::pipeline`).
 //!
+//! The served sections also report the worker's own histograms over each load (batch sizes,
+//! time in the encoder's forwards, queueing; the decode forward's time per step), which say
+//! where a request's time went. `--sections` runs a subset; `--out` writes the JSON after
+//! every section, and a failed section records its error while the rest still run, so a
+//! short GPU lease brings back whatever could be measured.
+//!
 //! Without a usable GPU every section still runs on the CPU (and says so in `machine`), so
 //! the binary is exercised on any machine; the GPU targets only mean something on one.
 
@@ -54,6 +60,13 @@ struct Args {
     /// Also time `ragctl eval retrieval --ingest` of SciFact on a local cluster.
     #[arg(long)]
     cluster: bool,
+    /// Sections to run (encoder, cpu, served, generation, python, cluster, ingest); empty =
+    /// all that apply (python with `--python`, cluster and ingest with `--cluster`).
+    #[arg(long, value_delimiter = ',')]
+    sections: Vec<String>,
+    /// Also write the JSON here after every section, so a run cut short keeps what it measured.
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
     /// Internal: print the CPU encoder's batch-32 rate and exit.
     #[arg(long, hide = true)]
     cpu_encoder_child: bool,
@@ -71,17 +84,22 @@ fn texts() -> Result<Vec<String>> {
 }
 
 /// Sentences/s over the first `max(8 b, 64)` sequences in batches of `b` (after one warm
-/// batch). `seqs` is sorted longest first, as the worker's batcher and
-/// sentence-transformers' `encode` order their input.
+/// batch), the median of three passes. `seqs` is sorted longest first, as the worker's
+/// batcher and sentence-transformers' `encode` order their input.
 fn rate(enc: &mut BertEncoder, seqs: &[Seq], b: usize) -> Result<f64> {
     let n = seqs.len().min((b * 8).max(64));
     let refs: Vec<&Seq> = seqs[..n].iter().collect();
     enc.forward(&refs[..b.min(n)])?;
-    let t = Instant::now();
-    for chunk in refs.chunks(b) {
-        enc.forward(chunk)?;
+    let mut passes = Vec::with_capacity(3);
+    for _ in 0..3 {
+        let t = Instant::now();
+        for chunk in refs.chunks(b) {
+            enc.forward(chunk)?;
+        }
+        passes.push(n as f64 / t.elapsed().as_secs_f64());
     }
-    Ok(n as f64 / t.elapsed().as_secs_f64())
+    passes.sort_by(f64::total_cmp);
+    Ok(passes[1])
 }
 
 fn sorted_seqs(enc: &BertEncoder, texts: &[String]) -> Result<Vec<Seq>> {
@@ -161,10 +179,57 @@ async fn served_embed(texts: &[String], a: &Args) -> Result<Value> {
     let worker = Proc::model_worker(dir.path(), false, Some(&cfg))?;
     let c = connect(&worker).await?;
     embed_load(&c, texts, 8, 2, 1).await?; // warm-up
-    Ok(json!({
-        "single_text": embed_load(&c, texts, a.clients, a.requests, 1).await?,
-        "batched_calls": embed_load(&c, texts, 16, 8, 32).await?,
-    }))
+    let mut out = serde_json::Map::new();
+    for (key, clients, requests, per_call) in [
+        ("single_text", a.clients, a.requests, 1),
+        ("batched_calls", 16, 8, 32),
+    ] {
+        let before = worker_stats(&worker).await?;
+        let t = Instant::now();
+        let mut load = embed_load(&c, texts, clients, requests, per_call).await?;
+        let wall = t.elapsed().as_secs_f64();
+        load["worker"] = stats_delta(&before, &worker_stats(&worker).await?, wall);
+        out.insert(key.into(), load);
+    }
+    Ok(Value::Object(out))
+}
+
+/// Sums and counts of the model worker's histograms that say where a request's time went.
+const WORKER_HISTOGRAMS: [&str; 5] = [
+    "model_device_seconds",
+    "model_batch_size",
+    "model_queue_seconds",
+    "model_decode_forward_seconds",
+    "model_decode_step_rows",
+];
+
+async fn worker_stats(p: &Proc) -> Result<Vec<(f64, f64)>> {
+    let page = ragcluster_tests::http_get(&p.metrics).await?;
+    Ok(WORKER_HISTOGRAMS
+        .iter()
+        .map(|h| {
+            (
+                ragcluster_tests::metric_sum(&page, &format!("{h}_sum")),
+                ragcluster_tests::metric_sum(&page, &format!("{h}_count")),
+            )
+        })
+        .collect())
+}
+
+/// Per histogram over one load: observations, their mean, and their sum over the wall time
+/// (for `model_device_seconds`: the share of the time the encoder was in a forward).
+fn stats_delta(before: &[(f64, f64)], after: &[(f64, f64)], wall: f64) -> Value {
+    let mut out = serde_json::Map::new();
+    for (name, (b, a)) in WORKER_HISTOGRAMS.iter().zip(before.iter().zip(after)) {
+        let (sum, count) = (a.0 - b.0, a.1 - b.1);
+        if count > 0.0 {
+            out.insert(
+                (*name).into(),
+                json!({"count": count, "mean": sum / count, "sum_over_wall": sum / wall}),
+            );
+        }
+    }
+    Value::Object(out)
 }
 
 /// A chat prompt of about 200 tokens (SmolLM2's tokenizer): SciFact passages to answer from.
@@ -192,10 +257,12 @@ async fn generation(texts: &[String], a: &Args) -> Result<Value> {
     generate_stream(c.clone(), prompt.clone(), 4, 0.0, 0).await?; // warm-up
     let mut out = serde_json::Map::new();
     for &n in &a.gen_streams {
-        out.insert(
-            format!("streams_{n}"),
-            generate_load(&c, &prompt, n, a.gen_tokens, 0.0).await?,
-        );
+        let before = worker_stats(&worker).await?;
+        let t = Instant::now();
+        let mut load = generate_load(&c, &prompt, n, a.gen_tokens, 0.0).await?;
+        let wall = t.elapsed().as_secs_f64();
+        load["worker"] = stats_delta(&before, &worker_stats(&worker).await?, wall);
+        out.insert(format!("streams_{n}"), load);
     }
     out.insert("prompt_chars".into(), json!(prompt.len()));
     out.insert("worker_log_device".into(), json!(device_line(&worker)));
@@ -283,6 +350,25 @@ fn cluster_eval() -> Result<Value> {
     }))
 }
 
+/// `ragctl ingest` of SciFact into a fresh 3-shard cluster, with the model and without it.
+async fn ingest_pipeline() -> Result<Value> {
+    let cluster = Cluster::start(3)?;
+    let dataset = datasets_dir().join("scifact");
+    ragcluster_tests::pipeline::ingest_twice(
+        &cluster,
+        &ragcluster_tests::pipeline::PipelineOptions {
+            dataset: &dataset,
+            docs: 0,
+            shards: 3,
+            batch: 128,
+            concurrency: 8,
+            cached_passes: 3,
+            dump_chunks: None,
+        },
+    )
+    .await
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let a = Args::parse();
@@ -303,30 +389,50 @@ async fn main() -> Result<()> {
         "texts": texts.len(),
         "chars_per_text": 300,
     });
-    out["encoder"] = encoder(&texts, &a.batches, cuda)?;
-    out["cpu_encoder_scaling"] = cpu_scaling()?;
-    out["served_embed"] = served_embed(&texts, &a).await?;
-    out["generation"] = generation(&texts, &a).await?;
-    if !a.python.is_empty() {
-        out["python"] = python_refs(&a.python, &texts, &a.batches, &a)?;
+    let want = |name: &str| a.sections.is_empty() || a.sections.iter().any(|s| s == name);
+    // A section that fails records its error and the run goes on: one GPU lease should
+    // bring back every figure that could be measured.
+    let save = |out: &Value| -> Result<()> {
+        if let Some(p) = &a.out {
+            std::fs::write(p, serde_json::to_string_pretty(out)?)?;
+        }
+        Ok(())
+    };
+    let record = |out: &mut Value, key: &str, r: Result<Value>, t: Instant| -> Result<()> {
+        let v = r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+        eprintln!("gpubench: {key} done in {:.1} s", t.elapsed().as_secs_f64());
+        out[key] = v;
+        save(out)
+    };
+    if want("encoder") {
+        let t = Instant::now();
+        record(&mut out, "encoder", encoder(&texts, &a.batches, cuda), t)?;
     }
-    if a.cluster {
-        out["cluster"] = cluster_eval()?;
-        let cluster = Cluster::start(3)?;
-        let dataset = datasets_dir().join("scifact");
-        out["ingest_pipeline"] = ragcluster_tests::pipeline::ingest_twice(
-            &cluster,
-            &ragcluster_tests::pipeline::PipelineOptions {
-                dataset: &dataset,
-                docs: 0,
-                shards: 3,
-                batch: 128,
-                concurrency: 8,
-                cached_passes: 3,
-                dump_chunks: None,
-            },
-        )
-        .await?;
+    if want("cpu") {
+        let t = Instant::now();
+        record(&mut out, "cpu_encoder_scaling", cpu_scaling(), t)?;
+    }
+    if want("served") {
+        let t = Instant::now();
+        record(&mut out, "served_embed", served_embed(&texts, &a).await, t)?;
+    }
+    if want("generation") {
+        let t = Instant::now();
+        record(&mut out, "generation", generation(&texts, &a).await, t)?;
+    }
+    if !a.python.is_empty() && want("python") {
+        let t = Instant::now();
+        let r = python_refs(&a.python, &texts, &a.batches, &a);
+        record(&mut out, "python", r, t)?;
+    }
+    if a.cluster && want("cluster") {
+        let t = Instant::now();
+        record(&mut out, "cluster", cluster_eval(), t)?;
+    }
+    if a.cluster && want("ingest") {
+        let t = Instant::now();
+        let r = ingest_pipeline().await;
+        record(&mut out, "ingest_pipeline", r, t)?;
     }
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
