@@ -102,6 +102,27 @@ fn rate(enc: &mut BertEncoder, seqs: &[Seq], b: usize) -> Result<f64> {
     Ok(passes[1])
 }
 
+/// Median ms per forward over batches of `b` from `seqs`, each after `gap` of idling.
+fn forward_ms(
+    enc: &mut BertEncoder,
+    seqs: &[Seq],
+    b: usize,
+    gap: Option<std::time::Duration>,
+) -> Result<f64> {
+    let refs: Vec<&Seq> = seqs.iter().take(b * 16).collect();
+    let mut ms = Vec::new();
+    for chunk in refs.chunks(b) {
+        if let Some(g) = gap {
+            std::thread::sleep(g);
+        }
+        let t = Instant::now();
+        enc.forward(chunk)?;
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok(ms[ms.len() / 2])
+}
+
 fn sorted_seqs(enc: &BertEncoder, texts: &[String]) -> Result<Vec<Seq>> {
     let mut seqs = bert::tokenize(&enc.tokenizer(), texts)?;
     seqs.sort_by_key(|s| std::cmp::Reverse(s.ids.len()));
@@ -129,6 +150,12 @@ fn encoder(texts: &[String], batches: &[usize], cuda: bool) -> Result<Value> {
         rates.insert(b.to_string(), json!(rate(&mut gpu, &seqs, b)?));
     }
     out["cuda_sentences_per_s"] = Value::Object(rates);
+    // A served worker's forwards come between idle gaps (requests gathering): the same
+    // batches of 32 with 3 ms between forwards, as ms per forward, against back to back.
+    out["cuda_batch_32_ms_per_forward"] = json!({
+        "back_to_back": forward_ms(&mut gpu, &seqs, 32, None)?,
+        "after_3ms_idle": forward_ms(&mut gpu, &seqs, 32, Some(std::time::Duration::from_millis(3)))?,
+    });
     out["min_cosine_cuda_vs_cpu"] = json!(min_cos);
     Ok(out)
 }
