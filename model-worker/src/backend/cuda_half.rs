@@ -557,6 +557,7 @@ impl CudaHalfTransformer {
             *guard = Some(self.workspace(rows.max(grown).max(1024))?);
         }
         let w = guard.as_mut().ok_or_else(|| err("no workspace"))?;
+        let started = std::time::Instant::now();
         let offsets = self.embed(packed_batch, w)?;
         let last = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
@@ -604,7 +605,14 @@ impl CudaHalfTransformer {
             let out32 = (i == last).then_some(&mut w.out32);
             self.bias_res_ln(&mut w.x, out32, &w.o, &w.a, &layer.out.b, &layer.ln2, rows)?;
         }
-        out(w, &offsets).map(Some)
+        // Host time to enqueue the forward, then the wait for the device and the copy back:
+        // which side bounds a forward in a serving process.
+        let enqueued = started.elapsed();
+        let result = out(w, &offsets).map(Some);
+        metrics::histogram!("model_encoder_enqueue_seconds").record(enqueued.as_secs_f64());
+        metrics::histogram!("model_encoder_finish_seconds")
+            .record((started.elapsed() - enqueued).as_secs_f64());
+        result
     }
 }
 

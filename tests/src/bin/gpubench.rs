@@ -222,8 +222,10 @@ async fn served_embed(texts: &[String], a: &Args) -> Result<Value> {
 }
 
 /// Sums and counts of the model worker's histograms that say where a request's time went.
-const WORKER_HISTOGRAMS: [&str; 5] = [
+const WORKER_HISTOGRAMS: [&str; 7] = [
     "model_device_seconds",
+    "model_encoder_enqueue_seconds",
+    "model_encoder_finish_seconds",
     "model_batch_size",
     "model_queue_seconds",
     "model_decode_forward_seconds",
