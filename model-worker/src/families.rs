@@ -38,6 +38,21 @@ pub fn all() -> Vec<Family> {
             Histogram,
             "generation: rows per batched forward (decoding streams + prompt rows)",
         ),
+        (
+            "model_decode_forward_seconds",
+            Histogram,
+            "generation: time of one batched forward",
+        ),
+        (
+            "model_encoder_enqueue_seconds",
+            Histogram,
+            "f16 CUDA encoder: host time to issue a forward",
+        ),
+        (
+            "model_encoder_finish_seconds",
+            Histogram,
+            "f16 CUDA encoder: wait for the device and the copy back",
+        ),
     ]));
     f
 }
