@@ -53,6 +53,11 @@ pub fn all() -> Vec<Family> {
             Histogram,
             "f16 CUDA encoder: wait for the device and the copy back",
         ),
+        (
+            "model_encoder_graph_captures_total",
+            Counter,
+            "f16 CUDA encoder: batch shapes captured as CUDA graphs",
+        ),
     ]));
     f
 }

@@ -664,16 +664,19 @@ fn run_generation(
     let label = model.name.clone();
     let result = model.generate(prompt, params, |p| {
         first.get_or_insert_with(|| started.elapsed());
-        // Each message goes out once the next exists, so the last can carry `finished`.
-        let prev = pending.replace(GenerateResponse {
+        let m = GenerateResponse {
             text: p.text,
             logprob: p.logprob,
             token_id: p.token_id,
             ..Default::default()
-        });
-        match prev {
-            Some(m) => tx.blocking_send(Ok(m)).is_ok(),
-            None => !tx.is_closed(),
+        };
+        // A token goes out as soon as it exists; the stream's last one waits for the end
+        // (which follows in the same decode step) so that it can carry `finished`.
+        if p.last {
+            pending = Some(m);
+            !tx.is_closed()
+        } else {
+            tx.blocking_send(Ok(m)).is_ok()
         }
     });
     match result {

@@ -124,6 +124,14 @@ fn cuda_embeddings_match_the_cpu_in_every_batch_shape() {
     let mut cpu = BertEncoder::load_on("m", &dir, 0, HeadKind::MeanPool, Placement::Cpu).unwrap();
     let mut gpu = BertEncoder::load_on("m", &dir, 0, HeadKind::MeanPool, Placement::Cuda).unwrap();
     assert_eq!(gpu.placement(), Placement::Cuda);
+    // Pooled forwards replay CUDA graphs unless turned off by hand: every check below then
+    // goes through a graph (each shape captured once, then replayed).
+    let graphs_wanted = std::env::var("RAGCLUSTER_CUDA_GRAPHS").map_or(true, |v| v != "0");
+    assert_eq!(
+        gpu.cuda_graphs(),
+        graphs_wanted,
+        "graphs failed their load check"
+    );
     let seqs = bert::tokenize(&cpu.tokenizer(), &texts).unwrap();
     let all: Vec<&Seq> = seqs.iter().collect();
     let want = cpu.forward(&all).unwrap();
@@ -148,6 +156,10 @@ fn cuda_embeddings_match_the_cpu_in_every_batch_shape() {
         check(&[i]);
     }
     for w in (0..n).collect::<Vec<_>>().chunks(3) {
+        check(w);
+    }
+    // Shapes seen before replay their graphs over new contents.
+    for w in (0..n).rev().collect::<Vec<_>>().chunks(3) {
         check(w);
     }
     eprintln!("lowest cosine CUDA vs CPU over {n} texts: {worst}");

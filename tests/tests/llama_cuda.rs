@@ -154,6 +154,26 @@ fn cuda_decoder_matches_the_cpu_decoder() -> Result<()> {
         }
     }
 
+    // A prompt longer than an attention tile (64 rows) against the CPU, at rows inside and
+    // across tiles; then the same prompt prefilled in two forwards (the second chunk's keys
+    // partly in the cache already, as when the engine splits a prompt between steps) must
+    // give the one-forward logits.
+    let long: Vec<u32> = prompts.concat().repeat(3);
+    assert!(long.len() > 2 * 64, "{} tokens", long.len());
+    let rows: Vec<Row> = long.iter().map(|&token| Row { seq: 0, token }).collect();
+    let want: Vec<usize> = [0, 1, 63, 64, 65, 100, rows.len() - 1].to_vec();
+    let one = gpu.forward(&rows, &mut [&mut gpu.new_cache()], &want)?;
+    let reference = cpu.forward(&rows, &mut [&mut cpu.new_cache()], &want)?;
+    for ((w, g), r) in want.iter().zip(&one).zip(&reference) {
+        let c = cosine(g, r);
+        assert!(c > 0.999, "long prompt row {w}: cosine {c} against the CPU");
+    }
+    let mut cache = gpu.new_cache();
+    gpu.forward(&rows[..37], &mut [&mut cache], &[])?;
+    let split = gpu.forward(&rows[37..], &mut [&mut cache], &[rows.len() - 38])?;
+    let c = cosine(&split[0], &one[want.len() - 1]);
+    assert!(c > 0.9999, "prompt prefilled in two forwards: cosine {c}");
+
     // Tokens picked on the device (pick_rows) against the host's picks from the same
     // device logits, rows of every kind mixed in one forward, in order.
     let p = &prompts[0];

@@ -227,6 +227,11 @@ impl BertEncoder {
         }
     }
 
+    /// Whether pooled forwards replay CUDA graphs (the f16 CUDA encoder, checked at load).
+    pub fn cuda_graphs(&self) -> bool {
+        matches!(&self.model, Stack::CudaHalf(g) if g.graphs_on())
+    }
+
     pub fn dimension(&self) -> usize {
         self.dim
     }
@@ -352,12 +357,23 @@ fn cuda_stack(
     let half = CudaHalfTransformer::load(vb.clone(), config, 0).and_then(|g| {
         let cos = cuda_agreement(cpu, probe, |b| g.forward(b))?;
         let all: Vec<&Seq> = probe.iter().collect();
-        let pooled = g.forward_mean_pooled(&all)?;
-        Ok((g, cos.min(pooled_agreement(cpu, probe, &pooled)?)))
+        let pooled = g.pooled_launched(&all)?;
+        let cos = cos.min(pooled_agreement(cpu, probe, &pooled)?);
+        g.set_graphs(graphs_agree(&g, cpu, probe));
+        let t = std::time::Instant::now();
+        match g.prewarm() {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(model = name, graphs = n, ms = t.elapsed().as_millis() as u64, "encoder CUDA graphs captured ahead of traffic"),
+            Err(e) => {
+                tracing::warn!(model = name, error = %e, "encoder CUDA graphs could not be captured ahead: graphs off");
+                g.set_graphs(false);
+            }
+        }
+        Ok((g, cos))
     });
     match half {
         Ok((g, cos)) if cos > 0.999 => {
-            tracing::info!(model = name, gpu = %g.device_name, cosine = cos, precision = "f16", "encoder on CUDA, checked against CPU");
+            tracing::info!(model = name, gpu = %g.device_name, cosine = cos, precision = "f16", graphs = g.graphs_on(), "encoder on CUDA, checked against CPU");
             return Ok(Stack::CudaHalf(Box::new(g)));
         }
         Ok((_, cos)) => {
@@ -384,6 +400,47 @@ fn cuda_stack(
     }
     tracing::info!(model = name, gpu = %g.device_name, cosine = cos, precision = "f32", "encoder on CUDA, checked against CPU");
     Ok(Stack::Cuda(Box::new(g)))
+}
+
+/// Whether pooled forwards replayed from CUDA graphs agree with the CPU on the probes
+/// (together and one by one, each shape captured and then replayed) as the launched ones
+/// must. `RAGCLUSTER_CUDA_GRAPHS=0` keeps graphs off (an escape hatch, and the A/B switch
+/// of the benchmark).
+fn graphs_agree(g: &CudaHalfTransformer, cpu: &Transformer, probe: &[Seq]) -> bool {
+    if std::env::var("RAGCLUSTER_CUDA_GRAPHS").is_ok_and(|v| v == "0") {
+        return false;
+    }
+    let all: Vec<&Seq> = probe.iter().collect();
+    let check = || -> Result<f32, ModelError> {
+        let mut worst = 1f32;
+        for _ in 0..2 {
+            let Some(v) = g.pooled_by_graph(&all)? else {
+                return Ok(0.0);
+            };
+            worst = worst.min(pooled_agreement(cpu, probe, &v)?);
+            for (i, s) in all.iter().enumerate() {
+                let Some(v) = g.pooled_by_graph(&[s])? else {
+                    return Ok(0.0);
+                };
+                worst = worst.min(pooled_agreement(cpu, &probe[i..=i], &v)?);
+            }
+        }
+        Ok(worst)
+    };
+    match check() {
+        Ok(cos) if cos > 0.999 => true,
+        Ok(cos) => {
+            tracing::warn!(
+                cosine = cos,
+                "encoder forwards replayed from CUDA graphs disagree with the CPU: graphs off"
+            );
+            false
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "encoder CUDA graphs could not be captured or replayed: graphs off");
+            false
+        }
+    }
 }
 
 /// Ids, type ids and a 0/1 mask for `batch` padded to `len`.

@@ -3,7 +3,9 @@
 //! padding (per-sequence offsets, as text-embeddings-inference does), one fused attention
 //! kernel (scores, online softmax and the weighted sum of values per query, keys and values
 //! staged through shared memory), and a workspace kept between batches, so a forward
-//! allocates nothing on the device but its small index arrays.
+//! allocates nothing on the device but its inputs (one packed upload). Pooled forwards
+//! replay CUDA graphs captured per padded batch shape (`graphs`): three host calls per
+//! forward instead of about fifty.
 //!
 //! Element-wise work keeps f32 arithmetic and rounds to f16 only when it stores; embeddings,
 //! biases and LayerNorm parameters stay f32. The f16 kernels are header-free (conversions are
@@ -14,6 +16,7 @@
 // allocations as `unsafe`; every block below states why its arguments are in bounds.
 #![allow(unsafe_code)]
 
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Tensor};
@@ -26,6 +29,8 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKern
 use super::cuda::{compile, elems, gemm_f16, set_blas_workspace, single_stream, upload_f16};
 use super::{Packed, Seq};
 use crate::error::ModelError;
+
+mod graphs;
 
 /// Keys per shared-memory tile of the attention kernel (and its threads per block).
 const TILE: usize = 64;
@@ -226,9 +231,8 @@ struct Kernels {
     mean_pool: CudaFunction,
 }
 
-/// Activations for up to `tokens` packed rows, reused across forwards.
-struct Workspace {
-    tokens: usize,
+/// Activations of packed rows, reused across forwards.
+struct Acts {
     x: CudaSlice<u16>,
     a: CudaSlice<u16>,
     qkv: CudaSlice<u16>,
@@ -236,6 +240,19 @@ struct Workspace {
     inter: CudaSlice<u16>,
     o: CudaSlice<u16>,
     out32: CudaSlice<f32>,
+}
+
+/// Everything a forward of up to `tokens` packed rows and `seqs` sequences writes, kept
+/// between batches, and the graphs captured over these buffers.
+struct Workspace {
+    tokens: usize,
+    seqs: usize,
+    acts: Acts,
+    /// A graph's inputs (`inputs`): copied in before every replay.
+    io: CudaSlice<u32>,
+    /// A graph's pooled vectors (`seqs * hidden`).
+    pooled: CudaSlice<f32>,
+    graphs: graphs::Graphs,
 }
 
 pub struct CudaHalfTransformer {
@@ -254,6 +271,8 @@ pub struct CudaHalfTransformer {
     act: i32,
     eps: f32,
     work: Mutex<Option<Workspace>>,
+    /// Pooled forwards replay CUDA graphs (`graphs`); checked at load.
+    graphs: AtomicBool,
     /// cuBLAS's workspace (`set_blas_workspace`), alive as long as the handle.
     _blas_workspace: CudaSlice<u8>,
     pub device_name: String,
@@ -367,6 +386,7 @@ impl CudaHalfTransformer {
             },
             eps: c.layer_norm_eps as f32,
             work: Mutex::new(None),
+            graphs: AtomicBool::new(false),
             _blas_workspace: blas_workspace,
             stream,
             blas,
@@ -377,20 +397,41 @@ impl CudaHalfTransformer {
 
     fn workspace(&self, tokens: usize) -> Result<Workspace, ModelError> {
         let (h, st) = (self.hidden, &self.stream);
-        // SAFETY: every buffer is written by a kernel or GEMM before it is read (rows beyond
-        // a forward's token count are never read).
-        let buf = |n: usize| unsafe { st.alloc::<u16>(n) }.map_err(err);
+        // Zeroed once: a graph's padding rows run through the GEMMs too (their results land
+        // only in padding rows, never read), so they should hold numbers, not leftovers.
+        let buf = |n: usize| st.alloc_zeros::<u16>(n).map_err(err);
+        let seqs = tokens / 2;
         Ok(Workspace {
             tokens,
-            x: buf(tokens * h)?,
-            a: buf(tokens * h)?,
-            qkv: buf(tokens * 3 * h)?,
-            ctx: buf(tokens * h)?,
-            inter: buf(tokens * self.intermediate)?,
-            o: buf(tokens * h)?,
-            // SAFETY: as above.
-            out32: unsafe { st.alloc::<f32>(tokens * h) }.map_err(err)?,
+            seqs,
+            acts: Acts {
+                x: buf(tokens * h)?,
+                a: buf(tokens * h)?,
+                qkv: buf(tokens * 3 * h)?,
+                ctx: buf(tokens * h)?,
+                inter: buf(tokens * self.intermediate)?,
+                o: buf(tokens * h)?,
+                out32: st.alloc_zeros::<f32>(tokens * h).map_err(err)?,
+            },
+            io: st.alloc_zeros::<u32>(3 * tokens + seqs + 1).map_err(err)?,
+            pooled: st.alloc_zeros::<f32>(seqs * h).map_err(err)?,
+            graphs: graphs::Graphs::default(),
         })
+    }
+
+    /// The workspace, grown (doubling, at least 1,024 rows) to hold `rows` packed rows.
+    fn workspace_for<'a>(
+        &self,
+        guard: &'a mut Option<Workspace>,
+        rows: usize,
+    ) -> Result<&'a mut Workspace, ModelError> {
+        if guard.as_ref().is_none_or(|w| w.tokens < rows) {
+            let grown = guard.as_ref().map_or(0, |w| w.tokens * 2);
+            // The old buffers (and the graphs that point into them) go first.
+            *guard = None;
+            *guard = Some(self.workspace(rows.max(grown).max(1024))?);
+        }
+        guard.as_mut().ok_or_else(|| err("no workspace"))
     }
 
     /// `y (rows, out) = x (rows, in) . w_t` in f16 with f32 accumulation (tensor cores).
@@ -444,35 +485,6 @@ impl CudaHalfTransformer {
         Ok(())
     }
 
-    /// Embeds the packed tokens of `p` into `w.x`; returns the sequence offsets.
-    fn embed(&self, p: &Packed, w: &mut Workspace) -> Result<CudaSlice<i32>, ModelError> {
-        let st = &self.stream;
-        let rows = p.ids.len();
-        let offsets: Vec<i32> = p.offsets.iter().map(|&o| o as i32).collect();
-        let (ids_d, types_d, pos_d) = (
-            st.clone_htod(&p.ids).map_err(err)?,
-            st.clone_htod(&p.types).map_err(err)?,
-            st.clone_htod(&p.positions).map_err(err)?,
-        );
-        let h = self.hidden as i32;
-        let mut l = st.launch_builder(&self.k.embed_ln);
-        l.arg(&mut w.x)
-            .arg(&ids_d)
-            .arg(&types_d)
-            .arg(&pos_d)
-            .arg(&self.word)
-            .arg(&self.position)
-            .arg(&self.token_type)
-            .arg(&self.emb_ln.g)
-            .arg(&self.emb_ln.b)
-            .arg(&h)
-            .arg(&self.eps);
-        // SAFETY: ids and types come from this model's tokenizer (in vocabulary and type
-        // range), positions are below max_positions (checked by forward); one block per row.
-        unsafe { l.launch(rows_cfg(rows, self.hidden)) }.map_err(err)?;
-        st.clone_htod(&offsets).map_err(err)
-    }
-
     /// Hidden states `(n, longest, hidden)` on the CPU (rows past a sequence's end are zero)
     /// for a batch of tokenised sequences.
     pub fn forward(&self, batch: &[&Seq]) -> Result<Tensor, ModelError> {
@@ -481,9 +493,9 @@ impl CudaHalfTransformer {
         let h = self.hidden;
         let packed_batch = Packed::new(batch);
         let rows = packed_batch.ids.len();
-        let Some(packed) = self.encode(&packed_batch, |w, _| {
+        let Some(packed) = self.encode(&packed_batch, false, |a, _| {
             self.stream
-                .clone_dtoh(&w.out32.slice(..rows * h))
+                .clone_dtoh(&a.out32.slice(..rows * h))
                 .map_err(err)
         })?
         else {
@@ -503,48 +515,58 @@ impl CudaHalfTransformer {
 
     /// Each sequence's mean-pooled, L2-normalised hidden state (sentence-transformers'
     /// mean pooling + Normalize), pooled on the device: `n * hidden` floats come back
-    /// instead of every token's hidden state.
+    /// instead of every token's hidden state. Replayed from a CUDA graph where graphs are
+    /// on (`graphs`), else launched call by call.
     pub fn forward_mean_pooled(&self, batch: &[&Seq]) -> Result<Vec<Vec<f32>>, ModelError> {
-        let (n, h) = (batch.len(), self.hidden);
-        let packed = Packed::new(batch);
-        let pooled = self.encode(&packed, |w, offsets| {
-            // SAFETY: mean_pool writes all n * h floats before the copy reads them.
-            let mut out = unsafe { self.stream.alloc::<f32>(n * h) }.map_err(err)?;
-            let hi = h as i32;
-            let mut l = self.stream.launch_builder(&self.k.mean_pool);
-            l.arg(&mut out).arg(&w.out32).arg(offsets).arg(&hi);
-            // SAFETY: one block per sequence; offsets has n + 1 entries ending at the row
-            // count, out32 holds those rows; shared memory holds the reduction and one row.
-            unsafe { l.launch(rows_cfg(n, h)) }.map_err(err)?;
-            self.stream.clone_dtoh(&out).map_err(err)
+        if self.graphs_on() {
+            match self.pooled_by_graph(batch) {
+                Ok(Some(v)) => return Ok(v),
+                Ok(None) => {}
+                // A graph that cannot be captured (device memory, say) fails no request:
+                // the batch is launched call by call (a bad input fails there too).
+                Err(e) => {
+                    tracing::warn!(error = %e, "encoder CUDA graph failed; launching the batch")
+                }
+            }
+        }
+        self.pooled_launched(batch)
+    }
+
+    /// `forward_mean_pooled` with every kernel and GEMM launched one by one.
+    pub fn pooled_launched(&self, batch: &[&Seq]) -> Result<Vec<Vec<f32>>, ModelError> {
+        let h = self.hidden;
+        let pooled = self.encode(&Packed::new(batch), true, |_, pooled| {
+            let pooled = pooled.ok_or_else(|| err("no pooled output"))?;
+            self.stream.clone_dtoh(pooled).map_err(err)
         })?;
         Ok(match pooled {
             Some(v) => v.chunks(h).map(<[f32]>::to_vec).collect(),
-            None => vec![vec![0.0; h]; n],
+            None => vec![vec![0.0; h]; batch.len()],
         })
     }
 
-    /// Runs the layers over the packed batch and hands the workspace (the last layer's f32
-    /// output in `out32`) and the sequence offsets to `out`; `None` for a batch without
-    /// tokens.
-    fn encode<T>(
-        &self,
-        packed_batch: &Packed,
-        out: impl FnOnce(&Workspace, &CudaSlice<i32>) -> Result<T, ModelError>,
-    ) -> Result<Option<T>, ModelError> {
-        let n = packed_batch.offsets.len() - 1;
-        let longest = packed_batch
-            .offsets
-            .windows(2)
-            .map(|o| o[1] - o[0])
-            .max()
-            .unwrap_or(0);
+    /// Checks a packed batch against the position table: the longest sequence's length.
+    fn longest(&self, p: &Packed) -> Result<usize, ModelError> {
+        let longest = p.offsets.windows(2).map(|o| o[1] - o[0]).max().unwrap_or(0);
         if longest > self.max_positions {
             return Err(ModelError::InvalidArgument(format!(
                 "sequence of {longest} tokens is longer than the position table"
             )));
         }
-        let rows = packed_batch.ids.len();
+        Ok(longest)
+    }
+
+    /// Uploads the packed batch (one copy), launches the layers (and the pooling when
+    /// `pool`) and hands the activations (the last layer's f32 output in `out32`) and the
+    /// pooled vectors to `out`; `None` for a batch without tokens.
+    fn encode<T>(
+        &self,
+        p: &Packed,
+        pool: bool,
+        out: impl FnOnce(&Acts, Option<&CudaSlice<f32>>) -> Result<T, ModelError>,
+    ) -> Result<Option<T>, ModelError> {
+        let longest = self.longest(p)?;
+        let rows = p.ids.len();
         if rows == 0 {
             return Ok(None);
         }
@@ -552,48 +574,113 @@ impl CudaHalfTransformer {
             .work
             .lock()
             .map_err(|_| err("workspace lock poisoned"))?;
-        if guard.as_ref().is_none_or(|w| w.tokens < rows) {
-            let grown = guard.as_ref().map_or(0, |w| w.tokens * 2);
-            *guard = Some(self.workspace(rows.max(grown).max(1024))?);
-        }
-        let w = guard.as_mut().ok_or_else(|| err("no workspace"))?;
+        let w = self.workspace_for(&mut guard, rows)?;
         let started = std::time::Instant::now();
-        let offsets = self.embed(packed_batch, w)?;
+        let shape = Shape {
+            rows,
+            seqs: p.offsets.len() - 1,
+            span: longest,
+        };
+        let io = self.stream.clone_htod(&inputs(p, shape)).map_err(err)?;
+        let mut pooled = if pool {
+            // SAFETY: mean_pool writes all seqs * hidden floats before the copy reads them.
+            Some(unsafe { self.stream.alloc::<f32>(shape.seqs * self.hidden) }.map_err(err)?)
+        } else {
+            None
+        };
+        self.issue(&mut w.acts, &io, shape, pooled.as_mut())?;
+        let result = self.timed(started, || out(&w.acts, pooled.as_ref()));
+        result.map(Some)
+    }
+
+    /// Runs `finish` (the wait for the device and the copy back) after a forward issued
+    /// since `started`, recording the host time to issue and the wait: which side bounds a
+    /// forward in a serving process.
+    fn timed<T>(
+        &self,
+        started: std::time::Instant,
+        finish: impl FnOnce() -> Result<T, ModelError>,
+    ) -> Result<T, ModelError> {
+        let enqueued = started.elapsed();
+        let result = finish();
+        metrics::histogram!("model_encoder_enqueue_seconds").record(enqueued.as_secs_f64());
+        metrics::histogram!("model_encoder_finish_seconds")
+            .record((started.elapsed() - enqueued).as_secs_f64());
+        result
+    }
+
+    /// Issues a forward of `shape` whose inputs are in `io` (laid out by `inputs`): the
+    /// embeddings, every layer, and the mean pooling into `pooled` when given. The launch
+    /// sizes depend on `shape` alone, so a graph captured with one shape replays any batch
+    /// padded to it.
+    fn issue(
+        &self,
+        a: &mut Acts,
+        io: &CudaSlice<u32>,
+        shape: Shape,
+        pooled: Option<&mut CudaSlice<f32>>,
+    ) -> Result<(), ModelError> {
+        let Shape { rows, seqs, span } = shape;
+        let st = &self.stream;
+        let (ids, types, pos) = (
+            io.slice(..rows),
+            io.slice(rows..2 * rows),
+            io.slice(2 * rows..3 * rows),
+        );
+        let offsets = io.slice(3 * rows..shape.io_len());
+        let h = self.hidden as i32;
+        let mut l = st.launch_builder(&self.k.embed_ln);
+        l.arg(&mut a.x)
+            .arg(&ids)
+            .arg(&types)
+            .arg(&pos)
+            .arg(&self.word)
+            .arg(&self.position)
+            .arg(&self.token_type)
+            .arg(&self.emb_ln.g)
+            .arg(&self.emb_ln.b)
+            .arg(&h)
+            .arg(&self.eps);
+        // SAFETY: ids and types come from this model's tokenizer (in vocabulary and type
+        // range) or are padding zeros, positions are below max_positions (checked by
+        // `longest`); one block per row.
+        unsafe { l.launch(rows_cfg(rows, self.hidden)) }.map_err(err)?;
         let last = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
-            self.gemm(&w.x, &layer.qkv, rows, &mut w.qkv)?;
+            self.gemm(&a.x, &layer.qkv, rows, &mut a.qkv)?;
             {
                 let heads = self.heads as i32;
-                let mut l = self.stream.launch_builder(&self.k.attention);
-                l.arg(&mut w.ctx)
-                    .arg(&w.qkv)
+                let mut l = st.launch_builder(&self.k.attention);
+                l.arg(&mut a.ctx)
+                    .arg(&a.qkv)
                     .arg(&layer.qkv.b)
                     .arg(&offsets)
                     .arg(&heads);
                 let cfg = LaunchConfig {
-                    grid_dim: ((n * self.heads) as u32, longest.div_ceil(TILE) as u32, 1),
+                    grid_dim: ((seqs * self.heads) as u32, span.div_ceil(TILE) as u32, 1),
                     block_dim: (TILE as u32, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                // SAFETY: offsets has n+1 entries ending at rows; qkv holds rows*3h and ctx
-                // rows*h halves; blocks past a sequence's end return before any access.
+                // SAFETY: offsets has seqs+1 entries ending at most at rows; qkv holds
+                // rows*3h and ctx rows*h halves; blocks past a sequence's end (and every
+                // block of an empty padding sequence) return before any access.
                 unsafe { l.launch(cfg) }.map_err(err)?;
             }
-            self.gemm(&w.ctx, &layer.attn_out, rows, &mut w.o)?;
+            self.gemm(&a.ctx, &layer.attn_out, rows, &mut a.o)?;
             self.bias_res_ln(
-                &mut w.a,
+                &mut a.a,
                 None,
-                &w.o,
-                &w.x,
+                &a.o,
+                &a.x,
                 &layer.attn_out.b,
                 &layer.ln1,
                 rows,
             )?;
-            self.gemm(&w.a, &layer.inter, rows, &mut w.inter)?;
+            self.gemm(&a.a, &layer.inter, rows, &mut a.inter)?;
             {
                 let (r, c) = (rows as i32, layer.inter.out as i32);
-                let mut l = self.stream.launch_builder(&self.k.bias_act);
-                l.arg(&mut w.inter)
+                let mut l = st.launch_builder(&self.k.bias_act);
+                l.arg(&mut a.inter)
                     .arg(&layer.inter.b)
                     .arg(&r)
                     .arg(&c)
@@ -601,19 +688,51 @@ impl CudaHalfTransformer {
                 // SAFETY: inter holds rows*intermediate halves; guarded by i < rows*cols.
                 unsafe { l.launch(elems(rows * layer.inter.out)) }.map_err(err)?;
             }
-            self.gemm(&w.inter, &layer.out, rows, &mut w.o)?;
-            let out32 = (i == last).then_some(&mut w.out32);
-            self.bias_res_ln(&mut w.x, out32, &w.o, &w.a, &layer.out.b, &layer.ln2, rows)?;
+            self.gemm(&a.inter, &layer.out, rows, &mut a.o)?;
+            let out32 = (i == last).then_some(&mut a.out32);
+            self.bias_res_ln(&mut a.x, out32, &a.o, &a.a, &layer.out.b, &layer.ln2, rows)?;
         }
-        // Host time to enqueue the forward, then the wait for the device and the copy back:
-        // which side bounds a forward in a serving process.
-        let enqueued = started.elapsed();
-        let result = out(w, &offsets).map(Some);
-        metrics::histogram!("model_encoder_enqueue_seconds").record(enqueued.as_secs_f64());
-        metrics::histogram!("model_encoder_finish_seconds")
-            .record((started.elapsed() - enqueued).as_secs_f64());
-        result
+        if let Some(out) = pooled {
+            let mut l = st.launch_builder(&self.k.mean_pool);
+            l.arg(out).arg(&a.out32).arg(&offsets).arg(&h);
+            // SAFETY: one block per sequence; offsets has seqs + 1 entries ending at most at
+            // rows, out32 holds those rows and `out` at least seqs * hidden floats; shared
+            // memory holds the reduction and one row.
+            unsafe { l.launch(rows_cfg(seqs, self.hidden)) }.map_err(err)?;
+        }
+        Ok(())
     }
+}
+
+/// Launch sizes of a forward: packed rows, sequences, and the longest sequence the
+/// attention grid covers.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+struct Shape {
+    rows: usize,
+    seqs: usize,
+    span: usize,
+}
+
+impl Shape {
+    /// u32s of the inputs: ids, type ids and positions per row, then the offsets.
+    fn io_len(&self) -> usize {
+        3 * self.rows + self.seqs + 1
+    }
+}
+
+/// `p`'s inputs as one upload laid out for `shape`: ids, type ids and positions
+/// (`shape.rows` each; padding rows are token 0 at position 0 and in no sequence), then
+/// `shape.seqs + 1` offsets (padding sequences are empty, at the end of the real rows).
+fn inputs(p: &Packed, shape: Shape) -> Vec<u32> {
+    let real = p.ids.len();
+    let mut v = Vec::with_capacity(shape.io_len());
+    for part in [&p.ids, &p.types, &p.positions] {
+        v.extend_from_slice(part);
+        v.resize(v.len() + shape.rows - real, 0);
+    }
+    v.extend(p.offsets.iter().map(|&o| o as u32));
+    v.resize(shape.io_len(), real as u32);
+    v
 }
 
 #[cfg(test)]

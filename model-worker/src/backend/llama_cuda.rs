@@ -9,8 +9,8 @@
 //!   (`PagedCache`), given back to the pool when the sequence ends. Row positions and cache
 //!   slots are computed on the host and uploaded with the tokens, so the kernels only index.
 //! - RMSNorm, RoPE + cache store, attention over the paged cache (one block per row and
-//!   head), residual add and the SiLU gate are NVRTC kernels (header-free f16 as in
-//!   `cuda_half`).
+//!   head, prompt rows in tiles: `attention`), residual add and the SiLU gate are NVRTC
+//!   kernels (header-free f16 as in `cuda_half`).
 //!
 //! - Rows a caller only needs one token of (a greedy step, a scored target token) are
 //!   answered on the device by `pick_rows`: two numbers per row cross to the host instead of
@@ -42,9 +42,11 @@ pub const PAGE: usize = 16;
 /// Threads per block of the row-wise kernels.
 const THREADS: u32 = 128;
 
+mod attention;
 mod graphs;
 mod kernels;
 mod picks;
+mod profile;
 use kernels::KERNELS;
 
 /// The kernel source as compiled.
@@ -72,6 +74,7 @@ struct Kernels {
     add_rms_norm: CudaFunction,
     rope_store: CudaFunction,
     attention: CudaFunction,
+    attention_tiles: CudaFunction,
     add_rows: CudaFunction,
     silu_mul: CudaFunction,
     pick_rows: CudaFunction,
@@ -144,6 +147,12 @@ pub struct CudaLlama {
     /// Whether pure decode steps replay a captured CUDA graph (`graphs`); `decoder` turns it
     /// off when a replayed step disagrees with the launched one at load.
     graphs: bool,
+    /// Threads per block of the row-wise attention kernel when set by hand (else by step
+    /// size), and rows per prompt tile (`attention`).
+    row_threads: Option<usize>,
+    prefill_tile: usize,
+    /// Per-operation device timing (`profile`), off unless a benchmark turns it on.
+    profile: Mutex<Option<profile::Profile>>,
     /// cuBLAS's workspace, set once so that captured GEMMs never allocate.
     _blas_workspace: CudaSlice<u8>,
     pub device_name: String,
@@ -159,11 +168,6 @@ fn blocks(n: usize, shared_floats: usize) -> LaunchConfig {
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: (shared_floats * 4) as u32,
     }
-}
-
-/// Shared memory of the attention kernel, in floats, for spans up to `longest`.
-fn attention_shared(d: &Dims, longest: usize) -> usize {
-    d.head_dim + 32 + (THREADS as usize / 32) * d.head_dim + longest
 }
 
 /// A GGUF llama's shapes (the same metadata `llama_batch` reads).
@@ -226,6 +230,7 @@ impl CudaLlama {
             add_rms_norm: f("add_rms_norm")?,
             rope_store: f("rope_store")?,
             attention: f("attention")?,
+            attention_tiles: f("attention_tiles")?,
             add_rows: f("add_rows")?,
             silu_mul: f("silu_mul")?,
             pick_rows: f("pick_rows")?,
@@ -287,7 +292,10 @@ impl CudaLlama {
             free: Arc::new(Mutex::new((0..pages as i32).rev().collect())),
             work: Mutex::new(None),
             device_picks: true,
-            graphs: graphs::fits(&d),
+            graphs: graphs::fits(&d, 2 * attention::ROW_THREADS),
+            profile: Mutex::new(None),
+            row_threads: None,
+            prefill_tile: attention::SERVING_TILE,
             _blas_workspace: blas_workspace,
             embed,
             output,
@@ -357,6 +365,7 @@ struct Plan {
     tables: Vec<i32>,
     want: Vec<i32>,
     longest: usize,
+    tiles: Option<attention::Split>,
 }
 
 /// The per-forward index arrays, on the device.
@@ -368,6 +377,9 @@ struct Indexes {
     tables: CudaSlice<i32>,
     want: CudaSlice<i32>,
     longest: usize,
+    /// Prompt rows' attention tiles and the rows beside them (`attention::tiles`); `None`
+    /// in a decode step.
+    tiles: Option<attention::DeviceSplit>,
 }
 
 impl CudaLlama {
@@ -412,6 +424,16 @@ impl CudaLlama {
             tables: up_i(if p.tables.is_empty() { &[0] } else { &p.tables })?,
             want: up_i(if p.want.is_empty() { &[0] } else { &p.want })?,
             longest: p.longest,
+            tiles: match &p.tiles {
+                Some(t) => Some(attention::DeviceSplit {
+                    tiles: (up_i(&t.tiles)?, t.tiles.len() / 2),
+                    singles: match t.singles.is_empty() {
+                        true => None,
+                        false => Some((up_i(&t.singles)?, t.singles.len())),
+                    },
+                }),
+                None => None,
+            },
         })
     }
 
@@ -472,6 +494,11 @@ impl CudaLlama {
             tables,
             want: want.iter().map(|&w| w as i32).collect(),
             longest: positions.iter().max().map_or(0, |p| p + 1),
+            tiles: attention::tiles(
+                &rows.iter().map(|r| r.seq).collect::<Vec<_>>(),
+                &positions,
+                self.prefill_tile,
+            ),
         })
     }
 
@@ -533,6 +560,7 @@ impl CudaLlama {
             self.rms_norm(&mut w.hn, &w.x, &self.norm, Some(&ix.want), want.len())?;
         }
         let result = out(w)?;
+        self.mark("output")?;
         drop(guard);
         for (i, c) in caches.iter_mut().enumerate() {
             let added = rows.iter().filter(|r| r.seq == i).count();
@@ -547,6 +575,7 @@ impl CudaLlama {
         let st = &self.stream;
         let hi = h as i32;
         let (heads, kvh, hd) = (d.heads as i32, d.kv_heads as i32, d.head_dim as i32);
+        self.mark("start")?;
         {
             let (ni, mut l) = (n as i32, st.launch_builder(&self.k.embed_rows));
             l.arg(&mut w.x)
@@ -557,10 +586,11 @@ impl CudaLlama {
             // SAFETY: tokens were checked against the vocabulary; guarded by i < n*h.
             unsafe { l.launch(elems(n * h)) }.map_err(err)?;
         }
-        let scale = 1.0 / (d.head_dim as f32).sqrt();
+        self.mark("embed")?;
         if let Some(first) = self.layers.first() {
             // Later layers' attention norms are fused into the previous layer's last add.
             self.rms_norm(&mut w.hn, &w.x, &first.attn_norm, None, n)?;
+            self.mark("norm")?;
         }
         for (li, layer) in self.layers.iter().enumerate() {
             self.gemm(
@@ -572,6 +602,7 @@ impl CudaLlama {
                 &mut w.qkv,
                 cudaDataType_t::CUDA_R_16F,
             )?;
+            self.mark("gemm_qkv")?;
             {
                 let mut l = st.launch_builder(&self.k.rope_store);
                 l.arg(&mut w.qkv)
@@ -589,26 +620,9 @@ impl CudaLlama {
                 // written through a shared borrow: device memory, ordered by the one stream.
                 unsafe { l.launch(blocks(n, 0)) }.map_err(err)?;
             }
-            {
-                let mut l = st.launch_builder(&self.k.attention);
-                l.arg(&mut w.att)
-                    .arg(&w.qkv)
-                    .arg(&layer.k_cache)
-                    .arg(&layer.v_cache)
-                    .arg(&ix.pos)
-                    .arg(&ix.tstart)
-                    .arg(&ix.tables)
-                    .arg(&heads)
-                    .arg(&kvh)
-                    .arg(&hd)
-                    .arg(&scale);
-                let shared = attention_shared(&d, ix.longest);
-                // SAFETY: one block per (row, head); every position up to the row's own has
-                // a page in its table (indexes() took them) and was stored by rope_store in
-                // this or an earlier forward; shared memory holds q, the reduction and the
-                // longest span.
-                unsafe { l.launch(blocks(n * d.heads, shared)) }.map_err(err)?;
-            }
+            self.mark("rope_store")?;
+            self.attention(layer, ix, w, n)?;
+            self.mark("attention")?;
             self.gemm(
                 &w.att,
                 &layer.wo,
@@ -618,7 +632,9 @@ impl CudaLlama {
                 &mut w.o,
                 cudaDataType_t::CUDA_R_16F,
             )?;
+            self.mark("gemm_o")?;
             self.add_norm(&mut w.hn, &mut w.x, &w.o, &layer.ffn_norm, n)?;
+            self.mark("add_norm")?;
             let inter = self.intermediate;
             self.gemm(
                 &w.hn,
@@ -629,6 +645,7 @@ impl CudaLlama {
                 &mut w.gu,
                 cudaDataType_t::CUDA_R_16F,
             )?;
+            self.mark("gemm_gate_up")?;
             {
                 let (ni, ii) = (n as i32, inter as i32);
                 let mut l = st.launch_builder(&self.k.silu_mul);
@@ -636,6 +653,7 @@ impl CudaLlama {
                 // SAFETY: act holds n*inter and gu n*2*inter halves; guarded by i < n*inter.
                 unsafe { l.launch(elems(n * inter)) }.map_err(err)?;
             }
+            self.mark("silu_mul")?;
             self.gemm(
                 &w.act,
                 &layer.down,
@@ -645,10 +663,12 @@ impl CudaLlama {
                 &mut w.o,
                 cudaDataType_t::CUDA_R_16F,
             )?;
+            self.mark("gemm_down")?;
             match self.layers.get(li + 1) {
                 Some(next) => self.add_norm(&mut w.hn, &mut w.x, &w.o, &next.attn_norm, n)?,
                 None => self.add(&mut w.x, &w.o, n * h)?,
             }
+            self.mark("add_norm")?;
         }
         Ok(())
     }

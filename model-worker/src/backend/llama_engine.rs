@@ -55,6 +55,9 @@ pub struct Piece {
     pub text: String,
     pub token_id: u32,
     pub logprob: f32,
+    /// The stream ends with this piece (a stop or its length): its `Done` follows in the
+    /// same step, so a caller that marks the last message waits for nothing else.
+    pub last: bool,
 }
 
 /// How a stream ended and how many tokens it generated.
@@ -173,6 +176,7 @@ impl Stream<'_> {
             text,
             token_id: next,
             logprob,
+            last: stopped || last,
         };
         if self.job.events.send(Event::Piece(piece)).is_err() {
             return Ok(Some(Finish::Cancelled));

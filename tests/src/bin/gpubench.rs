@@ -17,6 +17,10 @@
 //!   cluster, chunks/s with the model and with it excluded (embedding cache), the worker's
 //!   device-busy share and `nvidia-smi` utilisation samples (`ragcluster_tests::pipeline`).
 //!
+//! - `profile` (with CUDA): the CUDA decoder in process, a 2,040-row prefill step and decode
+//!   steps of 1, 8 and 64 rows: host wall time per forward (graphs on and off) and device
+//!   time per operation (`ragcluster_tests::decodeprof`).
+//!
 //! The served sections also report the worker's own histograms over each load (batch sizes,
 //! time in the encoder's forwards, queueing; the decode forward's time per step), which say
 //! where a request's time went. `--sections` runs a subset; `--out` writes the JSON after
@@ -35,6 +39,7 @@ use model_worker::backend::bert::{self, BertEncoder, HeadKind};
 use model_worker::backend::device::Placement;
 use model_worker::backend::{Encoder, Seq};
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
+use ragcluster_tests::threads::Sample;
 use ragcluster_tests::workerload::{embed_load, generate_load, generate_stream};
 use ragcluster_tests::{Cluster, Proc, datasets_dir, embed_model, generate_model};
 use serde_json::{Value, json};
@@ -60,8 +65,9 @@ struct Args {
     /// Also time `ragctl eval retrieval --ingest` of SciFact on a local cluster.
     #[arg(long)]
     cluster: bool,
-    /// Sections to run (encoder, cpu, served, generation, python, cluster, ingest); empty =
-    /// all that apply (python with `--python`, cluster and ingest with `--cluster`).
+    /// Sections to run (encoder, cpu, served, generation, profile, python, cluster, ingest);
+    /// empty = all that apply (profile with CUDA, python with `--python`, cluster and ingest
+    /// with `--cluster`).
     #[arg(long, value_delimiter = ',')]
     sections: Vec<String>,
     /// Also write the JSON here after every section, so a run cut short keeps what it measured.
@@ -207,22 +213,30 @@ async fn served_embed(texts: &[String], a: &Args) -> Result<Value> {
     let c = connect(&worker).await?;
     embed_load(&c, texts, 8, 2, 1).await?; // warm-up
     let mut out = serde_json::Map::new();
+    // The first single-text round meets new batch shapes (the encoder captures a CUDA graph
+    // per shape on first use); the second is the steady state of a server that has run.
     for (key, clients, requests, per_call) in [
+        ("single_text_first", a.clients, a.requests, 1),
         ("single_text", a.clients, a.requests, 1),
         ("batched_calls", 16, 8, 32),
     ] {
         let before = worker_stats(&worker).await?;
+        let threads = worker.pid().map(Sample::take);
         let t = Instant::now();
         let mut load = embed_load(&c, texts, clients, requests, per_call).await?;
         let wall = t.elapsed().as_secs_f64();
         load["worker"] = stats_delta(&before, &worker_stats(&worker).await?, wall);
+        if let (Some(b), Some(pid)) = (threads, worker.pid()) {
+            load["worker_threads"] = b.until(&Sample::take(pid));
+        }
         out.insert(key.into(), load);
     }
     Ok(Value::Object(out))
 }
 
-/// Sums and counts of the model worker's histograms that say where a request's time went.
-const WORKER_HISTOGRAMS: [&str; 7] = [
+/// Sums and counts of the model worker's histograms that say where a request's time went
+/// (and counters, ending in `_total`: their value).
+const WORKER_HISTOGRAMS: [&str; 8] = [
     "model_device_seconds",
     "model_encoder_enqueue_seconds",
     "model_encoder_finish_seconds",
@@ -230,17 +244,19 @@ const WORKER_HISTOGRAMS: [&str; 7] = [
     "model_queue_seconds",
     "model_decode_forward_seconds",
     "model_decode_step_rows",
+    "model_encoder_graph_captures_total",
 ];
 
 async fn worker_stats(p: &Proc) -> Result<Vec<(f64, f64)>> {
     let page = ragcluster_tests::http_get(&p.metrics).await?;
     Ok(WORKER_HISTOGRAMS
         .iter()
-        .map(|h| {
-            (
+        .map(|h| match h.ends_with("_total") {
+            true => (ragcluster_tests::metric_sum(&page, h), 0.0),
+            false => (
                 ragcluster_tests::metric_sum(&page, &format!("{h}_sum")),
                 ragcluster_tests::metric_sum(&page, &format!("{h}_count")),
-            )
+            ),
         })
         .collect())
 }
@@ -251,7 +267,9 @@ fn stats_delta(before: &[(f64, f64)], after: &[(f64, f64)], wall: f64) -> Value 
     let mut out = serde_json::Map::new();
     for (name, (b, a)) in WORKER_HISTOGRAMS.iter().zip(before.iter().zip(after)) {
         let (sum, count) = (a.0 - b.0, a.1 - b.1);
-        if count > 0.0 {
+        if name.ends_with("_total") {
+            out.insert((*name).into(), json!({"delta": sum, "value": a.0}));
+        } else if count > 0.0 {
             out.insert(
                 (*name).into(),
                 json!({"count": count, "mean": sum / count, "sum_over_wall": sum / wall}),
@@ -287,10 +305,14 @@ async fn generation(texts: &[String], a: &Args) -> Result<Value> {
     let mut out = serde_json::Map::new();
     for &n in &a.gen_streams {
         let before = worker_stats(&worker).await?;
+        let threads = worker.pid().map(Sample::take);
         let t = Instant::now();
         let mut load = generate_load(&c, &prompt, n, a.gen_tokens, 0.0).await?;
         let wall = t.elapsed().as_secs_f64();
         load["worker"] = stats_delta(&before, &worker_stats(&worker).await?, wall);
+        if let (Some(b), Some(pid)) = (threads, worker.pid()) {
+            load["worker_threads"] = b.until(&Sample::take(pid));
+        }
         out.insert(format!("streams_{n}"), load);
     }
     out.insert("prompt_chars".into(), json!(prompt.len()));
@@ -448,6 +470,11 @@ async fn main() -> Result<()> {
     if want("generation") {
         let t = Instant::now();
         record(&mut out, "generation", generation(&texts, &a).await, t)?;
+    }
+    if cuda && want("profile") {
+        let t = Instant::now();
+        let r = generate_model().and_then(|p| ragcluster_tests::decodeprof::decoder_profile(&p));
+        record(&mut out, "decoder_profile", r, t)?;
     }
     if !a.python.is_empty() && want("python") {
         let t = Instant::now();

@@ -11,7 +11,8 @@ use std::collections::HashMap;
 
 use cudarc::driver::{CudaGraph, sys};
 
-use super::{CudaLlama, Indexes, PagedCache, Plan, Workspace, attention_shared, err};
+use super::attention::attention_shared;
+use super::{CudaLlama, Indexes, PagedCache, Plan, Workspace, err};
 use crate::backend::llama_batch::{Dims, Row, Sampled, Want};
 use crate::error::ModelError;
 
@@ -33,15 +34,18 @@ pub(super) struct Decode {
 
 /// Whether a graph's attention (shared memory for the whole context) fits the 48 KB a
 /// kernel gets without opting in.
-pub(super) fn fits(d: &Dims) -> bool {
-    attention_shared(d, d.context) * 4 <= 48 * 1024
+pub(super) fn fits(d: &Dims, threads: usize) -> bool {
+    attention_shared(d, d.context, threads) * 4 <= 48 * 1024
 }
 
 impl CudaLlama {
     /// Turns decode-step graphs on (where the attention fits, `fits`) or off (every step
     /// launches its kernels).
     pub fn set_graphs(&mut self, on: bool) {
-        self.graphs = on && fits(&self.dims);
+        let threads = self
+            .row_threads
+            .unwrap_or(2 * super::attention::ROW_THREADS);
+        self.graphs = on && fits(&self.dims, threads);
     }
 
     /// A decode step replayed from a graph: when `rows` hold one row per sequence in
@@ -56,6 +60,7 @@ impl CudaLlama {
     ) -> Result<Option<Vec<Sampled>>, ModelError> {
         let n = rows.len();
         let decode = self.graphs
+            && !self.profiling()
             && (1..=GRAPH_ROWS).contains(&n)
             && caches.len() == n
             && want.len() == n
@@ -101,6 +106,7 @@ impl CudaLlama {
                 tables: zeros(pages)?,
                 want: st.clone_htod(&want).map_err(err)?,
                 longest: self.dims.context,
+                tiles: None,
             },
             by_rows: HashMap::new(),
         })

@@ -66,18 +66,20 @@ extern "C" __global__ void rope_store(unsigned short* qkv, unsigned short* kc,
   }
 }
 
-// One block per (row, head): causal attention of the row's query over positions
-// 0..=pos[r] of its sequence, whose pages are tables[tstart[r]..]. Scores: a thread per
+// One block per (row, head) (the rows listed in `only`, or every row when it is null):
+// causal attention of the row's query over positions 0..=pos[r] of its sequence, whose pages are tables[tstart[r]..]. Scores: a thread per
 // position (its key row read in 16-byte loads), so a decode row's few hundred positions
 // take a few iterations of independent loads. Weighted sum: each warp takes every nw-th
 // position and its lanes hold two dims each of the value row (one coalesced 4-byte load per
-// lane), partial sums combined through shared memory. d is 64 or 128 (checked at load).
-// Shared memory, in floats: d + 32 + nw * d + the longest span of the batch.
+// lane), partial sums combined through shared memory. The row's page numbers are staged in
+// shared memory first, so no cache load waits on a page-table load. d is 64 or 128
+// (checked at load). Shared memory, in floats: d + 32 + nw * d + the longest span of the
+// batch + its pages.
 extern "C" __global__ void attention(unsigned short* out, const unsigned short* qkv,
     const unsigned short* kc, const unsigned short* vc, const int* pos, const int* tstart,
-    const int* tables, int heads, int kvh, int d, float scale) {
+    const int* tables, const int* only, int heads, int kvh, int d, float scale) {
   extern __shared__ float sh[];
-  int r = blockIdx.x / heads, head = blockIdx.x % heads;
+  int r = only ? only[blockIdx.x / heads] : blockIdx.x / heads, head = blockIdx.x % heads;
   int kvhead = head / (heads / kvh);
   int qw = heads * d, kw = kvh * d;
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -86,13 +88,15 @@ extern "C" __global__ void attention(unsigned short* out, const unsigned short* 
   float* part = wred + 32;
   float* sc = part + nw * d;
   int span = pos[r] + 1;
+  int* pg = (int*)(sc + span);
   const unsigned short* qr = qkv + (size_t)r * (qw + 2 * kw) + head * d;
   for (int j = threadIdx.x; j < d; j += blockDim.x) q[j] = h2f(qr[j]) * scale;
-  __syncthreads();
   const int* table = tables + tstart[r];
+  for (int i = threadIdx.x; i < (span + PAGE - 1) / PAGE; i += blockDim.x) pg[i] = table[i];
+  __syncthreads();
   float mx = -1e30f;
   for (int p = threadIdx.x; p < span; p += blockDim.x) {
-    size_t slot = (size_t)table[p / PAGE] * PAGE + p % PAGE;
+    size_t slot = (size_t)pg[p / PAGE] * PAGE + p % PAGE;
     const uint4* k = (const uint4*)(kc + slot * kw + kvhead * d);
     float s = 0.f;
     for (int c = 0; c < d / 8; c++) {
@@ -125,9 +129,9 @@ extern "C" __global__ void attention(unsigned short* out, const unsigned short* 
   for (int i = 0; i < nw; i++) total += wred[i];
   int pairs = d / 64;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
+#pragma unroll 8
   for (int p = warp; p < span; p += nw) {
-    size_t slot = (size_t)table[p / PAGE] * PAGE + p % PAGE;
+    size_t slot = (size_t)pg[p / PAGE] * PAGE + p % PAGE;
     const unsigned* v = (const unsigned*)(vc + slot * kw + kvhead * d);
     float e = sc[p];
     for (int t = 0; t < pairs; t++) {
@@ -146,6 +150,107 @@ extern "C" __global__ void attention(unsigned short* out, const unsigned short* 
     float a = 0.f;
     for (int i = 0; i < nw; i++) a += part[i * d + j];
     out[(size_t)r * qw + head * d + j] = f2h(a * inv);
+  }
+}
+
+// Causal attention of prompt rows in tiles: a block per (tile, head), a tile being up to
+// `tile` (the host's choice, blockDim.x / (d / 16)) consecutive positions of one sequence (tiles[2t] = its first row, tiles[2t+1] = its
+// row count), so each key and value row is read from the cache once per tile instead of
+// once per row. d/16 threads per query row, each holding 16 of its dims (the query and the
+// weighted sum in registers); a score is summed over the group by shuffles. Keys and values
+// are staged KT positions at a time in shared memory as f32, each 16-dim part padded by one
+// float (a row's parts fall in different banks). Softmax is computed online, four keys
+// at a time.
+// Threads: tile * d / 16. Shared memory, in floats: 2 * KT * (d + d / 16).
+#define KT 32
+extern "C" __global__ void attention_tiles(unsigned short* out, const unsigned short* qkv,
+    const unsigned short* kc, const unsigned short* vc, const int* pos, const int* tstart,
+    const int* tables, const int* tiles, int heads, int kvh, int d, float scale) {
+  extern __shared__ float sh[];
+  int parts = d / 16, stride = d + parts;
+  float* ks = sh;
+  float* vs = sh + KT * stride;
+  int first = tiles[2 * blockIdx.x], count = tiles[2 * blockIdx.x + 1];
+  int head = blockIdx.y, kvhead = head / (heads / kvh);
+  int qw = heads * d, kw = kvh * d;
+  int qi = threadIdx.x / parts, part = threadIdx.x % parts;
+  bool live = qi < count;
+  int r = first + (live ? qi : 0);
+  int pq = live ? pos[r] : -1;
+  int last = pos[first + count - 1];
+  const int* table = tables + tstart[first];
+  const unsigned short* qr = qkv + (size_t)r * (qw + 2 * kw) + head * d + part * 16;
+  float q[16], acc[16];
+#pragma unroll
+  for (int j = 0; j < 16; j++) { q[j] = h2f(qr[j]) * scale; acc[j] = 0.f; }
+  float m = -1e30f, l = 0.f;
+  for (int k0 = 0; k0 <= last; k0 += KT) {
+    int n = min(KT, last + 1 - k0), n4 = (n + 3) & ~3;
+    __syncthreads();
+    // Rows past the chunk's end (up to a multiple of four) are zeros: they are masked out
+    // below, and must not hold NaNs from earlier data.
+    // Eight halves (16 bytes) per load: a cache row's head slice is 16-byte aligned.
+    int per_row = d / 8;
+    for (int i = threadIdx.x; i < n4 * per_row; i += blockDim.x) {
+      int kr = i / per_row, c = (i % per_row) * 8, p = k0 + kr;
+      float* kd = ks + kr * stride + (c / 16) * 17 + c % 16;
+      float* vd = vs + kr * stride + (c / 16) * 17 + c % 16;
+      if (kr < n) {
+        size_t src = ((size_t)table[p / PAGE] * PAGE + p % PAGE) * kw + kvhead * d + c;
+        uint4 ku = *(const uint4*)(kc + src), vu = *(const uint4*)(vc + src);
+        unsigned kw4[4] = {ku.x, ku.y, ku.z, ku.w}, vw4[4] = {vu.x, vu.y, vu.z, vu.w};
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          kd[2 * e] = h2f((unsigned short)(kw4[e] & 0xffffu));
+          kd[2 * e + 1] = h2f((unsigned short)(kw4[e] >> 16));
+          vd[2 * e] = h2f((unsigned short)(vw4[e] & 0xffffu));
+          vd[2 * e + 1] = h2f((unsigned short)(vw4[e] >> 16));
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; e++) { kd[e] = 0.f; vd[e] = 0.f; }
+      }
+    }
+    __syncthreads();
+    // Four keys at a time: four independent dot products and shuffles in flight, then one
+    // rescale of the running sum for the four.
+    for (int kr = 0; kr < n; kr += 4) {
+      float s[4];
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+        const float* kk = ks + (kr + u) * stride + part * 17;
+        float a = 0.f, b = 0.f;
+#pragma unroll
+        for (int j = 0; j < 16; j += 2) { a += q[j] * kk[j]; b += q[j + 1] * kk[j + 1]; }
+        s[u] = a + b;
+      }
+      for (int o = 1; o < parts; o <<= 1) {
+#pragma unroll
+        for (int u = 0; u < 4; u++) s[u] += __shfl_xor_sync(0xffffffffu, s[u], o);
+      }
+      float mn = m;
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+        if (kr + u >= n || k0 + kr + u > pq) s[u] = -1e30f;
+        mn = fmaxf(mn, s[u]);
+      }
+      float corr = __expf(m - mn), e[4];
+#pragma unroll
+      for (int u = 0; u < 4; u++) e[u] = __expf(s[u] - mn);
+      l = l * corr + (e[0] + e[1]) + (e[2] + e[3]);
+      const float* vv = vs + kr * stride + part * 17;
+#pragma unroll
+      for (int j = 0; j < 16; j++)
+        acc[j] = acc[j] * corr + e[0] * vv[j] + e[1] * vv[stride + j]
+               + e[2] * vv[2 * stride + j] + e[3] * vv[3 * stride + j];
+      m = mn;
+    }
+  }
+  if (live) {
+    unsigned short* o = out + (size_t)r * qw + head * d + part * 16;
+    float inv = 1.f / l;
+#pragma unroll
+    for (int j = 0; j < 16; j++) o[j] = f2h(acc[j] * inv);
   }
 }
 
