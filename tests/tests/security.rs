@@ -793,6 +793,29 @@ async fn overload_is_shed_with_resource_exhausted_and_admitted_p99_stays_bounded
             anyhow::Ok((ok, shed, hinted))
         }
     };
+    // The deadline-cut search above may still hold its admission slot on the coordinator
+    // (the client gave up first; the handler ends when its own work does): wait until the
+    // limit's worth of concurrent searches is admitted again before measuring at the limit.
+    let mut settled = false;
+    for _ in 0..100 {
+        let calls = (0..LIMIT).map(|_| {
+            let mut c = c.clone();
+            async move { c.search(search(10)).await }
+        });
+        if futures::future::join_all(calls)
+            .await
+            .iter()
+            .all(|r| r.is_ok())
+        {
+            settled = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    ensure!(
+        settled,
+        "the coordinator never admitted {LIMIT} concurrent searches again"
+    );
     let (mut base, base_shed, _) = run(LIMIT, 4).await?;
     ensure!(base_shed == 0, "at the limit nothing is shed ({base_shed})");
     let (mut over, shed, hinted) = run(10 * LIMIT, 6).await?;

@@ -143,7 +143,20 @@ impl Decoder {
             tracing::warn!(gpu = %gpu.device_name, "decode steps replayed from CUDA graphs disagree with launched ones: graphs off");
         }
         gpu.set_graphs(graphs_ok);
-        tracing::info!(gpu = %gpu.device_name, cosine = cos, device_picks = picks_ok, graphs = graphs_ok, "decoder on CUDA, checked against CPU");
+        let t = std::time::Instant::now();
+        match gpu.prewarm_graphs() {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                graphs = n,
+                ms = t.elapsed().as_millis() as u64,
+                "decode-step CUDA graphs captured ahead of traffic"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "decode-step CUDA graphs could not be captured ahead: graphs off");
+                gpu.set_graphs(false);
+            }
+        }
+        tracing::info!(gpu = %gpu.device_name, cosine = cos, device_picks = picks_ok, graphs = gpu.graphs_on(), "decoder on CUDA, checked against CPU");
         Ok(Decoder::Cuda(Box::new(gpu)))
     }
 }

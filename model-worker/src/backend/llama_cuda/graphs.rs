@@ -39,6 +39,11 @@ pub(super) fn fits(d: &Dims, threads: usize) -> bool {
 }
 
 impl CudaLlama {
+    /// Whether pure decode steps replay graphs.
+    pub fn graphs_on(&self) -> bool {
+        self.graphs
+    }
+
     /// Turns decode-step graphs on (where the attention fits, `fits`) or off (every step
     /// launches its kernels).
     pub fn set_graphs(&mut self, on: bool) {
@@ -89,6 +94,37 @@ impl CudaLlama {
             c.len += 1;
         }
         Ok(Some(out))
+    }
+
+    /// Captures the decode-step graph of every row count up to `GRAPH_ROWS` (with graphs
+    /// on), so that no step pays for a capture while streams join one by one; returns how
+    /// many. Measured on an H100 (docs/bench/2026-11-26-gpu.json): without it, 64 streams
+    /// arriving together met a new row count, and a capture, in many of their first steps.
+    pub fn prewarm_graphs(&self) -> Result<usize, ModelError> {
+        if !self.graphs || self.profiling() {
+            return Ok(0);
+        }
+        let mut guard = self
+            .work
+            .lock()
+            .map_err(|_| err("workspace lock poisoned"))?;
+        let w = self.workspace_for(&mut guard, GRAPH_ROWS)?;
+        let mut dec = match w.decode.take() {
+            Some(d) => d,
+            None => Box::new(self.decode_buffers()?),
+        };
+        let mut captured = || -> Result<usize, ModelError> {
+            for n in 1..=GRAPH_ROWS {
+                if !dec.by_rows.contains_key(&n) {
+                    let g = self.capture(n, &dec.io, w)?;
+                    dec.by_rows.insert(n, Graph(g));
+                }
+            }
+            Ok(GRAPH_ROWS)
+        };
+        let result = captured();
+        w.decode = Some(dec);
+        result
     }
 
     /// Index buffers for `GRAPH_ROWS` rows, each sequence's page table up to the context.
