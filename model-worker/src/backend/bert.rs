@@ -169,7 +169,8 @@ impl BertEncoder {
             Placement::Cpu => Stack::Cpu(cpu),
             Placement::Cuda => {
                 let probe = tokenize(&tokenizer, &PROBES.map(str::to_owned))?;
-                cuda_stack(name, vb.clone(), &config, &cpu, &probe)
+                let pooled = matches!(kind, HeadKind::MeanPool);
+                cuda_stack(name, vb.clone(), &config, &cpu, &probe, pooled)
                     .map_err(|e| fail(&weights, e.to_string()))?
             }
         };
@@ -346,19 +347,25 @@ const PROBES: [&str; 3] = [
 ];
 
 /// The encoder stack on GPU 0: f16 on tensor cores when it agrees with the CPU on the probes
-/// (cosine > 0.999), else f32 under the same check.
+/// (cosine > 0.999), else f32 under the same check. With a mean-pooling head (`pooled`) the
+/// f16 encoder's pooled forwards replay CUDA graphs, checked and captured here; other heads
+/// read every token's hidden state and launch call by call.
 fn cuda_stack(
     name: &str,
     vb: VarBuilder,
     config: &Config,
     cpu: &Transformer,
     probe: &[Seq],
+    pooled: bool,
 ) -> Result<Stack, ModelError> {
     let half = CudaHalfTransformer::load(vb.clone(), config, 0).and_then(|g| {
         let cos = cuda_agreement(cpu, probe, |b| g.forward(b))?;
         let all: Vec<&Seq> = probe.iter().collect();
-        let pooled = g.pooled_launched(&all)?;
-        let cos = cos.min(pooled_agreement(cpu, probe, &pooled)?);
+        let vectors = g.pooled_launched(&all)?;
+        let cos = cos.min(pooled_agreement(cpu, probe, &vectors)?);
+        if !pooled {
+            return Ok((g, cos));
+        }
         g.set_graphs(graphs_agree(&g, cpu, probe));
         let t = std::time::Instant::now();
         match g.prewarm() {
