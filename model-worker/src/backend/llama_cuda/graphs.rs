@@ -81,13 +81,7 @@ impl CudaLlama {
             .lock()
             .map_err(|_| err("workspace lock poisoned"))?;
         let w = self.workspace_for(&mut guard, GRAPH_ROWS)?;
-        let mut dec = match w.decode.take() {
-            Some(d) => d,
-            None => Box::new(self.decode_buffers()?),
-        };
-        let replayed = self.replay(&plan, &mut dec, w);
-        w.decode = Some(dec);
-        replayed?;
+        self.with_decode(w, |dec, w| self.replay(&plan, dec, w))?;
         let out = self.after_greedy_picks(w, how)?;
         drop(guard);
         for c in caches.iter_mut() {
@@ -109,22 +103,42 @@ impl CudaLlama {
             .lock()
             .map_err(|_| err("workspace lock poisoned"))?;
         let w = self.workspace_for(&mut guard, GRAPH_ROWS)?;
+        self.with_decode(w, |dec, w| {
+            for n in 1..=GRAPH_ROWS {
+                self.graph_for(n, dec, w)?;
+            }
+            Ok(GRAPH_ROWS)
+        })
+    }
+
+    /// Runs `f` with the workspace's decode buffers and graphs (made on first use), which
+    /// go back into the workspace whatever `f` returns.
+    fn with_decode<T>(
+        &self,
+        w: &mut Workspace,
+        f: impl FnOnce(&mut Decode, &mut Workspace) -> Result<T, ModelError>,
+    ) -> Result<T, ModelError> {
         let mut dec = match w.decode.take() {
             Some(d) => d,
             None => Box::new(self.decode_buffers()?),
         };
-        let mut captured = || -> Result<usize, ModelError> {
-            for n in 1..=GRAPH_ROWS {
-                if !dec.by_rows.contains_key(&n) {
-                    let g = self.capture(n, &dec.io, w)?;
-                    dec.by_rows.insert(n, Graph(g));
-                }
-            }
-            Ok(GRAPH_ROWS)
-        };
-        let result = captured();
+        let result = f(&mut dec, w);
         w.decode = Some(dec);
         result
+    }
+
+    /// The graph of a step of `n` rows, captured if it is not yet.
+    fn graph_for<'d>(
+        &self,
+        n: usize,
+        dec: &'d mut Decode,
+        w: &mut Workspace,
+    ) -> Result<&'d Graph, ModelError> {
+        if !dec.by_rows.contains_key(&n) {
+            let g = self.capture(n, &dec.io, w)?;
+            dec.by_rows.insert(n, Graph(g));
+        }
+        dec.by_rows.get(&n).ok_or_else(|| err("no decode graph"))
     }
 
     /// Index buffers for `GRAPH_ROWS` rows, each sequence's page table up to the context.
@@ -161,12 +175,7 @@ impl CudaLlama {
         st.memcpy_htod(&plan.slots, &mut io.slots).map_err(err)?;
         st.memcpy_htod(&plan.tstart, &mut io.tstart).map_err(err)?;
         st.memcpy_htod(&plan.tables, &mut io.tables).map_err(err)?;
-        if !dec.by_rows.contains_key(&n) {
-            let g = self.capture(n, &dec.io, w)?;
-            dec.by_rows.insert(n, Graph(g));
-        }
-        let g = dec.by_rows.get(&n).ok_or_else(|| err("no decode graph"))?;
-        g.0.launch().map_err(err)
+        self.graph_for(n, dec, w)?.0.launch().map_err(err)
     }
 
     /// Captures a step of `n` rows: the layers, the final norm, the logits and the greedy
