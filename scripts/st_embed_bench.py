@@ -4,7 +4,9 @@ encodes the same texts at the given batch sizes and prints one JSON object {batc
 sentences_per_second}. The benches run it in the same session, with the same thread count
 and device, so the ratios compare like with like.
 
-    python3 scripts/st_embed_bench.py MODEL_DIR TEXTS.json 1,8,32,128 THREADS [cpu|cuda] [fp32|fp16]
+    python3 scripts/st_embed_bench.py MODEL_DIR TEXTS.json 1,8,32,128 THREADS [cpu|cuda] [fp32|fp16] [COUNT]
+
+Each batch size encodes the first COUNT texts (default: max(4 x batch, 64)).
 """
 import json
 import sys
@@ -24,8 +26,9 @@ if dtype == "fp16":
 model.encode(texts[:64], batch_size=32)  # warm-up
 out = {"torch": torch.__version__, "threads": threads, "device": device, "dtype": dtype,
        "sentences_per_s": {}}
+count = int(sys.argv[7]) if len(sys.argv) > 7 else 0
 for b in [int(x) for x in batches.split(",")]:
-    n = min(len(texts), max(b * 4, 64))
+    n = min(len(texts), count or max(b * 4, 64))
     start = time.perf_counter()
     model.encode(texts[:n], batch_size=b, normalize_embeddings=True)
     out["sentences_per_s"][str(b)] = n / (time.perf_counter() - start)

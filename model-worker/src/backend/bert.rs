@@ -25,7 +25,7 @@ use super::{Encoder, Seq};
 /// The transformer stack on the CPU (candle) or the GPU (cudarc): f16 on tensor cores, or
 /// f32 when the f16 path fails its load-time check.
 enum Stack {
-    Cpu(Transformer),
+    Cpu(Box<Transformer>),
     Cuda(Box<CudaTransformer>),
     CudaHalf(Box<CudaHalfTransformer>),
 }
@@ -166,7 +166,7 @@ impl BertEncoder {
         let cpu =
             Transformer::load(vb.clone(), &config).map_err(|e| fail(&weights, e.to_string()))?;
         let model = match placement {
-            Placement::Cpu => Stack::Cpu(cpu),
+            Placement::Cpu => Stack::Cpu(Box::new(cpu)),
             Placement::Cuda => {
                 let probe = tokenize(&tokenizer, &PROBES.map(str::to_owned))?;
                 let pooled = matches!(kind, HeadKind::MeanPool);
@@ -282,9 +282,12 @@ impl Encoder for BertEncoder {
         if n == 0 || len == 0 {
             return Ok(vec![Vec::new(); n]);
         }
-        if let (Stack::CudaHalf(g), Head::MeanPool) = (&self.model, &self.head) {
+        match (&self.model, &self.head) {
             // Pooled on the device: only n vectors cross to the host.
-            return g.forward_mean_pooled(batch);
+            (Stack::CudaHalf(g), Head::MeanPool) => return g.forward_mean_pooled(batch),
+            // Pooled from the packed rows, without padding them out first.
+            (Stack::Cpu(t), Head::MeanPool) => return Ok(t.forward_mean_pooled(batch)?),
+            _ => {}
         }
         let (ids, types, maskf) = pad(batch, len);
         let mask_t = Tensor::from_vec(maskf, (n, len), &self.device)?;

@@ -1,32 +1,49 @@
-//! The encoder's non-GEMM work on the CPU as fused, row-parallel candle ops.
+//! The encoder's non-GEMM work on the CPU: fused, row-parallel passes over packed rows.
 //!
 //! candle runs element-wise and broadcast ops (bias add, residual add, GELU, the head
 //! split/merge copies) on one thread, and a batched attention matmul as one small GEMM per
 //! (sequence, head), each dispatched to the whole thread pool. With the GEMMs themselves
-//! parallel, those parts decide how the encoder scales with cores. Here each is one pass
-//! over rows on the rayon pool: bias + activation, bias + residual + LayerNorm, and
-//! attention straight from the fused QKV projection with one task per (sequence, head).
+//! parallel (`cpu_gemm`), those parts decide how the encoder scales with cores. Here each is
+//! one pass over rows on the rayon pool, in place on the caller's buffers: bias +
+//! activation, bias + residual + LayerNorm, and attention straight from the fused QKV
+//! projection with one task per (sequence, head).
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape};
+use candle_core::Result;
 use candle_transformers::models::bert::HiddenAct;
 use rayon::prelude::*;
+
+use super::cpu_gemm::matmul;
 
 /// Rows per rayon task for the row-wise ops: enough work per task to amortise scheduling.
 const ROWS_PER_TASK: usize = 8;
 
-fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
-    let Some((start, end)) = l.contiguous_offsets() else {
-        candle_core::bail!("{what} needs a contiguous tensor");
-    };
-    Ok(&s.as_slice::<f32>()?[start..end])
+/// Runs `f` compiled for the widest vector unit this CPU has (AVX-512, else AVX2 + FMA),
+/// picked at run time: the binary targets baseline x86-64, where the loops below would get
+/// 4-wide SSE2 (measured: GELU alone took a fifth of a forward). Each rayon task calls it,
+/// so the loop bodies inline into the dispatched function.
+#[inline(always)]
+fn vectorized<R>(f: impl FnOnce() -> R) -> R {
+    pulp::Arch::new().dispatch(f)
 }
 
-fn rows_cols(l: &Layout, cols: usize, what: &str) -> Result<usize> {
-    let n = l.shape().elem_count();
-    if cols == 0 || !n.is_multiple_of(cols) || l.shape().dims().last() != Some(&cols) {
-        candle_core::bail!("{what}: last dimension is not {cols}");
+/// e^x for x <= 0 (softmax after subtracting the maximum): 2^n · p(r) with n = round(x /
+/// ln 2), r = x - n ln 2 and p the degree-6 Taylor polynomial (relative error < 3e-7, two
+/// f32 ulps; see the test). Branch-free, so a loop of it vectorises, unlike the libm call.
+#[inline(always)]
+pub(crate) fn exp_fast(x: f32) -> f32 {
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let x = x.clamp(-87.0, 0.0);
+    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.0 / 720.0;
+    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = p * r + c;
     }
-    Ok(n / cols)
+    // 2^n from n's bits: n + 1.5 * 2^23 holds n in its low mantissa bits (exact for |n| <
+    // 2^22), a float add and integer ops that vectorise where `n as i32` does not.
+    let n_bits = (n + 12_582_912.0).to_bits().wrapping_sub(0x4B40_0000);
+    p * f32::from_bits(n_bits.wrapping_add(127) << 23)
 }
 
 /// erf(x) as the rational minimax approximation x·P(x²)/Q(x²) on [-4, 4] (the form Eigen
@@ -64,93 +81,166 @@ pub(crate) fn erf_fast(x: f32) -> f32 {
     x * p / q
 }
 
-/// `x + bias` per row, then the activation (GELU with erf, GELU with tanh, or ReLU).
-pub(crate) struct BiasAct<'a> {
-    pub bias: &'a [f32],
-    pub act: HiddenAct,
+/// `x += bias` per row of `x` (rows of `bias.len()` values), then the activation (GELU
+/// with erf, GELU with tanh, or ReLU), in place. The activation is chosen once, outside the
+/// loop, so each loop is branch-free and vectorises.
+pub(crate) fn bias_act(x: &mut [f32], bias: &[f32], act: HiddenAct) {
+    match act {
+        HiddenAct::Gelu => rows_map(x, bias, |v| {
+            0.5 * v * (1.0 + erf_fast(v * std::f32::consts::FRAC_1_SQRT_2))
+        }),
+        HiddenAct::GeluApproximate => rows_map(x, bias, |v| {
+            let inner = 0.797_884_6 * (v + 0.044_715 * v * v * v);
+            0.5 * v * (1.0 + inner.tanh())
+        }),
+        HiddenAct::Relu => rows_map(x, bias, |v| v.max(0.0)),
+    }
 }
 
-impl CustomOp1 for BiasAct<'_> {
-    fn name(&self) -> &'static str {
-        "bias-act"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = contiguous(s, l, self.name())?;
-        let cols = self.bias.len();
-        rows_cols(l, cols, self.name())?;
-        let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(cols * ROWS_PER_TASK)
-            .zip(x.par_chunks(cols * ROWS_PER_TASK))
-            .for_each(|(o, x)| {
-                for (o, x) in o.chunks_mut(cols).zip(x.chunks(cols)) {
-                    for ((o, &x), &b) in o.iter_mut().zip(x).zip(self.bias) {
-                        let v = x + b;
-                        *o = match self.act {
-                            HiddenAct::Gelu => {
-                                0.5 * v * (1.0 + erf_fast(v * std::f32::consts::FRAC_1_SQRT_2))
-                            }
-                            HiddenAct::GeluApproximate => {
-                                let inner = 0.797_884_6 * (v + 0.044_715 * v * v * v);
-                                0.5 * v * (1.0 + inner.tanh())
-                            }
-                            HiddenAct::Relu => v.max(0.0),
-                        };
-                    }
+/// `x = f(x + bias)` per row, row-parallel.
+fn rows_map(x: &mut [f32], bias: &[f32], f: impl Fn(f32) -> f32 + Sync) {
+    let cols = bias.len();
+    x.par_chunks_mut(cols * ROWS_PER_TASK).for_each(|rows| {
+        vectorized(|| {
+            for row in rows.chunks_exact_mut(cols) {
+                for (x, &b) in row.iter_mut().zip(bias) {
+                    *x = f(*x + b);
                 }
-            });
-        Ok((CpuStorage::F32(out), l.shape().clone()))
+            }
+        })
+    });
+}
+
+/// Sum of `f(v)` over `row` with sixteen independent accumulators: a float sum in one chain
+/// cannot be reordered by the compiler, so it would run one add per cycle of latency.
+#[inline(always)]
+fn lane_sum(row: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0f32; 16];
+    let chunks = row.chunks_exact(16);
+    let tail: f32 = chunks.remainder().iter().map(|&v| f(v)).sum();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += f(v);
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Columns per register block of `block_product` (one AVX-512 register of f32).
+const LANES: usize = 16;
+/// Rows per register block of `block_product`.
+const BLOCK_ROWS: usize = 4;
+
+/// `out (m, n) = a (m, k) · b (k, n)` for `m` a multiple of `BLOCK_ROWS` and `n` of `LANES`,
+/// in blocks of 4 x 16 accumulators held in registers across the whole `k` loop: the shape
+/// of attention's two products (a few dozen rows, `k` = head size or key count), where a
+/// general GEMM spends more on packing than on arithmetic.
+#[inline(always)]
+fn block_product(a: &[f32], b: &[f32], out: &mut [f32], m: usize, k: usize, n: usize) {
+    for (i0, block) in a[..m * k].chunks_exact(BLOCK_ROWS * k).enumerate() {
+        let (a0, rest) = block.split_at(k);
+        let (a1, rest) = rest.split_at(k);
+        let (a2, a3) = rest.split_at(k);
+        for j0 in (0..n).step_by(LANES) {
+            let (mut c0, mut c1, mut c2, mut c3) =
+                ([0f32; LANES], [0f32; LANES], [0f32; LANES], [0f32; LANES]);
+            for ((((&x0, &x1), &x2), &x3), bv) in
+                a0.iter().zip(a1).zip(a2).zip(a3).zip(b.chunks_exact(n))
+            {
+                let bv: [f32; LANES] = bv[j0..j0 + LANES].try_into().expect("16 lanes");
+                for l in 0..LANES {
+                    c0[l] += x0 * bv[l];
+                    c1[l] += x1 * bv[l];
+                    c2[l] += x2 * bv[l];
+                    c3[l] += x3 * bv[l];
+                }
+            }
+            for (r, acc) in [c0, c1, c2, c3].iter().enumerate() {
+                out[(i0 * BLOCK_ROWS + r) * n + j0..][..LANES].copy_from_slice(acc);
+            }
+        }
     }
 }
 
-/// `LayerNorm(x + bias + residual) * gamma + beta` per row: the end of each BERT sub-layer.
-pub(crate) struct BiasResidualNorm<'a> {
-    pub bias: &'a [f32],
+/// Largest value of `row` (NEG_INFINITY when empty), over sixteen lanes so it vectorises
+/// (`f32::max`'s NaN rule keeps a plain fold scalar; scores are never NaN).
+#[inline(always)]
+fn lane_max(row: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 16];
+    let chunks = row.chunks_exact(16);
+    let tail = chunks
+        .remainder()
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = if v > *a { v } else { *a };
+        }
+    }
+    acc.iter().fold(tail, |m, &v| m.max(v))
+}
+
+/// LayerNorm parameters (`gamma`, `beta` and `eps` of one norm).
+pub(crate) struct NormParams<'a> {
     pub gamma: &'a [f32],
     pub beta: &'a [f32],
     pub eps: f32,
 }
 
-impl CustomOp2 for BiasResidualNorm<'_> {
-    fn name(&self) -> &'static str {
-        "bias-residual-layer-norm"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let x = contiguous(s1, l1, self.name())?;
-        let res = contiguous(s2, l2, self.name())?;
-        let cols = self.bias.len();
-        rows_cols(l1, cols, self.name())?;
-        if l1.shape() != l2.shape() || self.gamma.len() != cols || self.beta.len() != cols {
-            candle_core::bail!("{}: mismatched shapes", self.name());
+impl NormParams<'_> {
+    /// Normalises one row in place: `(x - mean) / sqrt(var + eps) * gamma + beta`.
+    #[inline(always)]
+    fn apply(&self, row: &mut [f32]) {
+        let cols = row.len() as f32;
+        let mean = lane_sum(row, |v| v) / cols;
+        let var = lane_sum(row, |v| (v - mean) * (v - mean)) / cols;
+        let inv = 1.0 / (var + self.eps).sqrt();
+        for ((o, &g), &b) in row.iter_mut().zip(self.gamma).zip(self.beta) {
+            *o = (*o - mean) * inv * g + b;
         }
-        let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(cols * ROWS_PER_TASK)
-            .zip(x.par_chunks(cols * ROWS_PER_TASK))
-            .zip(res.par_chunks(cols * ROWS_PER_TASK))
-            .for_each(|((o, x), r)| {
-                for ((o, x), r) in o.chunks_mut(cols).zip(x.chunks(cols)).zip(r.chunks(cols)) {
-                    let mut sum = 0f32;
-                    for (((o, &x), &r), &b) in o.iter_mut().zip(x).zip(r).zip(self.bias) {
-                        *o = x + r + b;
-                        sum += *o;
-                    }
-                    let mean = sum / cols as f32;
-                    let var = o.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / cols as f32;
-                    let inv = 1.0 / (var + self.eps).sqrt();
-                    for ((o, &g), &b) in o.iter_mut().zip(self.gamma).zip(self.beta) {
-                        *o = (*o - mean) * inv * g + b;
-                    }
-                }
-            });
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
+}
+
+/// `x = LayerNorm(x + bias + residual)` per row, in place: the end of each BERT sub-layer.
+/// `x` and `residual` are rows of `bias.len()` values.
+pub(crate) fn bias_residual_norm(x: &mut [f32], residual: &[f32], bias: &[f32], norm: &NormParams) {
+    let cols = bias.len();
+    x.par_chunks_mut(cols * ROWS_PER_TASK)
+        .zip(residual.par_chunks(cols * ROWS_PER_TASK))
+        .for_each(|(x, r)| {
+            vectorized(|| {
+                for (row, r) in x.chunks_exact_mut(cols).zip(r.chunks_exact(cols)) {
+                    for ((o, &r), &b) in row.iter_mut().zip(r).zip(bias) {
+                        *o += r + b;
+                    }
+                    norm.apply(row);
+                }
+            })
+        });
+}
+
+/// The embedding sum and its LayerNorm: row `r` of `out` becomes
+/// `LayerNorm(word[ids[r]] + kind[types[r]] + position[positions[r]])`. Ids must be in range
+/// of their tables (the caller checks).
+pub(crate) fn embed(out: &mut [f32], tables: [&[f32]; 3], indices: [&[u32]; 3], norm: &NormParams) {
+    let cols = norm.gamma.len();
+    out.par_chunks_mut(cols * ROWS_PER_TASK)
+        .enumerate()
+        .for_each(|(task, rows)| {
+            vectorized(|| {
+                for (i, row) in rows.chunks_exact_mut(cols).enumerate() {
+                    let r = task * ROWS_PER_TASK + i;
+                    row.fill(0.0);
+                    for (table, index) in tables.iter().zip(indices) {
+                        let at = index[r] as usize * cols;
+                        for (o, &v) in row.iter_mut().zip(&table[at..at + cols]) {
+                            *o += v;
+                        }
+                    }
+                    norm.apply(row);
+                }
+            })
+        });
 }
 
 /// Multi-head self-attention over packed sequences, read straight from the fused projection
@@ -166,104 +256,121 @@ pub(crate) struct Attention<'a> {
     pub head_dim: usize,
 }
 
-/// Dot product with eight independent accumulators, so the loop vectorises.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
+/// One (sequence, head) of `Attention`, for `pulp`'s dispatch: a struct rather than a
+/// closure, because `with_simd` is always inlined into the function compiled for the CPU's
+/// vector unit, where a closure this large was left out of line and ran as plain x86-64.
+struct HeadJob<'a, 'b> {
+    attention: &'b Attention<'a>,
+    qkv: &'b [f32],
+    seq: usize,
+    head: usize,
+}
+
+impl pulp::WithSimd for HeadJob<'_, '_> {
+    type Output = Vec<f32>;
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) -> Vec<f32> {
+        self.attention.head_scores(self.qkv, self.seq, self.head)
     }
-    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
-    acc.iter().sum::<f32>() + tail
 }
 
 impl Attention<'_> {
     /// One (sequence, head): `(len, d)` context rows.
     fn head(&self, qkv: &[f32], seq: usize, head: usize) -> Vec<f32> {
+        pulp::Arch::new().dispatch(HeadJob {
+            attention: self,
+            qkv,
+            seq,
+            head,
+        })
+    }
+
+    /// One (sequence, head) as two small products, `S = Q K^T` and `O = softmax(S) V`, each
+    /// in register blocks (`block_product`): row by row, the score and weighted-sum loops
+    /// were bound by latency (a chain through memory per key) and took a third of a forward.
+    /// Keys are padded to a multiple of `LANES` with zeros, and their scores to -inf.
+    #[inline(always)]
+    fn head_scores(&self, qkv: &[f32], seq: usize, head: usize) -> Vec<f32> {
         let d = self.head_dim;
         let h = self.heads * d;
         let width = 3 * h;
         let rows = &qkv[self.offsets[seq] * width..self.offsets[seq + 1] * width];
         let len = rows.len() / width;
-        // This head's keys and values, bias added, packed.
-        let mut keys = Vec::with_capacity(len * d);
-        let mut values = Vec::with_capacity(len * d);
+        let (lp, mp) = (
+            len.next_multiple_of(LANES),
+            len.next_multiple_of(BLOCK_ROWS),
+        );
         let (qb, kb, vb) = (
             &self.bias[head * d..][..d],
             &self.bias[h + head * d..][..d],
             &self.bias[2 * h + head * d..][..d],
         );
-        for row in rows.chunks_exact(width) {
-            keys.extend(row[h + head * d..][..d].iter().zip(kb).map(|(x, b)| x + b));
-            values.extend(
-                row[2 * h + head * d..][..d]
-                    .iter()
-                    .zip(vb)
-                    .map(|(x, b)| x + b),
-            );
-        }
-        let mut out = vec![0f32; len * d];
-        let mut q = vec![0f32; d];
-        let mut p = vec![0f32; len];
-        for (row, o) in rows.chunks_exact(width).zip(out.chunks_exact_mut(d)) {
-            for ((q, &x), &b) in q.iter_mut().zip(&row[head * d..][..d]).zip(qb) {
-                *q = x + b;
-            }
-            let mut max = f32::NEG_INFINITY;
-            for (p, k) in p.iter_mut().zip(keys.chunks_exact(d)) {
-                *p = dot(&q, k);
-                max = max.max(*p);
-            }
-            let mut sum = 0f32;
-            for p in p.iter_mut() {
-                *p = (*p - max).exp();
-                sum += *p;
-            }
-            for (&p, v) in p.iter().zip(values.chunks_exact(d)) {
-                let w = p / sum;
-                for (o, &v) in o.iter_mut().zip(v) {
-                    *o += w * v;
+        // This head's queries (`mp x d`), keys transposed (`d x lp`) and values (`lp x d`),
+        // bias added, zero rows and columns as padding.
+        let mut queries = vec![0f32; mp * d];
+        let mut keys_t = vec![0f32; d * lp];
+        let mut values = vec![0f32; lp * d];
+        for (j, row) in rows.chunks_exact(width).enumerate() {
+            let add = |out: &mut [f32], at: usize, b: &[f32]| {
+                for ((o, &x), &b) in out.iter_mut().zip(&row[at..at + d]).zip(b) {
+                    *o = x + b;
                 }
+            };
+            add(&mut queries[j * d..(j + 1) * d], head * d, qb);
+            add(&mut values[j * d..(j + 1) * d], 2 * h + head * d, vb);
+            for (c, (&x, &b)) in row[h + head * d..][..d].iter().zip(kb).enumerate() {
+                keys_t[c * lp + j] = x + b;
             }
         }
+        let mut scores = vec![0f32; mp * lp];
+        block_product(&queries, &keys_t, &mut scores, mp, d, lp);
+        for row in scores.chunks_exact_mut(lp.max(1)).take(len) {
+            row[len..].fill(f32::NEG_INFINITY);
+            let max = lane_max(row);
+            for p in row.iter_mut() {
+                *p = exp_fast(*p - max);
+            }
+            let inv = 1.0 / lane_sum(row, |v| v);
+            for p in row.iter_mut() {
+                *p *= inv;
+            }
+        }
+        let mut out = vec![0f32; mp * d];
+        if d.is_multiple_of(LANES) {
+            block_product(&scores, &values, &mut out, mp, lp, d);
+        } else {
+            matmul(&scores, &values, &mut out, mp, lp, d);
+        }
+        out.truncate(len * d);
         out
     }
-}
 
-impl CustomOp1 for Attention<'_> {
-    fn name(&self) -> &'static str {
-        "fused-attention"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let qkv = contiguous(s, l, self.name())?;
+    /// Writes the context of every sequence into `ctx` (`rows x h`) from `qkv`
+    /// (`rows x 3h`).
+    pub(crate) fn run(&self, qkv: &[f32], ctx: &mut [f32]) -> Result<()> {
         let (heads, d) = (self.heads, self.head_dim);
         let h = heads * d;
-        let rows = rows_cols(l, 3 * h, self.name())?;
+        let rows = qkv.len() / (3 * h).max(1);
         let n = self.offsets.len().saturating_sub(1);
         let ordered = self.offsets.windows(2).all(|w| w[0] <= w[1]);
-        if self.offsets.first() != Some(&0)
+        if h == 0
+            || qkv.len() != rows * 3 * h
+            || ctx.len() != rows * h
+            || self.offsets.first() != Some(&0)
             || self.offsets.last() != Some(&rows)
             || !ordered
             || self.bias.len() != 3 * h
         {
-            candle_core::bail!(
-                "{}: offsets or bias do not match {rows} rows of {h}",
-                self.name()
-            );
+            candle_core::bail!("attention: offsets or bias do not match {rows} rows of {h}");
         }
         let parts: Vec<Vec<f32>> = (0..n * heads)
             .into_par_iter()
             .map(|job| self.head(qkv, job / heads, job % heads))
             .collect();
-        let mut ctx = vec![0f32; rows * h];
         // Each sequence's rows are one contiguous block of the output.
         let mut blocks = Vec::with_capacity(n);
-        let mut rest = &mut ctx[..];
+        let mut rest = ctx;
         for w in self.offsets.windows(2) {
             let (block, tail) = rest.split_at_mut((w[1] - w[0]) * h);
             blocks.push(block);
@@ -276,7 +383,7 @@ impl CustomOp1 for Attention<'_> {
                 }
             }
         });
-        Ok((CpuStorage::F32(ctx), Shape::from((rows, h))))
+        Ok(())
     }
 }
 
@@ -294,6 +401,20 @@ mod tests {
             worst = worst.max((f64::from(erf_fast(x as f32)) - want).abs());
         }
         assert!(worst < 1e-6, "max |erf error| {worst}");
+    }
+
+    #[test]
+    fn fast_exp_matches_the_exact_function() {
+        let mut worst = 0f64;
+        for i in 0..=870_000 {
+            // Relative to the exact value at the f32 input.
+            let x = -(i as f32) / 10_000.0;
+            let want = f64::from(x).exp();
+            worst = worst.max(((f64::from(exp_fast(x)) - want) / want).abs());
+        }
+        assert!(worst < 3e-7, "max relative exp error {worst}");
+        assert_eq!(exp_fast(0.0), 1.0);
+        assert!(exp_fast(-200.0) >= 0.0 && exp_fast(-200.0) < 1e-37);
     }
 
     fn ramp(n: usize, scale: f64, dev: &Device) -> Tensor {
@@ -324,12 +445,9 @@ mod tests {
         let x = ramp(37 * 16, 0.013, &dev).reshape((37, 16)).unwrap();
         let bias = ramp(16, 0.1, &dev);
         let b = bias.to_vec1::<f32>().unwrap();
-        let ours = x
-            .apply_op1_no_bwd(&BiasAct {
-                bias: &b,
-                act: HiddenAct::Gelu,
-            })
-            .unwrap();
+        let mut data = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        bias_act(&mut data, &b, HiddenAct::Gelu);
+        let ours = Tensor::from_vec(data, (37, 16), &dev).unwrap();
         let want = x.broadcast_add(&bias).unwrap().gelu_erf().unwrap();
         assert!(worst(&ours, &want) < 2e-6);
 
@@ -340,17 +458,15 @@ mod tests {
             gamma.to_vec1::<f32>().unwrap(),
             beta.to_vec1::<f32>().unwrap(),
         );
-        let ours = x
-            .apply_op2_no_bwd(
-                &res,
-                &BiasResidualNorm {
-                    bias: &b,
-                    gamma: &g,
-                    beta: &be,
-                    eps: 1e-12,
-                },
-            )
-            .unwrap();
+        let mut data = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let r = res.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let norm = NormParams {
+            gamma: &g,
+            beta: &be,
+            eps: 1e-12,
+        };
+        bias_residual_norm(&mut data, &r, &b, &norm);
+        let ours = Tensor::from_vec(data, (37, 16), &dev).unwrap();
         let sum = (x.broadcast_add(&bias).unwrap() + &res).unwrap();
         let want = candle_nn::ops::layer_norm(&sum, &gamma, &beta, 1e-12).unwrap();
         let w = worst(&ours, &want);
@@ -360,8 +476,15 @@ mod tests {
 
     #[test]
     fn attention_matches_masked_softmax_over_candle_matmuls() {
+        // A head size that the register blocks cover (16) and one they do not (12).
+        for d in [12usize, 16] {
+            attention_matches_for_head_size(d);
+        }
+    }
+
+    fn attention_matches_for_head_size(d: usize) {
         let dev = Device::Cpu;
-        let (n, s, heads, d) = (3usize, 7usize, 2usize, 12usize);
+        let (n, s, heads) = (3usize, 19usize, 2usize);
         let h = heads * d;
         // A padded batch (the reference) and the same sequences packed (ours).
         let qkv = ramp(n * s * 3 * h, 0.0021, &dev)
@@ -370,7 +493,7 @@ mod tests {
             .reshape((n * s, 3 * h))
             .unwrap();
         let bias = ramp(3 * h, 0.01, &dev);
-        let lens = [7usize, 4, 1];
+        let lens = [19usize, 4, 1];
         let mask: Vec<f32> = (0..n * s)
             .map(|i| if i % s < lens[i / s] { 1.0 } else { 0.0 })
             .collect();
@@ -383,16 +506,19 @@ mod tests {
             0,
         )
         .unwrap();
-        let offsets = [0usize, 7, 11, 12];
+        let offsets = [0usize, 19, 23, 24];
         let b = bias.to_vec1::<f32>().unwrap();
-        let ours = packed
-            .apply_op1_no_bwd(&Attention {
-                bias: &b,
-                offsets: &offsets,
-                heads,
-                head_dim: d,
-            })
-            .unwrap();
+        let op = Attention {
+            bias: &b,
+            offsets: &offsets,
+            heads,
+            head_dim: d,
+        };
+        let rows = offsets[3];
+        let input = packed.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let mut ctx = vec![0f32; rows * h];
+        op.run(&input, &mut ctx).unwrap();
+        let ours = Tensor::from_vec(ctx, (rows, h), &dev).unwrap();
         // Reference: candle ops with an additive mask, as the encoder computed it before.
         let full = qkv.broadcast_add(&bias).unwrap();
         let split = |i: usize| {
@@ -434,8 +560,9 @@ mod tests {
             heads,
             head_dim: d,
         };
+        let mut ctx = vec![0f32; rows * h];
         assert!(
-            packed.apply_op1_no_bwd(&bad).is_err(),
+            bad.run(&input, &mut ctx).is_err(),
             "offsets must cover the rows"
         );
     }

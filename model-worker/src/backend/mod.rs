@@ -1,6 +1,7 @@
 //! Inference backends behind synchronous traits, run on their own threads.
 
 pub mod bert;
+mod cpu_gemm;
 mod cpu_ops;
 pub mod cuda;
 pub mod cuda_half;

@@ -2,8 +2,9 @@
 //! - `encoder`: all-MiniLM-L6-v2 in-process at each `--batches` size on CUDA, plus the CPU
 //!   path at batch 32, on 1,024 SciFact passages cut to 300 characters and sorted longest
 //!   first, and the lowest cosine between the CUDA and CPU embeddings (must exceed 0.999);
-//! - `cpu_encoder_scaling`: the CPU encoder at batch 32 with 2 threads and with every core
-//!   (each in its own process: candle reads `RAYON_NUM_THREADS` per call);
+//! - `cpu_encoder_scaling`: the CPU encoder at batch 32 at each `--cpu-threads` count (each
+//!   in its own process, its rayon pool sized by `RAYON_NUM_THREADS`), and with `--python`
+//!   sentence-transformers on the CPU over the same texts with 2 threads and with every core;
 //! - `served_embed`: a model-worker process (`device = "auto"`) under `--clients`
 //!   single-text clients, and 16 clients sending 32 texts per call;
 //! - `generation`: SmolLM2-135M through the model worker's Generate, greedy, `--gen-tokens`
@@ -73,6 +74,9 @@ struct Args {
     /// Also write the JSON here after every section, so a run cut short keeps what it measured.
     #[arg(long)]
     out: Option<std::path::PathBuf>,
+    /// Thread counts of the CPU encoder's scaling curve; 0 = every core.
+    #[arg(long, value_delimiter = ',', default_value = "2,0")]
+    cpu_threads: Vec<usize>,
     /// Internal: print the CPU encoder's batch-32 rate and exit.
     #[arg(long, hide = true)]
     cpu_encoder_child: bool,
@@ -184,16 +188,73 @@ fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-fn cpu_scaling() -> Result<Value> {
+/// The texts `rate` encodes at batch 32: the 256 with the most tokens (ties in corpus order).
+fn cpu_texts(texts: &[String]) -> Result<Vec<String>> {
+    let enc = BertEncoder::load("minilm", &embed_model()?, 0, HeadKind::MeanPool)?;
+    let seqs = bert::tokenize(&enc.tokenizer(), texts)?;
+    let mut order: Vec<usize> = (0..texts.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(seqs[i].ids.len()));
+    Ok(order.iter().take(256).map(|&i| texts[i].clone()).collect())
+}
+
+/// Our CPU encoder's batch-32 rate at each thread count, its scaling from 2 threads to every
+/// core, and with `--python` sentence-transformers on the CPU over the same 256 texts (2
+/// threads and every core) with our rate over theirs.
+fn cpu_scaling(a: &Args, texts: &[String]) -> Result<Value> {
     let all = cores();
-    let two = cpu_rate_with(2.min(all))?;
-    let every = cpu_rate_with(all)?;
-    Ok(json!({
-        "threads_2": two,
-        "threads_all": every,
+    let mut counts: Vec<usize> = a
+        .cpu_threads
+        .iter()
+        .map(|&t| if t == 0 { all } else { t.min(all) })
+        .collect();
+    counts.sort_unstable();
+    counts.dedup();
+    let mut ours = serde_json::Map::new();
+    for &t in &counts {
+        ours.insert(t.to_string(), json!(cpu_rate_with(t)?));
+    }
+    let at = |t: usize| ours.get(&t.to_string()).and_then(Value::as_f64);
+    let mut out = json!({
+        "sentences_per_s_by_threads": ours.clone(),
         "all_threads": all,
-        "ratio_all_over_2": every / two,
-    }))
+        "ratio_all_over_2": at(all).zip(at(2)).map(|(x, y)| x / y),
+    });
+    if a.python.is_empty() {
+        return Ok(out);
+    }
+    let file = std::env::temp_dir().join(format!("gpubench-cpu-{}.json", std::process::id()));
+    let same = cpu_texts(texts)?;
+    std::fs::write(&file, serde_json::to_string(&same)?)?;
+    let mut st = serde_json::Map::new();
+    for t in [2.min(all), all] {
+        let o = Command::new(&a.python)
+            .arg(python_script("st_embed_bench.py").display().to_string())
+            .arg(embed_model()?.display().to_string())
+            .arg(file.display().to_string())
+            .args(["32", &t.to_string(), "cpu", "fp32", &same.len().to_string()])
+            .output()?;
+        let v: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(
+            |_| json!({"error": String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("").to_owned()}),
+        );
+        let theirs = v["sentences_per_s"]["32"].as_f64();
+        st.insert(
+            t.to_string(),
+            json!({"sentences_per_s": theirs, "ours_over_theirs": at(t).zip(theirs).map(|(x, y)| x / y), "run": v}),
+        );
+    }
+    let _ = std::fs::remove_file(&file);
+    out["sentence_transformers_cpu_batch_32"] = Value::Object(st);
+    Ok(out)
+}
+
+/// A script of `scripts/`: the checkout this was built in, else the current directory (a
+/// copy of the tree on another machine, as the README's GPU command runs it).
+fn python_script(name: &str) -> std::path::PathBuf {
+    Some(ragcluster_tests::workspace())
+        .filter(|w| w.join("scripts").is_dir())
+        .unwrap_or_else(|| std::path::PathBuf::from("."))
+        .join("scripts")
+        .join(name)
 }
 
 async fn connect(p: &Proc) -> Result<ModelWorkerClient<Channel>> {
@@ -332,11 +393,6 @@ fn device_line(p: &Proc) -> Vec<String> {
 }
 
 fn python_refs(python: &str, texts: &[String], batches: &[usize], a: &Args) -> Result<Value> {
-    // The checkout this was built in, else the current directory (a copy of the tree on
-    // another machine, as the README's GPU command runs it).
-    let ws = Some(ragcluster_tests::workspace())
-        .filter(|w| w.join("scripts").is_dir())
-        .unwrap_or_else(|| std::path::PathBuf::from("."));
     let file = std::env::temp_dir().join(format!("gpubench-{}.json", std::process::id()));
     std::fs::write(&file, serde_json::to_string(texts)?)?;
     let b: Vec<String> = batches.iter().map(|b| b.to_string()).collect();
@@ -353,7 +409,7 @@ fn python_refs(python: &str, texts: &[String], batches: &[usize], a: &Args) -> R
     let model = embed_model()?.display().to_string();
     let st = |dtype: &str| {
         run(vec![
-            ws.join("scripts/st_embed_bench.py").display().to_string(),
+            python_script("st_embed_bench.py").display().to_string(),
             model.clone(),
             file.display().to_string(),
             b.join(","),
@@ -367,7 +423,7 @@ fn python_refs(python: &str, texts: &[String], batches: &[usize], a: &Args) -> R
         "sentence_transformers_fp32": st("fp32"),
         "sentence_transformers_fp16": st("fp16"),
         "transformers_generate": run(vec![
-            ws.join("scripts/hf_generate_bench.py").display().to_string(),
+            python_script("hf_generate_bench.py").display().to_string(),
             generate_model()?.display().to_string(),
             gen_prompt(texts),
             streams.join(","),
@@ -461,7 +517,7 @@ async fn main() -> Result<()> {
     }
     if want("cpu") {
         let t = Instant::now();
-        record(&mut out, "cpu_encoder_scaling", cpu_scaling(), t)?;
+        record(&mut out, "cpu_encoder_scaling", cpu_scaling(&a, &texts), t)?;
     }
     if want("served") {
         let t = Instant::now();
