@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-tokenize bench-ingest
+.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-tokenize bench-ingest bench-chunking
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -97,6 +97,9 @@ bench-ask: build  ## Ask latency per operator (p50/p99) for every example flow; 
 eval-scifact: build ## retrieval quality of every search mode on SciFact (ingests it into a local cluster)
 	$(BIN)/ragctl local up
 	$(BIN)/ragctl eval retrieval --collection scifact --ingest --dataset $${RAGCLUSTER_DATASETS:-../shared/datasets}/scifact --out bench-out/eval-scifact
+
+bench-chunking: build ## the coordinator's chunker over SciFact: whole-text tokenizer vs per-run cache
+	$(BIN)/chunkbench --passes 3
 
 bench-quick: build
 	$(BIN)/ragbench --docs 500 --scale-chunks 5000

@@ -7,10 +7,9 @@
 pub mod fixed;
 pub mod markdown;
 pub mod sentence;
+mod tokens;
 
-use std::path::Path;
-
-use crate::error::{CoordError, Result};
+pub use tokens::{HfTokens, Tokens, WordTokens};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
@@ -34,40 +33,6 @@ pub struct ChunkText {
     pub section: String,
 }
 
-/// Counts tokens: byte spans of each token of a text, without special tokens.
-pub trait Tokens: Send + Sync {
-    fn spans(&self, text: &str) -> Vec<(usize, usize)>;
-}
-
-/// The embedding model's own tokenizer (tokenizer.json), so "200 tokens" means what the model
-/// will see.
-pub struct HfTokens(tokenizers::Tokenizer);
-
-impl HfTokens {
-    pub fn load(path: &Path) -> Result<Self> {
-        let mut t = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| CoordError::Tokenizer(format!("{}: {e}", path.display())))?;
-        t.with_truncation(None)
-            .map_err(|e| CoordError::Tokenizer(e.to_string()))?;
-        t.with_padding(None);
-        Ok(Self(t))
-    }
-}
-
-impl Tokens for HfTokens {
-    fn spans(&self, text: &str) -> Vec<(usize, usize)> {
-        match self.0.encode(text, false) {
-            Ok(enc) => enc
-                .get_offsets()
-                .iter()
-                .copied()
-                .filter(|(a, b)| b > a)
-                .collect(),
-            Err(_) => Vec::new(),
-        }
-    }
-}
-
 /// Chunks one document's text.
 pub fn chunk(text: &str, p: &ChunkParams, tok: &dyn Tokens) -> Vec<ChunkText> {
     match p.strategy {
@@ -86,29 +51,5 @@ pub fn chunk(text: &str, p: &ChunkParams, tok: &dyn Tokens) -> Vec<ChunkText> {
             })
             .collect(),
         Strategy::Markdown => markdown::chunk(text, tok, p),
-    }
-}
-
-/// Whitespace-separated words as tokens: for tests, fuzzing and counting without a model.
-pub struct WordTokens;
-
-impl Tokens for WordTokens {
-    fn spans(&self, text: &str) -> Vec<(usize, usize)> {
-        let mut out = Vec::new();
-        let mut start = None;
-        for (i, c) in text.char_indices() {
-            match (c.is_whitespace(), start) {
-                (true, Some(s)) => {
-                    out.push((s, i));
-                    start = None;
-                }
-                (false, None) => start = Some(i),
-                _ => {}
-            }
-        }
-        if let Some(s) = start {
-            out.push((s, text.len()));
-        }
-        out
     }
 }
