@@ -17,13 +17,16 @@ use super::cpu_gemm::matmul;
 /// Rows per rayon task for the row-wise ops: enough work per task to amortise scheduling.
 const ROWS_PER_TASK: usize = 8;
 
-/// Runs `f` compiled for the widest vector unit this CPU has (AVX-512, else AVX2 + FMA),
-/// picked at run time: the binary targets baseline x86-64, where the loops below would get
-/// 4-wide SSE2 (measured: GELU alone took a fifth of a forward). Each rayon task calls it,
-/// so the loop bodies inline into the dispatched function.
+/// Each rayon task's rows run through `pulp`'s dispatch, compiled for the widest vector unit
+/// this CPU has (AVX-512, else AVX2 + FMA), picked at run time: the binary targets baseline
+/// x86-64, where the loops below would get 4-wide SSE2 (measured: GELU alone took a fifth of
+/// a forward). The work is a named op (`RowsMap`, `ResidualNormRows`, `EmbedRows`,
+/// `HeadJob`) rather than a closure, because `with_simd` is always inlined into the
+/// dispatched function, while a closure body of some size is compiled apart as plain x86-64
+/// and only called from it (the disassembly showed both LayerNorm passes running so).
 #[inline(always)]
-fn vectorized<R>(f: impl FnOnce() -> R) -> R {
-    pulp::Arch::new().dispatch(f)
+pub(crate) fn vectorized<Op: pulp::WithSimd>(op: Op) -> Op::Output {
+    pulp::Arch::new().dispatch(op)
 }
 
 /// e^x for x <= 0 (softmax after subtracting the maximum): 2^n · p(r) with n = round(x /
@@ -100,15 +103,28 @@ pub(crate) fn bias_act(x: &mut [f32], bias: &[f32], act: HiddenAct) {
 /// `x = f(x + bias)` per row, row-parallel.
 fn rows_map(x: &mut [f32], bias: &[f32], f: impl Fn(f32) -> f32 + Sync) {
     let cols = bias.len();
-    x.par_chunks_mut(cols * ROWS_PER_TASK).for_each(|rows| {
-        vectorized(|| {
-            for row in rows.chunks_exact_mut(cols) {
-                for (x, &b) in row.iter_mut().zip(bias) {
-                    *x = f(*x + b);
-                }
+    x.par_chunks_mut(cols * ROWS_PER_TASK)
+        .for_each(|rows| vectorized(RowsMap { rows, bias, f: &f }));
+}
+
+/// One task's rows of `rows_map`.
+struct RowsMap<'a, F> {
+    rows: &'a mut [f32],
+    bias: &'a [f32],
+    f: &'a F,
+}
+
+impl<F: Fn(f32) -> f32> pulp::WithSimd for RowsMap<'_, F> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        for row in self.rows.chunks_exact_mut(self.bias.len()) {
+            for (x, &b) in row.iter_mut().zip(self.bias) {
+                *x = (self.f)(*x + b);
             }
-        })
-    });
+        }
+    }
 }
 
 /// Sum of `f(v)` over `row` with sixteen independent accumulators: a float sum in one chain
@@ -207,16 +223,41 @@ pub(crate) fn bias_residual_norm(x: &mut [f32], residual: &[f32], bias: &[f32], 
     let cols = bias.len();
     x.par_chunks_mut(cols * ROWS_PER_TASK)
         .zip(residual.par_chunks(cols * ROWS_PER_TASK))
-        .for_each(|(x, r)| {
-            vectorized(|| {
-                for (row, r) in x.chunks_exact_mut(cols).zip(r.chunks_exact(cols)) {
-                    for ((o, &r), &b) in row.iter_mut().zip(r).zip(bias) {
-                        *o += r + b;
-                    }
-                    norm.apply(row);
-                }
+        .for_each(|(x, residual)| {
+            vectorized(ResidualNormRows {
+                x,
+                residual,
+                bias,
+                norm,
             })
         });
+}
+
+/// One task's rows of `bias_residual_norm`.
+struct ResidualNormRows<'a, 'n> {
+    x: &'a mut [f32],
+    residual: &'a [f32],
+    bias: &'a [f32],
+    norm: &'a NormParams<'n>,
+}
+
+impl pulp::WithSimd for ResidualNormRows<'_, '_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        let cols = self.bias.len();
+        for (row, r) in self
+            .x
+            .chunks_exact_mut(cols)
+            .zip(self.residual.chunks_exact(cols))
+        {
+            for ((o, &r), &b) in row.iter_mut().zip(r).zip(self.bias) {
+                *o += r + b;
+            }
+            self.norm.apply(row);
+        }
+    }
 }
 
 /// The embedding sum and its LayerNorm: row `r` of `out` becomes
@@ -227,20 +268,43 @@ pub(crate) fn embed(out: &mut [f32], tables: [&[f32]; 3], indices: [&[u32]; 3], 
     out.par_chunks_mut(cols * ROWS_PER_TASK)
         .enumerate()
         .for_each(|(task, rows)| {
-            vectorized(|| {
-                for (i, row) in rows.chunks_exact_mut(cols).enumerate() {
-                    let r = task * ROWS_PER_TASK + i;
-                    row.fill(0.0);
-                    for (table, index) in tables.iter().zip(indices) {
-                        let at = index[r] as usize * cols;
-                        for (o, &v) in row.iter_mut().zip(&table[at..at + cols]) {
-                            *o += v;
-                        }
-                    }
-                    norm.apply(row);
-                }
+            vectorized(EmbedRows {
+                rows,
+                first: task * ROWS_PER_TASK,
+                tables,
+                indices,
+                norm,
             })
         });
+}
+
+/// One task's rows of `embed`, the first of them being row `first` of the batch.
+struct EmbedRows<'a, 'n> {
+    rows: &'a mut [f32],
+    first: usize,
+    tables: [&'a [f32]; 3],
+    indices: [&'a [u32]; 3],
+    norm: &'a NormParams<'n>,
+}
+
+impl pulp::WithSimd for EmbedRows<'_, '_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        let cols = self.norm.gamma.len();
+        for (i, row) in self.rows.chunks_exact_mut(cols).enumerate() {
+            let r = self.first + i;
+            row.fill(0.0);
+            for (table, index) in self.tables.iter().zip(self.indices) {
+                let at = index[r] as usize * cols;
+                for (o, &v) in row.iter_mut().zip(&table[at..at + cols]) {
+                    *o += v;
+                }
+            }
+            self.norm.apply(row);
+        }
+    }
 }
 
 /// Multi-head self-attention over packed sequences, read straight from the fused projection
@@ -256,9 +320,7 @@ pub(crate) struct Attention<'a> {
     pub head_dim: usize,
 }
 
-/// One (sequence, head) of `Attention`, for `pulp`'s dispatch: a struct rather than a
-/// closure, because `with_simd` is always inlined into the function compiled for the CPU's
-/// vector unit, where a closure this large was left out of line and ran as plain x86-64.
+/// One (sequence, head) of `Attention`, for `vectorized`.
 struct HeadJob<'a, 'b> {
     attention: &'b Attention<'a>,
     qkv: &'b [f32],
@@ -278,7 +340,7 @@ impl pulp::WithSimd for HeadJob<'_, '_> {
 impl Attention<'_> {
     /// One (sequence, head): `(len, d)` context rows.
     fn head(&self, qkv: &[f32], seq: usize, head: usize) -> Vec<f32> {
-        pulp::Arch::new().dispatch(HeadJob {
+        vectorized(HeadJob {
             attention: self,
             qkv,
             seq,
