@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-tokenize bench-ingest bench-chunking
+.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-tokenize bench-ingest bench-chunking bench-sampling
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -100,6 +100,9 @@ eval-scifact: build ## retrieval quality of every search mode on SciFact (ingest
 
 bench-chunking: build ## the coordinator's chunker over SciFact: whole-text tokenizer vs per-run cache
 	$(BIN)/chunkbench --passes 3
+
+bench-sampling: build ## a sampled token's cost per row of SmolLM2 logits: the engine's sampler vs candle's LogitsProcessor
+	$(BIN)/samplebench
 
 bench-quick: build
 	$(BIN)/ragbench --docs 500 --scale-chunks 5000

@@ -57,12 +57,27 @@ pub async fn embed_load(
     }))
 }
 
+/// How a load's streams pick tokens (`GREEDY`, or a temperature with a nucleus cut-off).
+#[derive(Debug, Clone, Copy)]
+pub struct Sampling {
+    pub temperature: f32,
+    /// 1 = no cut-off.
+    pub top_p: f32,
+}
+
+impl Sampling {
+    pub const GREEDY: Sampling = Sampling {
+        temperature: 0.0,
+        top_p: 1.0,
+    };
+}
+
 /// One Generate stream: (seconds to the first token, tokens, total seconds).
 pub async fn generate_stream(
     mut c: ModelWorkerClient<Channel>,
     prompt: String,
     tokens: u32,
-    temperature: f32,
+    sampling: Sampling,
     seed: u64,
 ) -> Result<(f64, u32, f64)> {
     let t = Instant::now();
@@ -70,7 +85,8 @@ pub async fn generate_stream(
         .generate(GenerateRequest {
             prompt,
             max_tokens: tokens,
-            temperature,
+            temperature: sampling.temperature,
+            top_p: sampling.top_p,
             seed,
             ..Default::default()
         })
@@ -95,12 +111,11 @@ pub async fn generate_load(
     prompt: &str,
     n: usize,
     tokens: u32,
-    temperature: f32,
+    sampling: Sampling,
 ) -> Result<serde_json::Value> {
     let t = Instant::now();
     let runs = futures::future::join_all(
-        (0..n)
-            .map(|i| generate_stream(c.clone(), prompt.to_owned(), tokens, temperature, i as u64)),
+        (0..n).map(|i| generate_stream(c.clone(), prompt.to_owned(), tokens, sampling, i as u64)),
     )
     .await
     .into_iter()

@@ -147,11 +147,7 @@ pub fn check_wants(how: &[Want], wanted: usize, vocab: usize) -> Result<(), Mode
 }
 
 /// Natural log-probability of `token` under `logits` (temperature 1).
-pub fn logprob(logits: &[f32], token: u32) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f32>().ln();
-    logits[token as usize] - lse
-}
+pub use super::sampling::logprob;
 
 /// The greedy token: the first of the largest logits, exactly as candle's argmax (and so
 /// `LogitsProcessor` without a temperature) picks it.

@@ -8,12 +8,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 
-use candle_core::{Device, Tensor};
-use candle_transformers::generation::LogitsProcessor;
 use rayon::prelude::*;
 
 use super::decoder::{Cache, Decoder};
-use super::llama_batch::{Row, Sampled, Want, logprob};
+use super::llama_batch::{Row, Sampled, Want, greedy, logprob};
+use super::sampling::Sampler;
 use crate::error::ModelError;
 
 /// How a generation ended.
@@ -143,9 +142,9 @@ struct Stream<'a> {
     cache: Cache,
     /// Prompt tokens not yet run through the model.
     prefill_at: usize,
-    sampler: LogitsProcessor,
-    /// No temperature: the sampler is an argmax, so the decoder may pick the token itself.
-    greedy: bool,
+    /// None without a temperature: the next token is the argmax, which the decoder may pick
+    /// itself.
+    sampler: Option<Sampler>,
     detok: Detok<'a>,
     /// The token to feed next (decoding) and how many were generated.
     next: u32,
@@ -159,9 +158,10 @@ impl Stream<'_> {
         let (next, logprob) = match out {
             Sampled::Token { token, logprob } => (token, logprob),
             Sampled::Logits(logits) => {
-                let next = self
-                    .sampler
-                    .sample(&Tensor::new(&logits[..], &Device::Cpu)?)?;
+                let next = match &mut self.sampler {
+                    Some(s) => s.sample(&logits),
+                    None => greedy(&logits),
+                };
                 (next, logprob(&logits, next))
             }
         };
@@ -245,15 +245,13 @@ fn run(
         };
         for job in arrived {
             let p = &job.params;
-            let temperature = (p.temperature > 0.0).then_some(p.temperature);
-            let top_p = (p.top_p < 1.0).then_some(p.top_p);
-            let sampler = LogitsProcessor::new(p.seed, temperature, top_p);
+            // Below 1e-7 a temperature is an argmax (candle's rule, kept).
+            let sampler =
+                (p.temperature >= 1e-7).then(|| Sampler::new(p.seed, p.temperature, p.top_p));
             active.push(Stream {
                 cache: model.new_cache(),
                 prefill_at: 0,
                 sampler,
-                // LogitsProcessor's own rule for an argmax.
-                greedy: temperature.is_none_or(|t| t < 1e-7),
                 detok: Detok::new(tokenizer, job.params.stop.clone()),
                 next: 0,
                 generated: 0,
@@ -332,7 +330,7 @@ fn step(
     let how: Vec<Want> = sample_at
         .iter()
         .map(|&(i, _)| {
-            if active[i].greedy {
+            if active[i].sampler.is_none() {
                 Want::Greedy
             } else {
                 Want::Logits

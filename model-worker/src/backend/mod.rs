@@ -11,6 +11,7 @@ pub mod llama;
 pub mod llama_batch;
 pub mod llama_cuda;
 pub mod llama_engine;
+pub mod sampling;
 pub mod skinny;
 pub mod transformer;
 

@@ -9,7 +9,7 @@ use anyhow::Result;
 use clap::Parser;
 use ragcluster_proto::v1::RerankRequest;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
-use ragcluster_tests::workerload::{generate_load, generate_stream};
+use ragcluster_tests::workerload::{Sampling, generate_load, generate_stream};
 use ragcluster_tests::{Proc, datasets_dir, generate_model};
 use tonic::transport::Channel;
 
@@ -23,6 +23,12 @@ struct Args {
     /// Weight formats to compare.
     #[arg(long, value_delimiter = ',', default_value = "f32,f16,none")]
     dequantize: Vec<String>,
+    /// Sampling temperature of every stream (0 = greedy).
+    #[arg(long, default_value_t = 0.7)]
+    temperature: f32,
+    /// Nucleus cut-off of every stream (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
     /// Passages per UPR rerank call (the generator as a reranker; 0 = skip).
     #[arg(long, default_value_t = 20)]
     rerank_passages: usize,
@@ -67,6 +73,10 @@ a small model answer factual questions.";
 #[tokio::main]
 async fn main() -> Result<()> {
     let a = Args::parse();
+    let sampling = Sampling {
+        temperature: a.temperature,
+        top_p: a.top_p,
+    };
     let mut out = serde_json::Map::new();
     for dq in &a.dequantize {
         let dir = tempfile::tempdir()?;
@@ -80,12 +90,12 @@ async fn main() -> Result<()> {
         )?;
         let worker = Proc::model_worker(dir.path(), true, Some(&cfg))?;
         let c = ModelWorkerClient::new(Channel::from_shared(worker.grpc.clone())?.connect().await?);
-        generate_stream(c.clone(), PROMPT.into(), 4, 0.7, 0).await?; // warm-up
+        generate_stream(c.clone(), PROMPT.into(), 4, sampling, 0).await?; // warm-up
         let mut row = serde_json::Map::new();
         for n in [1usize, a.streams] {
             row.insert(
                 format!("streams_{n}"),
-                generate_load(&c, PROMPT, n, a.tokens, 0.7).await?,
+                generate_load(&c, PROMPT, n, a.tokens, sampling).await?,
             );
         }
         out.insert(format!("dequantize_{dq}"), serde_json::Value::Object(row));
@@ -99,6 +109,8 @@ async fn main() -> Result<()> {
     }
     out.insert("prompt_chars".into(), PROMPT.len().into());
     out.insert("tokens_per_stream".into(), a.tokens.into());
+    out.insert("temperature".into(), a.temperature.into());
+    out.insert("top_p".into(), a.top_p.into());
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
 }

@@ -41,7 +41,7 @@ use model_worker::backend::device::Placement;
 use model_worker::backend::{Encoder, Seq};
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_tests::threads::Sample;
-use ragcluster_tests::workerload::{embed_load, generate_load, generate_stream};
+use ragcluster_tests::workerload::{Sampling, embed_load, generate_load, generate_stream};
 use ragcluster_tests::{Cluster, Proc, datasets_dir, embed_model, generate_model};
 use serde_json::{Value, json};
 use tonic::transport::Channel;
@@ -362,13 +362,13 @@ async fn generation(texts: &[String], a: &Args) -> Result<Value> {
     let worker = Proc::model_worker(dir.path(), true, Some(&cfg))?;
     let c = connect(&worker).await?;
     let prompt = gen_prompt(texts);
-    generate_stream(c.clone(), prompt.clone(), 4, 0.0, 0).await?; // warm-up
+    generate_stream(c.clone(), prompt.clone(), 4, Sampling::GREEDY, 0).await?; // warm-up
     let mut out = serde_json::Map::new();
     for &n in &a.gen_streams {
         let before = worker_stats(&worker).await?;
         let threads = worker.pid().map(Sample::take);
         let t = Instant::now();
-        let mut load = generate_load(&c, &prompt, n, a.gen_tokens, 0.0).await?;
+        let mut load = generate_load(&c, &prompt, n, a.gen_tokens, Sampling::GREEDY).await?;
         let wall = t.elapsed().as_secs_f64();
         load["worker"] = stats_delta(&before, &worker_stats(&worker).await?, wall);
         if let (Some(b), Some(pid)) = (threads, worker.pid()) {
@@ -376,6 +376,22 @@ async fn generation(texts: &[String], a: &Args) -> Result<Value> {
         }
         out.insert(format!("streams_{n}"), load);
     }
+    // Sampled rows come back as logits and are drawn on the host (`backend/sampling.rs`):
+    // the same load at the most streams with a temperature and a nucleus cut-off.
+    let sampled = Sampling {
+        temperature: 0.7,
+        top_p: 0.9,
+    };
+    let before = worker_stats(&worker).await?;
+    let t = Instant::now();
+    let mut load = generate_load(&c, &prompt, most, a.gen_tokens, sampled).await?;
+    load["worker"] = stats_delta(
+        &before,
+        &worker_stats(&worker).await?,
+        t.elapsed().as_secs_f64(),
+    );
+    load["sampling"] = json!({"temperature": 0.7, "top_p": 0.9});
+    out.insert(format!("streams_{most}_sampled"), load);
     out.insert("prompt_chars".into(), json!(prompt.len()));
     out.insert("worker_log_device".into(), json!(device_line(&worker)));
     Ok(Value::Object(out))
