@@ -178,6 +178,25 @@ fn block_product(a: &[f32], b: &[f32], out: &mut [f32], m: usize, k: usize, n: u
     }
 }
 
+/// Σ a_i b_i over the shorter of the two, in sixteen lanes (as `lane_sum`).
+#[inline(always)]
+pub(crate) fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for ((acc, &x), &y) in acc.iter_mut().zip(x).zip(y) {
+            *acc += x * y;
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 /// Largest value of `row` (NEG_INFINITY when empty), over sixteen lanes so it vectorises
 /// (`f32::max`'s NaN rule keeps a plain fold scalar; scores are never NaN).
 #[inline(always)]

@@ -29,6 +29,11 @@ struct Args {
     /// Nucleus cut-off of every stream (1 = off).
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
+    /// SciFact passages (600 characters each) put before the question, as a RAG prompt
+    /// would: about 130 tokens each, so attention's share of a step shows (0 = the short
+    /// prompt alone).
+    #[arg(long, default_value_t = 0)]
+    passages: usize,
     /// Passages per UPR rerank call (the generator as a reranker; 0 = skip).
     #[arg(long, default_value_t = 20)]
     rerank_passages: usize,
@@ -36,14 +41,19 @@ struct Args {
 
 /// UPR rerank of `n` SciFact passages (cut to 600 characters) for one query with the GGUF
 /// generator as the reranker: latency of each of 3 calls after a warm-up, in ms.
-async fn upr_rerank(n: usize, dq: &str) -> Result<serde_json::Value> {
+/// The first `n` SciFact passages, cut to 600 characters.
+fn scifact_passages(n: usize) -> Result<Vec<String>> {
     let corpus = std::fs::read_to_string(datasets_dir().join("scifact/corpus.jsonl"))?;
-    let passages: Vec<String> = corpus
+    Ok(corpus
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter_map(|v| v["text"].as_str().map(|t| t.chars().take(600).collect()))
         .take(n)
-        .collect();
+        .collect())
+}
+
+async fn upr_rerank(n: usize, dq: &str) -> Result<serde_json::Value> {
+    let passages = scifact_passages(n)?;
     let dir = tempfile::tempdir()?;
     let cfg = dir.path().join("mw.toml");
     std::fs::write(&cfg, format!("[model_worker]\ndequantize = \"{dq}\"\n"))?;
@@ -77,6 +87,12 @@ async fn main() -> Result<()> {
         temperature: a.temperature,
         top_p: a.top_p,
     };
+    let mut prompt = String::new();
+    for p in scifact_passages(a.passages)? {
+        prompt.push_str(&p);
+        prompt.push('\n');
+    }
+    prompt.push_str(PROMPT);
     let mut out = serde_json::Map::new();
     for dq in &a.dequantize {
         let dir = tempfile::tempdir()?;
@@ -90,12 +106,12 @@ async fn main() -> Result<()> {
         )?;
         let worker = Proc::model_worker(dir.path(), true, Some(&cfg))?;
         let c = ModelWorkerClient::new(Channel::from_shared(worker.grpc.clone())?.connect().await?);
-        generate_stream(c.clone(), PROMPT.into(), 4, sampling, 0).await?; // warm-up
+        generate_stream(c.clone(), prompt.clone(), 4, sampling, 0).await?; // warm-up
         let mut row = serde_json::Map::new();
         for n in [1usize, a.streams] {
             row.insert(
                 format!("streams_{n}"),
-                generate_load(&c, PROMPT, n, a.tokens, sampling).await?,
+                generate_load(&c, &prompt, n, a.tokens, sampling).await?,
             );
         }
         out.insert(format!("dequantize_{dq}"), serde_json::Value::Object(row));
@@ -107,7 +123,7 @@ async fn main() -> Result<()> {
             upr_rerank(a.rerank_passages, dq).await?,
         );
     }
-    out.insert("prompt_chars".into(), PROMPT.len().into());
+    out.insert("prompt_chars".into(), prompt.len().into());
     out.insert("tokens_per_stream".into(), a.tokens.into());
     out.insert("temperature".into(), a.temperature.into());
     out.insert("top_p".into(), a.top_p.into());
