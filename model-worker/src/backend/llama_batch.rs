@@ -369,18 +369,21 @@ impl LlamaModel {
         let group = d.heads / d.kv_heads;
         let scale = 1.0 / (d.head_dim as f32).sqrt();
         let mut out = vec![0f32; rows.len() * d.hidden];
-        out.par_chunks_mut(d.head_dim)
+        // The query heads sharing a KV head are consecutive, in `q` and in `out`.
+        let width = group * d.head_dim;
+        out.par_chunks_mut(width)
             .enumerate()
             .for_each(|(task, out)| {
-                let (i, head) = (task / d.heads, task % d.heads);
+                let (i, kv) = (task / d.kv_heads, task % d.kv_heads);
                 let cache = &caches[rows[i].seq];
-                vectorized(AttendHead {
+                vectorized(AttendGroup {
                     out,
-                    q: &q[i * d.hidden + head * d.head_dim..][..d.head_dim],
+                    q: &q[i * d.hidden + kv * width..][..width],
                     keys: &cache.k[layer],
                     values: &cache.v[layer],
+                    head_dim: d.head_dim,
                     stride: d.kv_width(),
-                    offset: (head / group) * d.head_dim,
+                    offset: kv * d.head_dim,
                     span: positions[i] + 1,
                     scale,
                 })
@@ -389,45 +392,61 @@ impl LlamaModel {
     }
 }
 
-/// One (row, head) of `LlamaModel::attention` for `cpu_ops::vectorized`: the row's query
-/// against its sequence's first `span` cached keys, softmax, and the weighted sum of their
-/// values into `out`, on the CPU's vector unit. As plain x86-64 the key dots ran as one
-/// scalar chain each (7% of a decode step at a 180-token span, and attention grows with the
-/// span while the weight pass does not).
-struct AttendHead<'a> {
+/// One (row, KV head) of `LlamaModel::attention` for `cpu_ops::vectorized`: the query heads
+/// that share the KV head (SmolLM2: 3 of 9) against the sequence's first `span` cached keys,
+/// softmax, and the weighted sums of the values into `out`, on the CPU's vector unit. Each
+/// cached key and value is read once for the whole group: at a prompt of a few hundred
+/// tokens the cache reads, not the arithmetic, are what attention costs. (As plain x86-64,
+/// one task per query head, the key dots ran as scalar chains: 7% of a decode step at a
+/// 180-token span, and attention grows with the span while the weight pass does not.)
+struct AttendGroup<'a> {
+    /// `group x head_dim` context rows.
     out: &'a mut [f32],
+    /// `group x head_dim` queries.
     q: &'a [f32],
     keys: &'a [f32],
     values: &'a [f32],
+    head_dim: usize,
     /// Floats per cached position (every KV head).
     stride: usize,
-    /// This head's KV head within a position.
+    /// This KV head within a position.
     offset: usize,
     span: usize,
     scale: f32,
 }
 
-impl pulp::WithSimd for AttendHead<'_> {
+impl pulp::WithSimd for AttendGroup<'_> {
     type Output = ();
 
     #[inline(always)]
     fn with_simd<S: pulp::Simd>(self, _: S) {
-        let d = self.q.len();
+        let (d, span) = (self.head_dim, self.span);
         let at = |p: usize| p * self.stride + self.offset;
-        let mut scores = Vec::with_capacity(self.span);
-        for p in 0..self.span {
-            scores.push(lane_dot(self.q, &self.keys[at(p)..][..d]) * self.scale);
+        // scores[g * span + p]: query head g against position p.
+        let mut scores = vec![0f32; self.q.len() / d * span];
+        for p in 0..span {
+            let key = &self.keys[at(p)..][..d];
+            for (g, q) in self.q.chunks_exact(d).enumerate() {
+                scores[g * span + p] = lane_dot(q, key) * self.scale;
+            }
         }
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0;
-        for s in &mut scores {
-            *s = exp_fast(*s - max);
-            sum += *s;
+        let mut sums = Vec::with_capacity(self.q.len() / d);
+        for row in scores.chunks_exact_mut(span) {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for s in row.iter_mut() {
+                *s = exp_fast(*s - max);
+                sum += *s;
+            }
+            sums.push(sum);
         }
-        for (p, s) in scores.iter().enumerate() {
-            let w = s / sum;
-            for (o, v) in self.out.iter_mut().zip(&self.values[at(p)..][..d]) {
-                *o += w * v;
+        for p in 0..span {
+            let value = &self.values[at(p)..][..d];
+            for (g, out) in self.out.chunks_exact_mut(d).enumerate() {
+                let w = scores[g * span + p] / sums[g];
+                for (o, v) in out.iter_mut().zip(value) {
+                    *o += w * v;
+                }
             }
         }
     }
