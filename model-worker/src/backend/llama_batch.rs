@@ -395,10 +395,10 @@ impl LlamaModel {
 /// One (row, KV head) of `LlamaModel::attention` for `cpu_ops::vectorized`: the query heads
 /// that share the KV head (SmolLM2: 3 of 9) against the sequence's first `span` cached keys,
 /// softmax, and the weighted sums of the values into `out`, on the CPU's vector unit. Each
-/// cached key and value is read once for the whole group: at a prompt of a few hundred
-/// tokens the cache reads, not the arithmetic, are what attention costs. (As plain x86-64,
-/// one task per query head, the key dots ran as scalar chains: 7% of a decode step at a
-/// 180-token span, and attention grows with the span while the weight pass does not.)
+/// cached key and value is read once for the whole group rather than once per query head
+/// (a 600-token prompt's first token came 0.5-1 s sooner; decode steps within noise). As
+/// plain x86-64 the key dots ran as scalar chains: 7% of a decode step at a 180-token span,
+/// and attention grows with the span while the weight pass does not.
 struct AttendGroup<'a> {
     /// `group x head_dim` context rows.
     out: &'a mut [f32],
