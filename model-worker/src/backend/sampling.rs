@@ -91,13 +91,17 @@ impl Sampler {
                 continue;
             }
             let start = b * BLOCK;
+            let block = &self.weights[start..(start + BLOCK).min(self.weights.len())];
             let mut acc = 0f64;
-            for (i, &w) in self.weights[start..].iter().take(BLOCK).enumerate() {
+            for (i, &w) in block.iter().enumerate() {
                 acc += f64::from(w);
                 if u < acc {
                     return (start + i) as u32;
                 }
             }
+            // The block's sum (f32 lanes) and this walk (f64) can differ in the last bits:
+            // the draw stays in its block, on its last token with any weight.
+            return (start + block.iter().rposition(|&w| w > 0.0).unwrap_or(0)) as u32;
         }
         // Rounding left the draw past the last weight: the last token with any.
         self.weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as u32
