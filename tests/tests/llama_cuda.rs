@@ -16,6 +16,7 @@ use model_worker::backend::device::Placement;
 use model_worker::backend::llama::{GenParams, LlamaGenerator};
 use model_worker::backend::llama_batch::{Row, Sampled, Want, logprob};
 use model_worker::backend::llama_cuda::{CudaLlama, PagedCache};
+use model_worker::backend::sampling::{Draw, Sampler};
 use ragcluster_tests::generate_model;
 use ragcluster_tests::llama::{PROMPTS, TOKENS, argmax};
 
@@ -204,6 +205,45 @@ fn cuda_decoder_matches_the_cpu_decoder() -> Result<()> {
             (h, a) => panic!("row {i}: {h:?} answered with {a:?}"),
         }
     }
+    // Sampled rows drawn on the device (sample_rows) against the host's draw with the same
+    // variate on the same device logits, over temperatures, cut-offs and variates; a draw
+    // within 1e-4 of a boundary (variate or cut-off) may take either side.
+    let settings = [
+        (1.0f32, 1.0f32),
+        (0.7, 0.9),
+        (1.3, 0.95),
+        (0.5, 0.5),
+        (2.0, 0.99),
+    ];
+    for (k, &(temperature, top_p)) in settings.iter().enumerate() {
+        for round in 0..4 {
+            let draws: Vec<Draw> = (0..want.len())
+                .map(|i| Draw {
+                    inv_temperature: 1.0 / temperature,
+                    top_p,
+                    u: ((i * 5 + k * 3 + round * 7) % 16) as f32 / 16.0 + 0.013,
+                })
+                .collect();
+            let how: Vec<Want> = draws.iter().map(|&d| Want::Sample(d)).collect();
+            let answers = gpu.forward_sampled(&rows, &mut [&mut gpu.new_cache()], &want, &how)?;
+            for ((a, l), d) in answers.iter().zip(&logits).zip(&draws) {
+                let host = |u: f32, top_p: f32| Sampler::for_draw(Draw { top_p, ..*d }).pick(l, u);
+                let near = [
+                    host(d.u, d.top_p),
+                    host((d.u - 1e-4).max(0.0), d.top_p),
+                    host(d.u + 1e-4, d.top_p),
+                    host(d.u, (d.top_p - 1e-4).max(1e-4)),
+                    host(d.u, (d.top_p + 1e-4).min(1.0)),
+                ];
+                let Sampled::Token { token, logprob: lp } = a else {
+                    panic!("{d:?} answered with logits");
+                };
+                assert!(near.contains(token), "{d:?}: device {token}, host {near:?}");
+                assert!((lp - logprob(l, *token)).abs() < 1e-3, "{d:?}: {lp}");
+            }
+        }
+    }
+
     // UPR scoring on the GPU (target log-probabilities computed there) against the CPU.
     let upr_target = generator.encode("Paris is the capital.")?;
     let served_cpu = generator.continuation_logprobs(&prompts, &upr_target)?;
@@ -244,5 +284,24 @@ fn cuda_decoder_matches_the_cpu_decoder() -> Result<()> {
             assert!(n > 0, "a stream produced no token");
         }
         anyhow::Ok(())
-    })
+    })?;
+    // A sampled stream (drawn on the device) repeats its tokens for its seed.
+    let sampled = GenParams {
+        temperature: 0.7,
+        top_p: 0.9,
+        seed: 5,
+        ..params
+    };
+    let run = || -> Result<Vec<u32>> {
+        let mut tokens = Vec::new();
+        served.generate(&prompts[0], &sampled, |piece| {
+            tokens.push(piece.token_id);
+            true
+        })?;
+        Ok(tokens)
+    };
+    let first = run()?;
+    assert!(!first.is_empty(), "the sampled stream produced no token");
+    assert_eq!(first, run()?, "one seed, two texts");
+    Ok(())
 }

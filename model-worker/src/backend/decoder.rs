@@ -6,8 +6,9 @@ use candle_core::quantized::gguf_file;
 use rayon::prelude::*;
 
 use super::device::Placement;
-use super::llama_batch::{KvCache, LlamaModel, Row, Sampled, Want, check_wants, greedy};
+use super::llama_batch::{KvCache, LlamaModel, Row, Sampled, Want, check_wants, greedy, logprob};
 use super::llama_cuda::{CudaLlama, PagedCache};
+use super::sampling::{Draw, Sampler};
 use crate::error::ModelError;
 
 pub enum Decoder {
@@ -44,6 +45,15 @@ impl Decoder {
         match self {
             Decoder::Cpu(_) => Placement::Cpu,
             Decoder::Cuda(_) => Placement::Cuda,
+        }
+    }
+
+    /// Whether sampled rows should be asked for as `Want::Sample` (drawn by the decoder on
+    /// the device) rather than as logits the engine samples from on the host.
+    pub fn samples_on_device(&self) -> bool {
+        match self {
+            Decoder::Cpu(_) => false,
+            Decoder::Cuda(m) => m.samples_on_device(),
         }
     }
 
@@ -135,6 +145,15 @@ impl Decoder {
             tracing::warn!(gpu = %gpu.device_name, "device-side token picks disagree with the host's: logits are copied to the host instead");
         }
         gpu.set_device_picks(picks_ok);
+        // RAGCLUSTER_DEVICE_SAMPLING=0 copies sampled rows' logits to the host sampler (an
+        // escape hatch, and the other side of an A/B).
+        let samples_wanted =
+            picks_ok && std::env::var("RAGCLUSTER_DEVICE_SAMPLING").map_or(true, |v| v != "0");
+        let samples_ok = samples_wanted && device_samples_agree(&gpu, &rows, &want, &b)?;
+        if samples_wanted && !samples_ok {
+            tracing::warn!(gpu = %gpu.device_name, "device-side sampling disagrees with the host's: sampled rows' logits are copied to the host instead");
+        }
+        gpu.set_device_samples(samples_ok);
         // RAGCLUSTER_CUDA_GRAPHS=0 launches every step kernel by kernel (an escape hatch,
         // and the other side of an A/B).
         let graphs_wanted = std::env::var("RAGCLUSTER_CUDA_GRAPHS").map_or(true, |v| v != "0");
@@ -156,7 +175,7 @@ impl Decoder {
                 gpu.set_graphs(false);
             }
         }
-        tracing::info!(gpu = %gpu.device_name, cosine = cos, device_picks = picks_ok, graphs = gpu.graphs_on(), "decoder on CUDA, checked against CPU");
+        tracing::info!(gpu = %gpu.device_name, cosine = cos, device_picks = picks_ok, device_sampling = samples_ok, graphs = gpu.graphs_on(), "decoder on CUDA, checked against CPU");
         Ok(Decoder::Cuda(Box::new(gpu)))
     }
 }
@@ -220,6 +239,52 @@ fn device_picks_agree(
             Sampled::from_logits(l.clone(), target_how[i]),
         )
     }))
+}
+
+/// Whether the GPU's sampled tokens (`sample_rows`) are the host's (`sampling`) for the same
+/// draws on the GPU's logits of the probe, over temperatures, cut-offs and variates. Where
+/// the host's own pick changes within 1e-4 of the variate or of the cut-off, the draw sits
+/// on a boundary that the GPU's logits (equal only to the last bits between forwards) may
+/// cross: any of the host's picks there is accepted.
+fn device_samples_agree(
+    gpu: &CudaLlama,
+    rows: &[Row],
+    want: &[usize],
+    logits: &[Vec<f32>],
+) -> Result<bool, ModelError> {
+    let settings = [(1.0f32, 1.0f32), (0.7, 0.9), (1.3, 0.95), (0.5, 0.5)];
+    for (k, &(temperature, top_p)) in settings.iter().enumerate() {
+        let draw = |i: usize| Draw {
+            inv_temperature: 1.0 / temperature,
+            top_p,
+            // Variates spread over [0, 1), another per row and setting.
+            u: ((i * 7 + k * 13) % 20) as f32 / 20.0 + 0.0237,
+        };
+        let how: Vec<Want> = (0..want.len()).map(|i| Want::Sample(draw(i))).collect();
+        let out = gpu.forward_sampled(rows, &mut [&mut gpu.new_cache()], want, &how)?;
+        for (i, (o, l)) in out.iter().zip(logits).enumerate() {
+            let d = draw(i);
+            let host = |u: f32, top_p: f32| Sampler::for_draw(Draw { top_p, ..d }).pick(l, u);
+            let (lo, hi) = ((d.u - 1e-4).max(0.0), d.u + 1e-4);
+            let p_lo = (top_p - 1e-4).max(1e-4);
+            let near = [
+                host(d.u, top_p),
+                host(lo, top_p),
+                host(hi, top_p),
+                host(d.u, p_lo),
+                host(d.u, (top_p + 1e-4).min(1.0)),
+            ];
+            let Sampled::Token { token, logprob: lp } = o else {
+                return Ok(false);
+            };
+            let want_lp = logprob(l, *token);
+            if !near.contains(token) || (lp - want_lp).abs() > 1e-3 {
+                tracing::warn!(row = i, temperature, top_p, u = d.u, gpu = token, host = ?near, "device sample differs from the host's");
+                return Ok(false);
+            }
+        }
+    }
+    Ok(true)
 }
 
 /// Whether three greedy decode steps after the probe's prefill pick the same tokens (log-

@@ -99,6 +99,8 @@ pub enum Want {
     Greedy,
     /// The log-probability of this token.
     LogprobOf(u32),
+    /// A token drawn with this draw (`sampling`'s rule) and its log-probability.
+    Sample(Draw),
 }
 
 /// A wanted row's result: its logits, or a token with its log-probability (temperature 1).
@@ -124,6 +126,13 @@ impl Sampled {
                 token,
                 logprob: logprob(&logits, token),
             },
+            Want::Sample(d) => {
+                let token = Sampler::for_draw(d).pick(&logits, d.u);
+                Sampled::Token {
+                    token,
+                    logprob: logprob(&logits, token),
+                }
+            }
         }
     }
 }
@@ -136,19 +145,33 @@ pub fn check_wants(how: &[Want], wanted: usize, vocab: usize) -> Result<(), Mode
             how.len()
         )));
     }
-    match how.iter().find_map(|h| match *h {
-        Want::LogprobOf(t) if t as usize >= vocab => Some(t),
-        _ => None,
-    }) {
-        Some(t) => Err(ModelError::InvalidArgument(format!(
-            "token {t} is outside the vocabulary of {vocab}"
-        ))),
-        None => Ok(()),
+    for h in how {
+        match *h {
+            Want::LogprobOf(t) if t as usize >= vocab => {
+                return Err(ModelError::InvalidArgument(format!(
+                    "token {t} is outside the vocabulary of {vocab}"
+                )));
+            }
+            Want::Sample(d)
+                if !(d.inv_temperature > 0.0
+                    && d.inv_temperature.is_finite()
+                    && d.top_p > 0.0
+                    && d.top_p <= 1.0
+                    && (0.0..1.0).contains(&d.u)) =>
+            {
+                return Err(ModelError::InvalidArgument(format!(
+                    "sampling draw out of range: {d:?}"
+                )));
+            }
+            _ => {}
+        }
     }
+    Ok(())
 }
 
 /// Natural log-probability of `token` under `logits` (temperature 1).
 pub use super::sampling::logprob;
+use super::sampling::{Draw, Sampler};
 
 /// The greedy token: the first of the largest logits, exactly as candle's argmax (and so
 /// `LogitsProcessor` without a temperature) picks it.
@@ -647,5 +670,30 @@ mod tests {
         };
         assert_eq!(token, 2);
         assert!((logprob - (-1.0 - lse)).abs() < 1e-6);
+        // A draw at temperature 1 without a cut-off: half the mass (1.14 of 2.27, weights
+        // relative to the max) falls in token 1's weight (cumulative 0.22, then 1.22).
+        let d = Draw {
+            inv_temperature: 1.0,
+            top_p: 1.0,
+            u: 0.5,
+        };
+        let Sampled::Token { token, logprob } =
+            Sampled::from_logits(logits.clone(), Want::Sample(d))
+        else {
+            panic!("a draw gives a token");
+        };
+        assert_eq!(token, 1);
+        assert!((logprob - (2.0 - lse)).abs() < 1e-6);
+        for bad in [
+            Draw { u: 1.0, ..d },
+            Draw { top_p: 0.0, ..d },
+            Draw {
+                inv_temperature: f32::INFINITY,
+                ..d
+            },
+        ] {
+            assert!(check_wants(&[Want::Sample(bad)], 1, 4).is_err(), "{bad:?}");
+        }
+        assert!(check_wants(&[Want::Sample(d)], 1, 4).is_ok());
     }
 }

@@ -14,7 +14,8 @@
 //!
 //! - Rows a caller only needs one token of (a greedy step, a scored target token) are
 //!   answered on the device by `pick_rows`: two numbers per row cross to the host instead of
-//!   the vocabulary's logits (196 KB per row for SmolLM2).
+//!   the vocabulary's logits (196 KB per row for SmolLM2); sampled rows likewise, drawn by
+//!   `sample_rows` with the host's variate.
 //!
 //! `llama` checks this decoder against the CPU one on a probe prompt at load and keeps the
 //! CPU decoder when they disagree.
@@ -78,6 +79,7 @@ struct Kernels {
     add_rows: CudaFunction,
     silu_mul: CudaFunction,
     pick_rows: CudaFunction,
+    sample_rows: CudaFunction,
 }
 
 /// Activations for up to `rows` rows, reused across forwards.
@@ -144,6 +146,9 @@ pub struct CudaLlama {
     /// Whether `Want::Greedy` / `Want::LogprobOf` rows are answered on the device (`pick_rows`);
     /// `decoder` turns it off when the kernel disagrees with the host at load.
     device_picks: bool,
+    /// Whether `Want::Sample` rows are drawn on the device (`sample_rows`, with device picks
+    /// on); `decoder` turns it off when the kernel's draws disagree with the host's at load.
+    device_samples: bool,
     /// Whether pure decode steps replay a captured CUDA graph (`graphs`); `decoder` turns it
     /// off when a replayed step disagrees with the launched one at load.
     graphs: bool,
@@ -234,6 +239,7 @@ impl CudaLlama {
             add_rows: f("add_rows")?,
             silu_mul: f("silu_mul")?,
             pick_rows: f("pick_rows")?,
+            sample_rows: f("sample_rows")?,
         };
         let dev = Device::Cpu;
         let mut tensor = |name: &str| -> Result<Tensor, ModelError> {
@@ -292,6 +298,7 @@ impl CudaLlama {
             free: Arc::new(Mutex::new((0..pages as i32).rev().collect())),
             work: Mutex::new(None),
             device_picks: true,
+            device_samples: true,
             graphs: graphs::fits(&d, 2 * attention::ROW_THREADS),
             profile: Mutex::new(None),
             row_threads: None,
@@ -711,6 +718,15 @@ impl CudaLlama {
     /// Turns the device's `pick_rows` on or off (off: every row's logits come to the host).
     pub fn set_device_picks(&mut self, on: bool) {
         self.device_picks = on;
+    }
+
+    pub fn set_device_samples(&mut self, on: bool) {
+        self.device_samples = on;
+    }
+
+    /// Whether sampled rows are drawn on the device (`Want::Sample`) rather than copied.
+    pub fn samples_on_device(&self) -> bool {
+        self.device_picks && self.device_samples
     }
 
     /// `out[b] = RMSNorm(x[rows[b]])` (or of row b without `rows`) for `n` rows.

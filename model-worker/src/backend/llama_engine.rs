@@ -327,14 +327,15 @@ fn step(
     metrics::histogram!("model_decode_step_rows", "model" => label.to_owned())
         .record(rows.len() as f64);
     let want: Vec<usize> = sample_at.iter().map(|&(_, r)| r).collect();
+    // A sampled row is drawn by the decoder when it can (the GPU: two numbers back instead
+    // of the row's logits), with the stream's next variate; else sampled here from logits.
+    let on_device = model.samples_on_device();
     let how: Vec<Want> = sample_at
         .iter()
-        .map(|&(i, _)| {
-            if active[i].sampler.is_none() {
-                Want::Greedy
-            } else {
-                Want::Logits
-            }
+        .map(|&(i, _)| match &mut active[i].sampler {
+            None => Want::Greedy,
+            Some(s) if on_device => Want::Sample(s.draw()),
+            Some(_) => Want::Logits,
         })
         .collect();
     let started = std::time::Instant::now();

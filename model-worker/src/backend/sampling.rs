@@ -8,15 +8,30 @@
 //! likely tokens (ties by token id) whose mass reaches p, then drawn in proportion to their
 //! probabilities. Only candidates above a threshold are sorted: when the tokens whose weight
 //! is at least t already hold p of the mass, the nucleus lies among them, since every token
-//! below t comes after them in the sorted order. The draws themselves differ from
-//! `LogitsProcessor`'s for the same seed (another walk order), so a seed gives the same text
-//! from one request to the next, not the text an older worker gave.
+//! below t comes after them in the sorted order.
+//!
+//! A draw is one uniform u from the stream's seeded generator; the token is where u times the
+//! nucleus' mass falls walking the nucleus in token-id order. The CUDA decoder's `sample_rows`
+//! kernel follows the same rule with the same u, so a seed gives the same text on either
+//! device (up to the devices' logits differing in the last bits). The draws differ from
+//! `LogitsProcessor`'s for the same seed (another walk order).
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::cpu_ops::{exp_fast, vectorized};
 use super::llama_batch::greedy;
+
+/// One draw of a sampled row, as the decoder (host or device) takes it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Draw {
+    /// 1 / temperature (> 0).
+    pub inv_temperature: f32,
+    /// Nucleus cut-off in (0, 1); 1 = none.
+    pub top_p: f32,
+    /// The uniform variate in [0, 1).
+    pub u: f32,
+}
 
 /// Weights summed per block of the row, so a draw finds its block first and walks only it.
 const BLOCK: usize = 256;
@@ -37,6 +52,8 @@ pub struct Sampler {
     blocks: Vec<f64>,
     /// Nucleus candidates (token ids).
     candidates: Vec<u32>,
+    /// The last nucleus, in token-id order.
+    nucleus: Vec<u32>,
 }
 
 impl Sampler {
@@ -54,12 +71,38 @@ impl Sampler {
             weights: Vec::new(),
             blocks: Vec::new(),
             candidates: Vec::new(),
+            nucleus: Vec::new(),
+        }
+    }
+
+    /// A sampler without a generator of its own, for a draw made elsewhere (`pick`).
+    pub fn for_draw(d: Draw) -> Self {
+        let mut s = Self::new(0, 1.0, f64::from(d.top_p));
+        s.inv_temperature = d.inv_temperature;
+        s
+    }
+
+    /// The next draw: the stream's next uniform variate with its temperature and cut-off,
+    /// for a decoder that picks the token itself (`pick` or the device kernel).
+    pub fn draw(&mut self) -> Draw {
+        Draw {
+            inv_temperature: self.inv_temperature,
+            top_p: self.top_p,
+            // f32 has 24 bits; the variate stays below 1 after rounding.
+            u: (self.rng.random::<f64>() as f32).min(1.0 - f32::EPSILON / 2.0),
         }
     }
 
     /// Draws the next token. A row without a finite largest logit or with no finite mass
     /// (NaN, infinities) falls back to the greedy pick, as an argmax would.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let u = self.draw().u;
+        self.pick(logits, u)
+    }
+
+    /// The token at variate `u` in [0, 1) (see the module doc); greedy for rows without a
+    /// finite largest logit or finite mass.
+    pub fn pick(&mut self, logits: &[f32], u: f32) -> u32 {
         self.weights.resize(logits.len(), 0.0);
         self.blocks.clear();
         let max = vectorized(Weigh {
@@ -76,15 +119,15 @@ impl Sampler {
             return greedy(logits);
         }
         if self.top_p < 1.0 {
-            self.draw_nucleus(total)
+            self.draw_nucleus(total, f64::from(u))
         } else {
-            self.draw_all(total)
+            self.draw_all(total, f64::from(u))
         }
     }
 
     /// A token in proportion to its weight over the whole row, walking token ids in order.
-    fn draw_all(&mut self, total: f64) -> u32 {
-        let mut u = self.rng.random::<f64>() * total;
+    fn draw_all(&mut self, total: f64, u: f64) -> u32 {
+        let mut u = u * total;
         for (b, &sum) in self.blocks.iter().enumerate() {
             if u >= sum {
                 u -= sum;
@@ -107,8 +150,8 @@ impl Sampler {
         self.weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as u32
     }
 
-    /// A token of the nucleus in proportion to its weight.
-    fn draw_nucleus(&mut self, total: f64) -> u32 {
+    /// A token of the nucleus in proportion to its weight, walking it in token-id order.
+    fn draw_nucleus(&mut self, total: f64, u: f64) -> u32 {
         let target = f64::from(self.top_p) * total;
         let w = &self.weights;
         for t in THRESHOLDS {
@@ -140,16 +183,18 @@ impl Sampler {
             mass += f64::from(w[c as usize]);
             n += 1;
         }
-        let nucleus = &self.candidates[..n.max(1)];
-        let u = self.rng.random::<f64>() * mass;
+        self.nucleus.clear();
+        self.nucleus.extend_from_slice(&self.candidates[..n.max(1)]);
+        self.nucleus.sort_unstable();
+        let u = u * mass;
         let mut acc = 0f64;
-        for &c in nucleus {
+        for &c in &self.nucleus {
             acc += f64::from(w[c as usize]);
             if u < acc {
                 return c;
             }
         }
-        nucleus[nucleus.len() - 1]
+        self.nucleus[self.nucleus.len() - 1]
     }
 }
 
@@ -353,18 +398,37 @@ mod tests {
                         "seed {seed} T {t} p {p}: {tok} outside"
                     );
                 }
-                // The draw's candidates, cut as the sampler cuts them, are that prefix.
-                let mut got = s.candidates.clone();
-                let w = &s.weights;
-                let total: f64 = w.iter().map(|&x| f64::from(x)).sum();
-                let mut mass = 0f64;
-                got.retain(|&c| {
-                    let keep = mass < f64::from(p) * total;
-                    mass += f64::from(w[c as usize]);
-                    keep
-                });
-                assert_eq!(got.len(), want.len(), "seed {seed} T {t} p {p}");
+                // The draw's nucleus is that prefix.
+                let mut want = want;
+                want.sort_unstable();
+                assert_eq!(s.nucleus, want, "seed {seed} T {t} p {p}");
             }
+        }
+    }
+
+    #[test]
+    fn a_variate_falls_where_its_share_of_the_mass_does_in_token_order() {
+        // Four equal weights: u's quarter names the token.
+        let flat = [0.0f32; 4];
+        let mut s = Sampler::new(0, 1.0, 1.0);
+        for (u, tok) in [(0.0, 0), (0.24, 0), (0.26, 1), (0.6, 2), (0.99, 3)] {
+            assert_eq!(s.pick(&flat, u), tok, "u {u}");
+        }
+        // Top-p 0.5 over weights 4:3:2:1 (ids 3, 0, 2, 1): the nucleus is the two heaviest,
+        // {3, 0}, walked in id order: 0 (mass 3 of 7) then 3.
+        let logits = [3f32.ln(), 1f32.ln(), 2f32.ln(), 4f32.ln()];
+        let mut s = Sampler::new(0, 1.0, 0.5);
+        assert_eq!(s.pick(&logits, 0.4), 0);
+        assert_eq!(s.pick(&logits, 0.45), 3);
+        assert_eq!(s.pick(&logits, 0.99), 3);
+        // A stream's sample is its next draw's pick, and `for_draw` picks alike.
+        let row = row(49_152, 5);
+        let (mut a, mut b) = (Sampler::new(11, 0.8, 0.9), Sampler::new(11, 0.8, 0.9));
+        for _ in 0..20 {
+            let d = b.draw();
+            let want = Sampler::for_draw(d).pick(&row, d.u);
+            assert_eq!(a.sample(&row), want);
+            assert!((0.0..1.0).contains(&d.u));
         }
     }
 

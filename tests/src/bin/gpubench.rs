@@ -376,8 +376,9 @@ async fn generation(texts: &[String], a: &Args) -> Result<Value> {
         }
         out.insert(format!("streams_{n}"), load);
     }
-    // Sampled rows come back as logits and are drawn on the host (`backend/sampling.rs`):
-    // the same load at the most streams with a temperature and a nucleus cut-off.
+    // The same load at the most streams with a temperature and a nucleus cut-off: on CUDA
+    // the decoder draws those rows itself (`sample_rows`); RAGCLUSTER_DEVICE_SAMPLING=0 in
+    // the environment copies their logits to the host sampler instead (the A/B).
     let sampled = Sampling {
         temperature: 0.7,
         top_p: 0.9,
@@ -390,7 +391,7 @@ async fn generation(texts: &[String], a: &Args) -> Result<Value> {
         &worker_stats(&worker).await?,
         t.elapsed().as_secs_f64(),
     );
-    load["sampling"] = json!({"temperature": 0.7, "top_p": 0.9});
+    load["sampling"] = json!({"temperature": 0.7, "top_p": 0.9, "RAGCLUSTER_DEVICE_SAMPLING": std::env::var("RAGCLUSTER_DEVICE_SAMPLING").ok()});
     out.insert(format!("streams_{most}_sampled"), load);
     out.insert("prompt_chars".into(), json!(prompt.len()));
     out.insert("worker_log_device".into(), json!(device_line(&worker)));
@@ -403,7 +404,7 @@ fn device_line(p: &Proc) -> Vec<String> {
         .unwrap_or_default()
         .lines()
         .filter(|l| l.contains("CUDA") || l.contains("cuda") || l.contains("device"))
-        .take(4)
+        .take(8)
         .map(str::to_owned)
         .collect()
 }

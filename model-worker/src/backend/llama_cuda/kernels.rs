@@ -333,4 +333,213 @@ extern "C" __global__ void pick_rows(const float* logits, int vocab, const unsig
     logprobs[blockIdx.x] = (l[t] - best) - logf(sum);
   }
 }
+
+// ---- sample_rows: a sampled row's token drawn on the device (backend/sampling.rs's rule).
+#define SAMPLE_CAP 4096
+
+// Prefix sums of one value per thread: returns the thread's exclusive prefix and sets
+// *incl (its inclusive one) and *total. Adjacent threads' [exclusive, inclusive) tile exactly.
+template <typename T>
+__device__ T scan_excl(T v, T* buf, T* incl, T* total) {
+  int t = threadIdx.x;
+  buf[t] = v;
+  __syncthreads();
+  for (int off = 1; off < blockDim.x; off <<= 1) {
+    T add = t >= off ? buf[t - off] : (T)0;
+    __syncthreads();
+    buf[t] += add;
+    __syncthreads();
+  }
+  T excl = t > 0 ? buf[t - 1] : (T)0;
+  *incl = buf[t];
+  *total = buf[blockDim.x - 1];
+  __syncthreads();
+  return excl;
+}
+
+// Weight of element i: a stored candidate's, or exp((l - best) * inv_t) from the row.
+__device__ __forceinline__ float sample_w(int i, const float* cw, const float* l, float best,
+    float inv_t) {
+  return cw ? cw[i] : __expf((l[i] - best) * inv_t);
+}
+
+// One block (blockDim.x a power of two, <= 1024) per row whose draws[4b] (1/temperature) is
+// positive; other rows keep what pick_rows wrote. draws[4b..4b+3] = 1/T, top-p (>= 1: no
+// cut-off), u in [0, 1). The rule is the host's (sampling.rs): weights exp((l - max) / T);
+// the nucleus is the shortest run of the heaviest tokens (ties by id) whose mass reaches
+// top-p; the token is where u * (the nucleus' mass) falls walking it in token-id order.
+// The search runs over the tokens above 1e-3 or 1e-6 of the top weight when they already
+// hold the target and fit in shared memory (usually a few dozen), else over the row. Up to
+// blockDim.x candidates, each thread sums the mass that sorts before its own (heavier, or as
+// heavy with a lower id): in the nucleus when that is short of the target. Beyond that, the
+// nucleus' lightest weight t* is found by bisection on the float's bits (the largest t with
+// mass(w >= t) >= target) and its ties join by id. The log-probability reported is at
+// temperature 1, as for every other row. Shared memory: 2 * blockDim.x + 2 * SAMPLE_CAP
+// words; 1024 threads at most (the launch bound keeps registers within an SM's file).
+extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* logits, int vocab, const float* draws,
+    unsigned* tokens, float* logprobs) {
+  const int b = blockIdx.x, t = threadIdx.x, nt = blockDim.x;
+  const float inv_t = draws[4 * b], top_p = draws[4 * b + 1], u = draws[4 * b + 2];
+  if (!(inv_t > 0.f)) return;
+  extern __shared__ float sh[];
+  float* red = sh;
+  int* ired = (int*)(sh + nt);
+  float* cwbuf = sh + 2 * nt;
+  int* cid = (int*)(cwbuf + SAMPLE_CAP);
+  __shared__ int chosen;
+  const float* l = logits + (size_t)b * vocab;
+  const int none = 0x7fffffff;
+
+  // The first largest logit (the greedy fallback) and the row's maximum.
+  float best = __int_as_float(0xff800000);
+  int idx = none;
+  for (int c = t; c < vocab; c += nt) {
+    float v = l[c];
+    if (v > best) { best = v; idx = c; }
+  }
+  red[t] = best;
+  ired[t] = idx;
+  __syncthreads();
+  for (int s = nt / 2; s > 0; s >>= 1) {
+    if (t < s) {
+      float v = red[t + s];
+      int j = ired[t + s];
+      if (v > red[t] || (v == red[t] && j < ired[t])) { red[t] = v; ired[t] = j; }
+    }
+    __syncthreads();
+  }
+  best = red[0];
+  idx = ired[0] == none ? 0 : ired[0];
+  __syncthreads();
+
+  // Temperature-1 normaliser (log-probability), the tempered mass, and the mass and count
+  // above the two candidate thresholds.
+  float s1 = 0.f, z = 0.f, m3 = 0.f, m6 = 0.f, c3 = 0.f, c6 = 0.f;
+  for (int c = t; c < vocab; c += nt) {
+    float x = l[c];
+    s1 += expf(x - best);
+    float w = __expf((x - best) * inv_t);
+    z += w;
+    if (w >= 1e-3f) { m3 += w; c3 += 1.f; }
+    if (w >= 1e-6f) { m6 += w; c6 += 1.f; }
+  }
+  s1 = block_reduce(s1, red, 0);
+  z = block_reduce(z, red, 0);
+  m3 = block_reduce(m3, red, 0);
+  m6 = block_reduce(m6, red, 0);
+  c3 = block_reduce(c3, red, 0);
+  c6 = block_reduce(c6, red, 0);
+
+  if (t == 0) chosen = idx;
+  __syncthreads();
+  const float inf = __int_as_float(0x7f800000);
+  bool usable = fabsf(best) < inf && z < inf && z > 0.f;
+  if (usable) {
+    // The elements walked: the stored candidates (cw, ids in cid) or the whole row.
+    const float* cw = 0;
+    int n = vocab;
+    float ts = 0.f;       // the nucleus' lightest weight (0: every token)
+    float k_tied = 0.f;   // how many tokens of weight ts join, by id (with ts > 0)
+    if (top_p < 1.f) {
+      float target = top_p * z;
+      float thr = -1.f;
+      if (m3 >= target && c3 <= (float)SAMPLE_CAP) thr = 1e-3f;
+      else if (m6 >= target && c6 <= (float)SAMPLE_CAP) thr = 1e-6f;
+      unsigned lo = 0u, hi = 0x3f800000u;  // weights lie in [0, 1]
+      if (thr > 0.f) {
+        // Compact the candidates in token-id order: each thread owns a contiguous chunk.
+        int chunk = (vocab + nt - 1) / nt, c0 = min(t * chunk, vocab), c1 = min(c0 + chunk, vocab);
+        int mine = 0;
+        for (int c = c0; c < c1; c++) mine += __expf((l[c] - best) * inv_t) >= thr;
+        int total, end;
+        int at = scan_excl<int>(mine, ired, &end, &total);
+        for (int c = c0; c < c1; c++) {
+          float w = __expf((l[c] - best) * inv_t);
+          if (w >= thr) { cwbuf[at] = w; cid[at] = c; at++; }
+        }
+        __syncthreads();
+        cw = cwbuf;
+        n = total;
+        lo = __float_as_uint(thr);
+      }
+      if (cw && n <= nt) {
+        // Each candidate's mass sorted before it, against all the others (broadcast reads).
+        bool member = false;
+        float wi = 0.f;
+        if (t < n) {
+          wi = cw[t];
+          float ahead = 0.f;
+          for (int j = 0; j < n; j++) {
+            float wj = cw[j];
+            if (wj > wi || (wj == wi && j < t)) ahead += wj;
+          }
+          member = ahead < target;
+        }
+        ts = -block_reduce(member ? -wi : -3.0e38f, red, 1);
+        k_tied = block_reduce(member && wi == ts ? 1.f : 0.f, red, 0);
+      } else {
+        while (lo < hi) {
+          unsigned mid = lo + (hi - lo + 1u) / 2u;
+          float tm = __uint_as_float(mid), m = 0.f;
+          for (int i = t; i < n; i += nt) {
+            float w = sample_w(i, cw, l, best, inv_t);
+            if (w >= tm) m += w;
+          }
+          if (block_reduce(m, red, 0) >= target) lo = mid; else hi = mid - 1u;
+        }
+        ts = __uint_as_float(lo);
+        float above = 0.f;
+        for (int i = t; i < n; i += nt) {
+          float w = sample_w(i, cw, l, best, inv_t);
+          if (w > ts) above += w;
+        }
+        above = block_reduce(above, red, 0);
+        // Tied tokens join while the mass before them is short of the target.
+        k_tied = ts > 0.f ? fmaxf(1.f, ceilf((target - above) / ts)) : 3.0e38f;
+      }
+    }
+    // Walk in token-id order over contiguous chunks: tied tokens' ranks first, then the
+    // included mass per chunk, then the chunk holding u * mass walks itself.
+    int chunk = (n + nt - 1) / nt, c0 = min(t * chunk, n), c1 = min(c0 + chunk, n);
+    int ties = 0;
+    if (ts > 0.f)
+      for (int i = c0; i < c1; i++) ties += sample_w(i, cw, l, best, inv_t) == ts;
+    int tie_total, tie_end;
+    int tie_at = scan_excl<int>(ties, ired, &tie_end, &tie_total);
+    float mass = 0.f;
+    {
+      int r = tie_at;
+      for (int i = c0; i < c1; i++) {
+        float w = sample_w(i, cw, l, best, inv_t);
+        bool in = w > ts || (w == ts && (float)(r++) < k_tied);
+        if (in) mass += w;
+      }
+    }
+    float all, through;
+    float before = scan_excl<float>(mass, red, &through, &all);
+    // The last chunk with any mass takes a draw that rounding leaves past the end.
+    float last = block_reduce(mass > 0.f ? (float)t : -1.f, red, 1);
+    float r = u * all;
+    if (mass > 0.f && r >= before && (r < through || (float)t == last)) {
+      float acc = before;
+      int pick = -1, lastin = -1, rank = tie_at;
+      for (int i = c0; i < c1; i++) {
+        float w = sample_w(i, cw, l, best, inv_t);
+        bool in = w > ts || (w == ts && (float)(rank++) < k_tied);
+        if (!in || !(w > 0.f)) continue;
+        lastin = i;
+        acc += w;
+        if (r < acc) { pick = i; break; }
+      }
+      if (pick < 0) pick = lastin;
+      chosen = cw ? cid[pick] : pick;
+    }
+    __syncthreads();
+  }
+  if (t == 0) {
+    unsigned tok = (unsigned)chosen;
+    tokens[b] = tok;
+    logprobs[b] = (l[tok] - best) - logf(s1);
+  }
+}
 "#;

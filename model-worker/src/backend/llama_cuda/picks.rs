@@ -1,12 +1,22 @@
 //! Rows a caller needs one token of, answered on the device: `pick_rows` computes the
-//! greedy token or a target token's log-probability per row, so a greedy decode step or a
-//! scoring call copies two numbers per row instead of the vocabulary's logits.
+//! greedy token or a target token's log-probability per row, and `sample_rows` draws a
+//! sampled row's token (`sampling`'s rule, the host's variate), so a decode step or a
+//! scoring call copies two numbers per row instead of the vocabulary's logits (196 KB).
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{CudaLlama, THREADS, Workspace, blocks, err};
 use crate::backend::llama_batch::{Sampled, Want};
 use crate::error::ModelError;
+
+/// Threads per `sample_rows` block (a power of two; 48 logits each for SmolLM2).
+const SAMPLE_THREADS: u32 = 1024;
+/// Nucleus candidates `sample_rows` holds in shared memory (its `SAMPLE_CAP`).
+const SAMPLE_CAP: u32 = 4096;
+
+fn is_sample(h: &Want) -> bool {
+    matches!(h, Want::Sample(_))
+}
 
 impl CudaLlama {
     /// Each wanted row's result as `how` asks: one `pick_rows` launch on the device for
@@ -19,7 +29,7 @@ impl CudaLlama {
     ) -> Result<Vec<Sampled>, ModelError> {
         let n = how.len();
         let on_device = self.device_picks && how.iter().any(|h| *h != Want::Logits);
-        if !on_device {
+        if !on_device || (!self.device_samples && how.iter().any(is_sample)) {
             return self.answered_on_host(w, how);
         }
         // One launch for every row: a greedy (or logits) row's target is the kernel's
@@ -32,23 +42,48 @@ impl CudaLlama {
             })
             .collect();
         let any_target = how.iter().any(|h| matches!(h, Want::LogprobOf(_)));
-        let picked = self.pick(w, n, any_target.then_some(&targets[..]))?;
+        let targets = any_target
+            .then(|| self.stream.clone_htod(&targets).map_err(err))
+            .transpose()?;
+        self.launch_pick(w, n, targets.as_ref())?;
+        self.launch_samples(w, how)?;
+        let picked = self.read_picks(w, n)?;
         self.assemble(w, how, |i| picked[i])
     }
 
-    /// `pick_rows` over the first `n` wanted rows: (token, log-probability) per row; a row's
-    /// target `u32::MAX` (or no targets) asks for its greedy token.
-    fn pick(
-        &self,
-        w: &mut Workspace,
-        n: usize,
-        targets: Option<&[u32]>,
-    ) -> Result<Vec<(u32, f32)>, ModelError> {
-        let targets = targets
-            .map(|t| self.stream.clone_htod(t).map_err(err))
-            .transpose()?;
-        self.launch_pick(w, n, targets.as_ref())?;
-        self.read_picks(w, n)
+    /// `sample_rows` over `how`'s rows when any is `Want::Sample` (after `pick_rows`, whose
+    /// answers the other rows keep): the draws go up as (1/T, top-p, u, 0) per row, zeros
+    /// for the rows it skips.
+    fn launch_samples(&self, w: &mut Workspace, how: &[Want]) -> Result<(), ModelError> {
+        if !how.iter().any(is_sample) {
+            return Ok(());
+        }
+        let draws: Vec<f32> = how
+            .iter()
+            .flat_map(|h| match *h {
+                Want::Sample(d) => [d.inv_temperature, d.top_p, d.u, 0.0],
+                _ => [0.0; 4],
+            })
+            .collect();
+        let draws = self.stream.clone_htod(&draws).map_err(err)?;
+        let vocab = self.dims.vocab as i32;
+        let mut l = self.stream.launch_builder(&self.k.sample_rows);
+        l.arg(&w.logits)
+            .arg(&vocab)
+            .arg(&draws)
+            .arg(&mut w.picked)
+            .arg(&mut w.picked_logprob);
+        let cfg = LaunchConfig {
+            grid_dim: (how.len() as u32, 1, 1),
+            block_dim: (SAMPLE_THREADS, 1, 1),
+            shared_mem_bytes: 4 * (2 * SAMPLE_THREADS + 2 * SAMPLE_CAP),
+        };
+        // SAFETY: one block per wanted row (how.len() <= the workspace's rows), each reading
+        // its row of vocab logits written by `head` and its four draw values; shared memory
+        // is the kernel's two reduction arrays of SAMPLE_THREADS words and its SAMPLE_CAP
+        // candidates (weight and id); check_wants bounded every draw.
+        unsafe { l.launch(cfg) }.map_err(err)?;
+        Ok(())
     }
 
     /// Launches `pick_rows` over the first `n` rows of the logits (targets on the device).
@@ -89,12 +124,16 @@ impl CudaLlama {
     /// rows and left every row's logits in the workspace.
     pub(super) fn after_greedy_picks(
         &self,
-        w: &Workspace,
+        w: &mut Workspace,
         how: &[Want],
     ) -> Result<Vec<Sampled>, ModelError> {
-        if !self.device_picks || how.iter().all(|h| *h == Want::Logits) {
+        if !self.device_picks
+            || how.iter().all(|h| *h == Want::Logits)
+            || (!self.device_samples && how.iter().any(is_sample))
+        {
             return self.answered_on_host(w, how);
         }
+        self.launch_samples(w, how)?;
         let picked = self.read_picks(w, how.len())?;
         self.assemble(w, how, |i| picked[i])
     }
