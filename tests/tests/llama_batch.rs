@@ -80,6 +80,31 @@ fn batched_decoder_matches_candle_quantized_llama() -> Result<()> {
     let path = generate_model()?;
     let generator = LlamaGenerator::load("smollm2", &path)?;
     let model = model_worker::backend::llama_batch::load(&path, 4096)?;
+    assert!(
+        !model.quantized(),
+        "CANDLE_DEQUANTIZE_ALL leaves f32 weights"
+    );
+    // A thread of its own reads the variable afresh (candle keeps it per thread): unset
+    // there, the weights stay quantized.
+    let quantized = std::thread::scope(|s| {
+        s.spawn(|| {
+            #[allow(unsafe_code)]
+            // SAFETY: no other thread of this test reads the environment meanwhile.
+            unsafe {
+                std::env::remove_var("CANDLE_DEQUANTIZE_ALL")
+            };
+            let q = model_worker::backend::llama_batch::load(&path, 4096).map(|m| m.quantized());
+            #[allow(unsafe_code)]
+            // SAFETY: as above.
+            unsafe {
+                std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1")
+            };
+            q
+        })
+        .join()
+        .expect("loader thread")
+    })?;
+    assert!(quantized, "without the variable the weights stay quantized");
     let mut f = std::fs::File::open(&path)?;
     let content = candle_core::quantized::gguf_file::Content::read(&mut f)?;
     let mut candle = ModelWeights::from_gguf(content, &mut f, &Device::Cpu)?;

@@ -114,7 +114,9 @@ impl Decoder {
 
     /// The decoder of a llama GGUF on `placement`. On CUDA the GPU decoder must agree with
     /// the CPU one on `probe` (prompt tokens): cosine of the logits after every probe token
-    /// above 0.999 and the GPU's top token among the CPU's top 5 at each; otherwise the load
+    /// above 0.999 (0.995 against quantized CPU weights, whose 8-bit activations alone put
+    /// SmolLM2's probe at 0.998 from the f32 model) and the GPU's top token among the CPU's
+    /// top 5 at each; otherwise the load
     /// fails (the registry then falls back to the CPU under `device = "auto"`). The GPU's own
     /// token picks must then match the host's on its logits, or they are switched off.
     pub fn load<R: std::io::Read + std::io::Seek>(
@@ -135,7 +137,8 @@ impl Decoder {
         let a = cpu.forward(&rows, &mut [&mut cpu.new_cache()], &want)?;
         let b = gpu.forward(&rows, &mut [&mut gpu.new_cache()], &want)?;
         let (cos, top_ok) = agreement(&a, &b);
-        if cos <= 0.999 || !top_ok {
+        let floor = if cpu.quantized() { 0.995 } else { 0.999 };
+        if cos <= floor || !top_ok {
             return Err(ModelError::Inference(format!(
                 "the CUDA decoder disagrees with the CPU on the probe (lowest logits cosine {cos}, top tokens agree: {top_ok})"
             )));

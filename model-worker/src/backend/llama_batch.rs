@@ -192,6 +192,12 @@ fn infer(e: candle_core::Error) -> ModelError {
 }
 
 impl LlamaModel {
+    /// Whether the weights stay quantized (`dequantize = "none"`): products then round the
+    /// activations to 8 bits (candle's Q8_1 dot products).
+    pub fn quantized(&self) -> bool {
+        matches!(self.output, QMatMul::QTensor(_))
+    }
+
     /// Reads the weights of a llama GGUF (already parsed as `content`).
     pub fn from_gguf<R: std::io::Read + std::io::Seek>(
         content: &gguf_file::Content,
