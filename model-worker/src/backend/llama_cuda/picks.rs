@@ -177,3 +177,14 @@ impl CudaLlama {
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// The launch sizes shared memory from `SAMPLE_CAP`; the kernel indexes by its own.
+    #[test]
+    fn sample_cap_matches_the_kernel() {
+        let define = format!("#define SAMPLE_CAP {}\n", super::SAMPLE_CAP);
+        assert!(super::super::kernel_source().contains(&define));
+        assert!(super::SAMPLE_THREADS.is_power_of_two() && super::SAMPLE_THREADS <= 1024);
+    }
+}
