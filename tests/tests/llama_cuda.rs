@@ -16,7 +16,7 @@ use model_worker::backend::device::Placement;
 use model_worker::backend::llama::{GenParams, LlamaGenerator};
 use model_worker::backend::llama_batch::{Row, Sampled, Want, logprob};
 use model_worker::backend::llama_cuda::{CudaLlama, PagedCache};
-use model_worker::backend::sampling::{Draw, Sampler};
+use model_worker::backend::sampling::{Draw, picks_near};
 use ragcluster_tests::generate_model;
 use ragcluster_tests::llama::{PROMPTS, TOKENS, argmax};
 
@@ -227,14 +227,7 @@ fn cuda_decoder_matches_the_cpu_decoder() -> Result<()> {
             let how: Vec<Want> = draws.iter().map(|&d| Want::Sample(d)).collect();
             let answers = gpu.forward_sampled(&rows, &mut [&mut gpu.new_cache()], &want, &how)?;
             for ((a, l), d) in answers.iter().zip(&logits).zip(&draws) {
-                let host = |u: f32, top_p: f32| Sampler::for_draw(Draw { top_p, ..*d }).pick(l, u);
-                let near = [
-                    host(d.u, d.top_p),
-                    host((d.u - 1e-4).max(0.0), d.top_p),
-                    host(d.u + 1e-4, d.top_p),
-                    host(d.u, (d.top_p - 1e-4).max(1e-4)),
-                    host(d.u, (d.top_p + 1e-4).min(1.0)),
-                ];
+                let near = picks_near(l, *d);
                 let Sampled::Token { token, logprob: lp } = a else {
                     panic!("{d:?} answered with logits");
                 };

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use super::device::Placement;
 use super::llama_batch::{KvCache, LlamaModel, Row, Sampled, Want, check_wants, greedy, logprob};
 use super::llama_cuda::{CudaLlama, PagedCache};
-use super::sampling::{Draw, Sampler};
+use super::sampling::{Draw, picks_near};
 use crate::error::ModelError;
 
 pub enum Decoder {
@@ -267,16 +267,7 @@ fn device_samples_agree(
         let out = gpu.forward_sampled(rows, &mut [&mut gpu.new_cache()], want, &how)?;
         for (i, (o, l)) in out.iter().zip(logits).enumerate() {
             let d = draw(i);
-            let host = |u: f32, top_p: f32| Sampler::for_draw(Draw { top_p, ..d }).pick(l, u);
-            let (lo, hi) = ((d.u - 1e-4).max(0.0), d.u + 1e-4);
-            let p_lo = (top_p - 1e-4).max(1e-4);
-            let near = [
-                host(d.u, top_p),
-                host(lo, top_p),
-                host(hi, top_p),
-                host(d.u, p_lo),
-                host(d.u, (top_p + 1e-4).min(1.0)),
-            ];
+            let near = picks_near(l, d);
             let Sampled::Token { token, logprob: lp } = o else {
                 return Ok(false);
             };

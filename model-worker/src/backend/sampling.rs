@@ -198,6 +198,24 @@ impl Sampler {
     }
 }
 
+/// The tokens draw `d` may rightly give on logits that equal `logits` only to the last bits
+/// (another device's, or another forward's): the host's pick at the draw, and with the
+/// variate or the cut-off moved 1e-4 either way, since a draw that sits on a boundary may
+/// land on either side of it. The load-time and test checks of the device's draws accept
+/// any of them.
+pub fn picks_near(logits: &[f32], d: Draw) -> [u32; 5] {
+    const STEP: f32 = 1e-4;
+    let pick = |u: f32, top_p: f32| Sampler::for_draw(Draw { top_p, ..d }).pick(logits, u);
+    let below_one = 1.0 - f32::EPSILON / 2.0;
+    [
+        pick(d.u, d.top_p),
+        pick((d.u - STEP).max(0.0), d.top_p),
+        pick((d.u + STEP).min(below_one), d.top_p),
+        pick(d.u, (d.top_p - STEP).max(STEP)),
+        pick(d.u, (d.top_p + STEP).min(1.0)),
+    ]
+}
+
 /// Fills a row's weights exp((l_i - max) * scale) and their sums per block, and returns the
 /// largest logit (weights untouched when it is not finite). A named op for `vectorized`: as
 /// a closure it was compiled apart for baseline x86-64 (scalar, `floorf` through libm: 330 µs
@@ -430,6 +448,23 @@ mod tests {
             assert_eq!(a.sample(&row), want);
             assert!((0.0..1.0).contains(&d.u));
         }
+    }
+
+    #[test]
+    fn a_draw_on_a_boundary_may_land_on_either_side() {
+        let flat = [0.0f32; 4];
+        let d = |u| Draw {
+            inv_temperature: 1.0,
+            top_p: 1.0,
+            u,
+        };
+        // u = 0.25 is where token 0's quarter ends: 0 and 1 are both right.
+        let near = picks_near(&flat, d(0.25));
+        assert!(near.contains(&0) && near.contains(&1), "{near:?}");
+        // Mid-quarter, every neighbour agrees.
+        assert_eq!(picks_near(&flat, d(0.6)), [2; 5]);
+        // The top variate stays below 1 when moved up.
+        assert!(picks_near(&flat, d(0.99999)).iter().all(|&t| t == 3));
     }
 
     #[test]
