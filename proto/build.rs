@@ -19,6 +19,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("ragcluster_descriptor.bin"))
+        // Decoded as a slice of the received buffer, not copied (coordinator search merge).
+        .bytes(".ragcluster.v1.ShardHit.chunk_encoded")
         .compile_protos(&protos, &["."])?;
     Ok(())
 }

@@ -19,7 +19,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use ragcluster_proto::v1::{Chunk, GlobalBm25Stats, WriteBatchRequest, WriteBatchResponse};
+use ragcluster_proto::v1::{
+    Chunk, GlobalBm25Stats, ShardHit, WriteBatchRequest, WriteBatchResponse,
+};
 
 use crate::error::{Result, ShardError};
 use crate::index::bm25::Bm25Index;
@@ -29,6 +31,27 @@ use crate::index::recovery;
 use crate::index::worker::{Committing, Compaction, Dumping, Following, IndexWorker, Job};
 use crate::index::{Filter, Indexes};
 use crate::storage::{ShardKey, ShardMeta, Store};
+
+/// What a search returns for each hit (`Bm25SearchRequest.ids_only` / `encoded_chunks`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HitForm {
+    /// The chunk id only: query-then-fetch, the caller loads the few chunks it keeps.
+    Id,
+    /// The chunk decoded, without its embedding.
+    Chunk,
+    /// The chunk id and the chunk as stored, undecoded: the caller decodes those it keeps.
+    Encoded,
+}
+
+impl HitForm {
+    pub fn of(ids_only: bool, encoded: bool) -> Self {
+        match (ids_only, encoded) {
+            (true, _) => Self::Id,
+            (false, true) => Self::Encoded,
+            (false, false) => Self::Chunk,
+        }
+    }
+}
 
 pub struct Shard {
     pub key: ShardKey,
@@ -347,10 +370,10 @@ impl Shard {
         top_k: usize,
         filter: &Filter,
         stats: Option<&GlobalBm25Stats>,
-        ids_only: bool,
-    ) -> Result<Vec<(Chunk, f32)>> {
+        form: HitForm,
+    ) -> Result<Vec<ShardHit>> {
         let hits = self.indexes.bm25.search(query, top_k, filter, stats)?;
-        self.hydrate(hits, ids_only)
+        self.hydrate(hits, form)
     }
 
     pub fn vector_search(
@@ -359,8 +382,8 @@ impl Shard {
         top_k: usize,
         ef: usize,
         filter: &Filter,
-        ids_only: bool,
-    ) -> Result<Vec<(Chunk, f32)>> {
+        form: HitForm,
+    ) -> Result<Vec<ShardHit>> {
         if vector.len() != self.dimension as usize {
             return Err(ShardError::InvalidArgument(format!(
                 "vector has dimension {}, shard expects {}",
@@ -375,49 +398,75 @@ impl Shard {
             ));
         }
         match self.indexes.hnsw.search(&q, top_k, ef, filter) {
-            SearchPlan::Hits(h) => self.hydrate(h, ids_only),
+            SearchPlan::Hits(h) => self.hydrate(h, form),
+            // Scored from the stored vectors, so the chunks are decoded anyway: returned
+            // decoded whatever the form (callers take both).
             SearchPlan::Exact(ids) => {
-                let mut scored: Vec<(Chunk, f32)> = self
+                let mut scored: Vec<ShardHit> = self
                     .store
                     .get_chunks(&self.key, &ids, true)?
                     .into_iter()
                     .flatten()
                     .map(|mut c| {
-                        let s = hnsw::dot(&q, &c.embedding);
+                        let score = hnsw::dot(&q, &c.embedding);
                         c.embedding.clear();
-                        (c, s)
+                        ShardHit {
+                            chunk: Some(c),
+                            score,
+                            ..Default::default()
+                        }
                     })
                     .collect();
-                scored.sort_by(|a, b| b.1.total_cmp(&a.1));
+                scored.sort_by(|a, b| b.score.total_cmp(&a.score));
                 scored.truncate(top_k);
                 Ok(scored)
             }
         }
     }
 
-    /// Loads hit chunks from RocksDB (without embeddings). A hit whose chunk vanished between
-    /// index and store read (concurrent delete) is skipped.
-    fn hydrate(&self, hits: Vec<(String, f32)>, ids_only: bool) -> Result<Vec<(Chunk, f32)>> {
-        if ids_only {
+    /// Loads hit chunks from RocksDB (without embeddings) in the asked form. A hit whose
+    /// chunk vanished between index and store read (concurrent delete) is skipped.
+    fn hydrate(&self, hits: Vec<(String, f32)>, form: HitForm) -> Result<Vec<ShardHit>> {
+        if form == HitForm::Id {
             return Ok(hits
                 .into_iter()
-                .map(|(chunk_id, s)| {
-                    (
-                        Chunk {
-                            chunk_id,
-                            ..Default::default()
-                        },
-                        s,
-                    )
+                .map(|(chunk_id, score)| ShardHit {
+                    chunk: Some(Chunk {
+                        chunk_id,
+                        ..Default::default()
+                    }),
+                    score,
+                    ..Default::default()
                 })
                 .collect());
         }
         let ids: Vec<String> = hits.iter().map(|h| h.0.clone()).collect();
+        if form == HitForm::Encoded {
+            let stored = self.store.get_chunks_encoded(&self.key, &ids)?;
+            return Ok(stored
+                .into_iter()
+                .zip(hits)
+                .filter_map(|(v, (chunk_id, score))| {
+                    Some(ShardHit {
+                        chunk: None,
+                        score,
+                        chunk_id,
+                        chunk_encoded: v?.into(),
+                    })
+                })
+                .collect());
+        }
         let chunks = self.store.get_chunks(&self.key, &ids, false)?;
         Ok(chunks
             .into_iter()
             .zip(hits)
-            .filter_map(|(c, (_, s))| c.map(|c| (c, s)))
+            .filter_map(|(c, (_, score))| {
+                Some(ShardHit {
+                    chunk: Some(c?),
+                    score,
+                    ..Default::default()
+                })
+            })
             .collect())
     }
 

@@ -10,7 +10,7 @@ use ragcluster_proto::v1::{Chunk, DocumentWrite, WriteBatchRequest, WriteBatchRe
 use crate::error::Result;
 use crate::index::hnsw::HnswParams;
 use crate::index::worker::{Committing, Compaction, Dumping, Following};
-use crate::shard::{Shard, ShardDirs, ShardOptions};
+use crate::shard::{HitForm, Shard, ShardDirs, ShardOptions};
 use crate::storage::{ShardKey, ShardMeta, Store};
 
 pub(crate) const DIM: usize = 8;
@@ -111,9 +111,10 @@ pub(crate) fn vec_of(seed: f32) -> Vec<f32> {
 
 pub(crate) fn top(shard: &Shard, seed: f32) -> String {
     shard
-        .vector_search(&vec_of(seed), 1, 32, &vec![], true)
+        .vector_search(&vec_of(seed), 1, 32, &vec![], HitForm::Id)
         .unwrap()
         .pop()
-        .map(|h| h.0.chunk_id)
+        .and_then(|h| h.chunk)
+        .map(|c| c.chunk_id)
         .unwrap_or_default()
 }

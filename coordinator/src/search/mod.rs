@@ -14,9 +14,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::future::{join_all, try_join};
+use prost::Message;
+use prost::bytes::Bytes;
 use ragcluster_proto::v1::{
     Bm25SearchRequest, Chunk, CollectionInfo, GlobalBm25Stats, ShardHit, VectorSearchRequest,
 };
+use tonic::Status;
 
 pub use query::{Consistency, Hit, Mode, Query, Rank, Results};
 
@@ -48,23 +51,35 @@ impl Targets<'_> {
     }
 }
 
+/// A hit's chunk as its shard returned it. Shards send chunks encoded as they store them
+/// (`ShardHit.chunk_encoded`), and only the top_k kept after the merge are decoded: of the
+/// N x top_k a search over N shards receives, the rest are never parsed nor copied.
+enum Stored {
+    Chunk(Box<Chunk>),
+    Encoded(Bytes),
+}
+
+/// The hits of every shard's list by score, best first, cut at `n`; their chunks go to
+/// `chunks` (by id, with the shard that returned them).
 fn merge(
     lists: Vec<Vec<ShardHit>>,
     n: usize,
-    chunks: &mut HashMap<String, (Chunk, u32)>,
+    chunks: &mut HashMap<String, (Stored, u32)>,
 ) -> Vec<Ranked> {
     let mut all: Vec<Ranked> = Vec::new();
     for (shard, list) in lists.into_iter().enumerate() {
         for h in list {
-            if let Some(c) = h.chunk {
-                all.push(Ranked {
-                    id: c.chunk_id.clone(),
-                    score: h.score,
-                });
-                chunks
-                    .entry(c.chunk_id.clone())
-                    .or_insert((c, shard as u32));
-            }
+            let (id, stored) = match h.chunk {
+                Some(c) => (c.chunk_id.clone(), Stored::Chunk(Box::new(c))),
+                // A shard that predates `encoded_chunks` answers with `chunk` above.
+                None if !h.chunk_id.is_empty() => (h.chunk_id, Stored::Encoded(h.chunk_encoded)),
+                None => continue,
+            };
+            all.push(Ranked {
+                id: id.clone(),
+                score: h.score,
+            });
+            chunks.entry(id).or_insert((stored, shard as u32));
         }
     }
     all.sort_by(|a, b| b.score.total_cmp(&a.score).then_with(|| a.id.cmp(&b.id)));
@@ -95,9 +110,19 @@ fn rank(q: &Query, lex: &[Ranked], sem: &[Ranked]) -> Vec<fusion::Fused> {
     }
 }
 
-fn hit((c, shard): (Chunk, u32), f: fusion::Fused) -> Hit {
+/// A kept hit, its chunk decoded if the shard sent it encoded.
+fn hit((stored, shard): (Stored, u32), f: fusion::Fused) -> Result<Hit> {
+    let c = match stored {
+        Stored::Chunk(c) => *c,
+        Stored::Encoded(b) => Chunk::decode(b).map_err(|e| {
+            CoordError::Upstream(Status::internal(format!(
+                "shard {shard} returned chunk {:?} undecodable: {e}",
+                f.id
+            )))
+        })?,
+    };
     let rank = |x: Option<(u32, f32)>| x.map(|(rank, score)| Rank { rank, score });
-    Hit {
+    Ok(Hit {
         chunk_id: c.chunk_id,
         doc_id: c.doc_id,
         title: c.title,
@@ -109,7 +134,7 @@ fn hit((c, shard): (Chunk, u32), f: fusion::Fused) -> Hit {
         score: f.score,
         bm25: rank(f.lex),
         dense: rank(f.sem),
-    }
+    })
 }
 
 impl Searcher {
@@ -163,7 +188,7 @@ impl Searcher {
         let hits = fused
             .into_iter()
             .filter_map(|f| Some(hit(chunks.remove(&f.id)?, f)))
-            .collect();
+            .collect::<Result<_>>()?;
         let took = started.elapsed();
         metrics::histogram!("coordinator_search_seconds", "mode" => q.mode.name())
             .record(took.as_secs_f64());
@@ -191,6 +216,7 @@ impl Searcher {
             top_k: q.candidates as u32,
             filter: q.filter.clone(),
             ids_only: q.mode == Mode::Hybrid,
+            encoded_chunks: true,
             ..Default::default()
         };
         // A single shard's own statistics already are the collection's.
@@ -322,6 +348,7 @@ impl Searcher {
             ef_search: ef.max(q.candidates as u32),
             filter: q.filter.clone(),
             ids_only: q.mode == Mode::Hybrid,
+            encoded_chunks: true,
             ..Default::default()
         };
         let lists = join_all(
@@ -338,7 +365,7 @@ impl Searcher {
         &self,
         t: &Targets<'_>,
         fused: &[fusion::Fused],
-        chunks: &mut HashMap<String, (Chunk, u32)>,
+        chunks: &mut HashMap<String, (Stored, u32)>,
     ) -> Result<()> {
         let mut wanted: HashMap<u32, Vec<String>> = HashMap::new();
         for f in fused {
@@ -365,9 +392,88 @@ impl Searcher {
         for r in results {
             let (shard, loaded) = r?;
             for c in loaded {
-                chunks.insert(c.chunk_id.clone(), (c, shard));
+                chunks.insert(c.chunk_id.clone(), (Stored::Chunk(Box::new(c)), shard));
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(id: &str, text: &str) -> Chunk {
+        Chunk {
+            chunk_id: id.into(),
+            doc_id: id.split('#').next().unwrap_or_default().into(),
+            text: text.into(),
+            metadata: [("lang".to_owned(), "en".to_owned())].into(),
+            ..Default::default()
+        }
+    }
+
+    fn encoded(c: &Chunk, score: f32) -> ShardHit {
+        ShardHit {
+            chunk: None,
+            score,
+            chunk_id: c.chunk_id.clone(),
+            chunk_encoded: c.encode_to_vec().into(),
+        }
+    }
+
+    fn fused(id: &str, score: f32) -> fusion::Fused {
+        fusion::Fused {
+            id: id.into(),
+            score,
+            lex: Some((1, score)),
+            sem: None,
+        }
+    }
+
+    /// Encoded hits (current shards) and decoded ones (shards that predate `encoded_chunks`)
+    /// merge into one ranking, and the kept ones come out as the same hits either way.
+    #[test]
+    fn encoded_and_decoded_hits_merge_alike() {
+        let (a, b, c) = (
+            chunk("a#0", "alpha"),
+            chunk("b#0", "bravo"),
+            chunk("c#0", "charlie"),
+        );
+        let lists = vec![
+            vec![encoded(&a, 3.0), encoded(&c, 1.0)],
+            vec![ShardHit {
+                chunk: Some(b.clone()),
+                score: 2.0,
+                ..Default::default()
+            }],
+        ];
+        let mut chunks = HashMap::new();
+        let ranked = merge(lists, 2, &mut chunks);
+        let ids: Vec<&str> = ranked.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, ["a#0", "b#0"]);
+        let ha = hit(chunks.remove("a#0").unwrap(), fused("a#0", 3.0)).unwrap();
+        let hb = hit(chunks.remove("b#0").unwrap(), fused("b#0", 2.0)).unwrap();
+        for (h, c, shard) in [(ha, &a, 0), (hb, &b, 1)] {
+            assert_eq!(
+                (&h.chunk_id, &h.doc_id, &h.text, &h.metadata, h.shard),
+                (&c.chunk_id, &c.doc_id, &c.text, &c.metadata, shard)
+            );
+        }
+    }
+
+    /// A shard answering bytes that are no chunk fails the search with INTERNAL, no panic.
+    #[test]
+    fn an_undecodable_chunk_is_an_error() {
+        let bad = ShardHit {
+            chunk: None,
+            score: 1.0,
+            chunk_id: "x#0".into(),
+            chunk_encoded: Bytes::from_static(&[0x42, 0xff, 0xff]),
+        };
+        let mut chunks = HashMap::new();
+        merge(vec![vec![bad]], 10, &mut chunks);
+        let e = hit(chunks.remove("x#0").unwrap(), fused("x#0", 1.0)).unwrap_err();
+        assert_eq!(e.to_status_code(), tonic::Code::Internal);
     }
 }

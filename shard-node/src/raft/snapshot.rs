@@ -202,6 +202,7 @@ mod tests {
 
     use super::*;
     use crate::index::hnsw;
+    use crate::shard::HitForm;
     use crate::shard::Shard;
     use crate::testutil::*;
 
@@ -261,7 +262,7 @@ mod tests {
         assert_ne!(top(shard, 1.0), "d1#0");
         assert_eq!(top(shard, 7.0), "d7#0");
         let hits = shard
-            .bm25_search("newcomer", 5, &vec![], None, true)
+            .bm25_search("newcomer", 5, &vec![], None, HitForm::Id)
             .unwrap();
         assert_eq!(hits.len(), 1);
         let f = shard.figures();

@@ -18,7 +18,7 @@ use tonic::{Request, Response, Status};
 use crate::error::ShardError;
 use crate::node::Node;
 use crate::raft::Replica;
-use crate::shard::Shard;
+use crate::shard::{HitForm, Shard};
 
 pub struct ShardService {
     node: Arc<Node>,
@@ -122,15 +122,9 @@ fn filter(m: &std::collections::HashMap<String, String>) -> Vec<(String, String)
     f
 }
 
-fn hits(v: Vec<(Chunk, f32)>) -> ShardSearchResponse {
+fn hits(hits: Vec<ShardHit>) -> ShardSearchResponse {
     ShardSearchResponse {
-        hits: v
-            .into_iter()
-            .map(|(c, s)| ShardHit {
-                chunk: Some(c),
-                score: s,
-            })
-            .collect(),
+        hits,
         stats_stale: false,
     }
 }
@@ -213,7 +207,7 @@ impl ShardRpc for ShardService {
                 r.top_k as usize,
                 &filter(&r.filter),
                 r.stats.as_ref(),
-                r.ids_only,
+                HitForm::of(r.ids_only, r.encoded_chunks),
             )
         })?;
         Ok(Response::new(hits(v)))
@@ -249,7 +243,7 @@ impl ShardRpc for ShardService {
                 r.top_k as usize,
                 ef,
                 &filter(&r.filter),
-                r.ids_only,
+                HitForm::of(r.ids_only, r.encoded_chunks),
             )
         })?;
         Ok(Response::new(hits(v)))

@@ -21,17 +21,61 @@ fn batch_committed_only_to_rocksdb_is_replayed_on_open() {
     assert_eq!(shard.applied_seq(), 2);
     assert_eq!(shard.visible_seq(), 2);
     let hits = shard
-        .bm25_search("bananas", 5, &vec![], None, false)
+        .bm25_search("bananas", 5, &vec![], None, HitForm::Chunk)
         .unwrap();
     assert_eq!(hits.len(), 1);
-    assert_eq!(hits[0].0.doc_id, "b");
+    assert_eq!(hits[0].chunk.as_ref().unwrap().doc_id, "b");
     let v: Vec<f32> = (0..DIM).map(|i| (2.0 + i as f32).sin()).collect();
-    let hits = shard.vector_search(&v, 1, 16, &vec![], false).unwrap();
-    assert_eq!(hits[0].0.doc_id, "b");
+    let hits = shard
+        .vector_search(&v, 1, 16, &vec![], HitForm::Chunk)
+        .unwrap();
+    assert_eq!(hits[0].chunk.as_ref().unwrap().doc_id, "b");
     assert!(
-        hits[0].0.embedding.is_empty(),
+        hits[0].chunk.as_ref().unwrap().embedding.is_empty(),
         "search hits carry no vectors"
     );
+}
+
+/// The three forms of a hit carry the same chunk: the encoded one is the stored value, which
+/// decodes to what the decoded form returns; ids only carry the id. Scores are the same.
+#[test]
+fn encoded_hits_decode_to_the_chunk_hits() {
+    use prost::Message;
+    let dir = tempfile::tempdir().unwrap();
+    let key = ShardKey::new("c", 0);
+    let store = Arc::new(Store::open(&dir.path().join("db"), true).unwrap());
+    let shard = open(dir.path(), key, store, 1000);
+    apply(
+        &shard,
+        batch(vec![
+            doc("a", "alpha apples", 1.0),
+            doc("b", "bravo apples and bananas", 2.0),
+        ]),
+    )
+    .unwrap();
+    let v: Vec<f32> = (0..DIM).map(|i| (2.0 + i as f32).sin()).collect();
+    let searches: [&dyn Fn(HitForm) -> Vec<ShardHit>; 2] = [
+        &|f| shard.bm25_search("apples", 5, &vec![], None, f).unwrap(),
+        &|f| shard.vector_search(&v, 2, 16, &vec![], f).unwrap(),
+    ];
+    for search in searches {
+        let (plain, encoded, ids) = (
+            search(HitForm::Chunk),
+            search(HitForm::Encoded),
+            search(HitForm::Id),
+        );
+        assert_eq!(plain.len(), 2);
+        assert_eq!(encoded.len(), 2);
+        for ((p, e), i) in plain.iter().zip(&encoded).zip(&ids) {
+            let c = p.chunk.as_ref().unwrap();
+            assert!(e.chunk.is_none());
+            assert_eq!(e.chunk_id, c.chunk_id);
+            assert_eq!(&Chunk::decode(e.chunk_encoded.clone()).unwrap(), c);
+            assert_eq!(i.chunk.as_ref().unwrap().chunk_id, c.chunk_id);
+            assert!(i.chunk.as_ref().unwrap().text.is_empty());
+            assert_eq!((p.score, e.score, i.score), (p.score, p.score, p.score));
+        }
+    }
 }
 
 /// A follower holds its points pending (searched exactly), then loads the leader's dump
@@ -241,7 +285,9 @@ fn request_ids_apply_at_most_once() {
     let r2 = apply(&shard, first).unwrap();
     assert!(r2.duplicate);
     assert_eq!(r2.applied_seq, r1.applied_seq);
-    let hits = shard.bm25_search("two", 5, &vec![], None, false).unwrap();
+    let hits = shard
+        .bm25_search("two", 5, &vec![], None, HitForm::Chunk)
+        .unwrap();
     assert_eq!(hits.len(), 1, "the retry did not overwrite the newer write");
 }
 
@@ -305,7 +351,7 @@ fn staged_writes_stay_in_the_op_log_until_committed() {
     settle(&reopened);
     assert_eq!(reopened.indexes.bm25.committed_seq().unwrap(), 6);
     let hits = reopened
-        .bm25_search("bananas", 10, &vec![], None, false)
+        .bm25_search("bananas", 10, &vec![], None, HitForm::Chunk)
         .unwrap();
     assert_eq!(hits.len(), 6);
 }

@@ -346,6 +346,22 @@ impl Store {
         Ok(chunks)
     }
 
+    /// Chunks by id as stored (an encoded `Chunk` without its embedding; None where missing),
+    /// for callers that pass them on undecoded.
+    pub fn get_chunks_encoded(
+        &self,
+        key: &ShardKey,
+        ids: &[String],
+    ) -> Result<Vec<Option<Vec<u8>>>> {
+        let cf = self.cf(CF_CHUNKS);
+        let keys: Vec<_> = ids.iter().map(|id| (cf, key.key(id.as_bytes()))).collect();
+        self.db
+            .multi_get_cf(keys)
+            .into_iter()
+            .map(|r| Ok(r?))
+            .collect()
+    }
+
     /// The stored embeddings of chunk ids, in order (None where none is stored).
     pub fn get_vectors(&self, key: &ShardKey, ids: &[String]) -> Result<Vec<Option<Vec<f32>>>> {
         let cf = self.cf(CF_VECTORS);
