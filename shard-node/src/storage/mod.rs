@@ -323,13 +323,10 @@ impl Store {
         ids: &[String],
         with_embedding: bool,
     ) -> Result<Vec<Option<Chunk>>> {
-        let cf = self.cf(CF_CHUNKS);
-        let keys: Vec<_> = ids.iter().map(|id| (cf, key.key(id.as_bytes()))).collect();
         let mut chunks = self
-            .db
-            .multi_get_cf(keys)
+            .get_chunks_encoded(key, ids)?
             .into_iter()
-            .map(|r| match r? {
+            .map(|v| match v {
                 None => Ok(None),
                 Some(v) => Chunk::decode(&*v)
                     .map(Some)
