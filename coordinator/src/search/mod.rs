@@ -59,6 +59,16 @@ enum Stored {
     Encoded(Bytes),
 }
 
+/// Whether shards are asked for hits' chunks as stored (the default).
+/// `RAGCLUSTER_DECODED_HITS=1` asks for decoded chunks instead, the path before
+/// `encoded_chunks`: an escape hatch, and the baseline of an A/B run on one build.
+fn encoded_hits() -> bool {
+    static ENCODED: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
+        std::env::var("RAGCLUSTER_DECODED_HITS").map_or(true, |v| v != "1")
+    });
+    *ENCODED
+}
+
 /// The hits of every shard's list by score, best first, cut at `n`; their chunks go to
 /// `chunks` (by id, with the shard that returned them).
 fn merge(
@@ -216,7 +226,7 @@ impl Searcher {
             top_k: q.candidates as u32,
             filter: q.filter.clone(),
             ids_only: q.mode == Mode::Hybrid,
-            encoded_chunks: true,
+            encoded_chunks: encoded_hits(),
             ..Default::default()
         };
         // A single shard's own statistics already are the collection's.
@@ -348,7 +358,7 @@ impl Searcher {
             ef_search: ef.max(q.candidates as u32),
             filter: q.filter.clone(),
             ids_only: q.mode == Mode::Hybrid,
-            encoded_chunks: true,
+            encoded_chunks: encoded_hits(),
             ..Default::default()
         };
         let lists = join_all(
