@@ -63,9 +63,8 @@ enum Stored {
 /// `RAGCLUSTER_DECODED_HITS=1` asks for decoded chunks instead, the path before
 /// `encoded_chunks`: an escape hatch, and the baseline of an A/B run on one build.
 fn encoded_hits() -> bool {
-    static ENCODED: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
-        std::env::var("RAGCLUSTER_DECODED_HITS").map_or(true, |v| v != "1")
-    });
+    static ENCODED: std::sync::LazyLock<bool> =
+        std::sync::LazyLock::new(|| std::env::var("RAGCLUSTER_DECODED_HITS").as_deref() != Ok("1"));
     *ENCODED
 }
 
