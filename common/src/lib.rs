@@ -3,9 +3,11 @@
 //! `families`), and the gRPC server shell with
 //! health, reflection, per-RPC metrics and graceful shutdown (`server`), TLS with reload and
 //! member certificates (`tls`), API-key channels for clients (`client`), and the member side of
-//! cluster membership (`membership`: stable node ids and heartbeats).
+//! cluster membership (`membership`: stable node ids and heartbeats), and the batching of
+//! queued calls onto a long-lived stream (`batch`).
 //! It must not depend on any process crate.
 
+pub mod batch;
 pub mod client;
 pub mod config;
 pub mod families;

@@ -34,6 +34,10 @@ pub struct CoordinatorConfig {
     /// Deadline for one search when the request gives none.
     #[serde(with = "humantime_serde")]
     pub search_timeout: Duration,
+    /// Send the small reads of searches (up to 256 hits or chunks) on one multiplexed
+    /// `Shard.Reads` stream per shard node instead of one gRPC call each: less CPU per query on
+    /// both ends. Off: every read is its own call (the path before; an A/B baseline).
+    pub shard_read_streams: bool,
     /// Deadline for one write to a shard (retries, leader changes, its fsync and index commit
     /// included); shorter than the usual client deadline, so a shard without quorum answers
     /// UNAVAILABLE before the client gives up. A tighter client deadline wins.
@@ -147,6 +151,7 @@ impl Default for CoordinatorConfig {
             down_after: Duration::from_secs(10),
             embedding_tokenizer: PathBuf::from("models/all-MiniLM-L6-v2/tokenizer.json"),
             search_timeout: Duration::from_secs(5),
+            shard_read_streams: true,
             write_timeout: Duration::from_secs(8),
             shutdown_timeout: Duration::from_secs(10),
             embed_timeout: Duration::from_secs(120),

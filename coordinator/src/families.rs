@@ -63,6 +63,11 @@ pub fn all() -> Vec<Family> {
             "shard reads retried on another replica",
         ),
         (
+            "coordinator_read_streams_closed_total",
+            Counter,
+            "Shard.Reads streams that ended or broke (their calls in flight fail over)",
+        ),
+        (
             "coordinator_write_retries_total",
             Counter,
             "shard write attempts retried (leader moved, node down)",

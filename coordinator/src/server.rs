@@ -63,7 +63,8 @@ pub async fn run_with(
         &tokio::runtime::Handle::current(),
         tls.as_ref(),
     )?);
-    let connector = connector.unwrap_or_else(|| Arc::new(GrpcConnector::new(channels.clone())));
+    let connector = connector
+        .unwrap_or_else(|| Arc::new(GrpcConnector::new(channels.clone(), cfg.shard_read_streams)));
     let (coordinator, admin) = services(&cfg, catalog.clone(), channels, connector)?;
     admin.membership.spawn();
     let members = MembershipService {

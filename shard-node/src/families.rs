@@ -71,6 +71,16 @@ pub fn all() -> Vec<Family> {
             "HNSW graphs rebuilt from RocksDB at open (no usable dump)",
         ),
         (
+            "shard_read_calls_total",
+            Counter,
+            "reads answered on Shard.Reads streams, by call and status code",
+        ),
+        (
+            "shard_read_call_seconds",
+            Histogram,
+            "reads answered on Shard.Reads streams: time on the node, by call",
+        ),
+        (
             "shard_hnsw_walks_total",
             Counter,
             "HNSW layer-0 walks by kind (flat: the copy taken when writes paused; hnsw_rs: graph changed since; filtered: metadata filter or tombstones)",

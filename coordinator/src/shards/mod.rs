@@ -1,7 +1,8 @@
 //! The shard client: every call the coordinator makes to shard nodes goes through `Shards`,
 //! which owns routing (which replica serves a call: `routing`), the one retry and failover
 //! policy, deadline propagation and the typed errors of `error`. Nodes are reached through a
-//! `node::Connector`: gRPC in every deployment, in process in tests.
+//! `node::Connector`: gRPC in every deployment (small reads multiplexed on one stream per
+//! node: `reads`), in process in tests.
 //!
 //! - Writes go to the shard's leader, follow NotLeader hints, try the other replicas with
 //!   backoff while the leader is unknown or down, and retry with the same request id, so a
@@ -11,6 +12,7 @@
 //! - Membership and leadership changes go to the leader, found again when it moves.
 
 pub mod node;
+pub mod reads;
 pub mod routing;
 
 use std::collections::HashMap;

@@ -1,6 +1,7 @@
 //! One shard node as the coordinator calls it (`ShardNode`), and how an address becomes one
 //! (`Connector`): over gRPC in every deployment (`GrpcConnector`), in process in tests that run
-//! a whole cluster in one process. Every call carries its deadline to the node.
+//! a whole cluster in one process. Every call carries its deadline to the node; the small
+//! reads of queries go on the node's `Reads` stream (`reads`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -11,6 +12,10 @@ use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
 use tonic::transport::Channel;
 
+use ragcluster_proto::v1::read_call::Call;
+use ragcluster_proto::v1::read_reply::Reply;
+
+use super::reads::{Conn, MAX_STREAM_ITEMS, ReadStream};
 use crate::channels::{Channels, MAX_MESSAGE};
 use crate::error::ShardCallError;
 
@@ -67,13 +72,16 @@ pub trait Connector: Send + Sync {
 pub struct GrpcConnector {
     channels: Arc<Channels>,
     nodes: Mutex<HashMap<String, Arc<GrpcShardNode>>>,
+    /// Small reads go on each node's `Reads` stream (`reads`); off: one unary call each.
+    read_streams: bool,
 }
 
 impl GrpcConnector {
-    pub fn new(channels: Arc<Channels>) -> Self {
+    pub fn new(channels: Arc<Channels>, read_streams: bool) -> Self {
         Self {
             channels,
             nodes: Mutex::new(HashMap::new()),
+            read_streams,
         }
     }
 }
@@ -89,7 +97,8 @@ impl Connector for GrpcConnector {
         let client = ShardClient::new(ch)
             .max_decoding_message_size(MAX_MESSAGE)
             .max_encoding_message_size(MAX_MESSAGE);
-        let n = Arc::new(GrpcShardNode { client });
+        let reads = self.read_streams.then(|| ReadStream::new(client.clone()));
+        let n = Arc::new(GrpcShardNode { client, reads });
         self.nodes.lock().insert(address.to_owned(), n.clone());
         Ok(n)
     }
@@ -97,6 +106,24 @@ impl Connector for GrpcConnector {
 
 pub struct GrpcShardNode {
     client: ShardClient<Channel>,
+    reads: Option<ReadStream>,
+}
+
+impl GrpcShardNode {
+    /// The node's read stream for a read of `items` hits or chunks, if that read goes on it.
+    async fn stream(&self, items: usize, timeout: Duration) -> Result<Option<Arc<Conn>>> {
+        match &self.reads {
+            Some(r) if items <= MAX_STREAM_ITEMS => r.conn(timeout).await,
+            _ => Ok(None),
+        }
+    }
+}
+
+/// A reply of a kind the call does not answer with (a node bug, not the caller's).
+fn mismatched() -> ShardCallError {
+    ShardCallError::Rejected(tonic::Status::internal(
+        "shard node answered a read with the wrong reply",
+    ))
 }
 
 /// A request with a gRPC deadline, so the node stops working when we stop waiting.
@@ -155,6 +182,12 @@ impl ShardNode for GrpcShardNode {
         req: Bm25SearchRequest,
         timeout: Duration,
     ) -> Result<ShardSearchResponse> {
+        if let Some(conn) = self.stream(req.top_k as usize, timeout).await? {
+            return match conn.call(Call::Bm25(req), timeout).await? {
+                Reply::Search(r) => Ok(r),
+                _ => Err(mismatched()),
+            };
+        }
         let mut c = self.client.clone();
         call(timeout, c.bm25_search(request(req, timeout))).await
     }
@@ -164,6 +197,12 @@ impl ShardNode for GrpcShardNode {
         req: VectorSearchRequest,
         timeout: Duration,
     ) -> Result<Vec<ShardHit>> {
+        if let Some(conn) = self.stream(req.top_k as usize, timeout).await? {
+            return match conn.call(Call::Vector(req), timeout).await? {
+                Reply::Search(r) => Ok(r.hits),
+                _ => Err(mismatched()),
+            };
+        }
         let mut c = self.client.clone();
         Ok(call(timeout, c.vector_search(request(req, timeout)))
             .await?
@@ -175,11 +214,29 @@ impl ShardNode for GrpcShardNode {
         req: TermStatisticsRequest,
         timeout: Duration,
     ) -> Result<TermStatisticsResponse> {
+        if let Some(conn) = self.stream(1, timeout).await? {
+            return match conn.call(Call::TermStats(req), timeout).await? {
+                Reply::TermStats(r) => Ok(r),
+                _ => Err(mismatched()),
+            };
+        }
         let mut c = self.client.clone();
         call(timeout, c.term_statistics(request(req, timeout))).await
     }
 
     async fn get_chunks(&self, req: GetChunksRequest, timeout: Duration) -> Result<Vec<Chunk>> {
+        // Embeddings make a chunk ~10x bigger: those loads keep a call of their own.
+        let items = if req.with_embedding {
+            usize::MAX
+        } else {
+            req.chunk_ids.len()
+        };
+        if let Some(conn) = self.stream(items, timeout).await? {
+            return match conn.call(Call::Chunks(req), timeout).await? {
+                Reply::Chunks(r) => Ok(r.chunks),
+                _ => Err(mismatched()),
+            };
+        }
         let mut c = self.client.clone();
         Ok(call(timeout, c.get_chunks(request(req, timeout)))
             .await?

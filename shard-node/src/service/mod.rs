@@ -1,10 +1,12 @@
 //! `ragcluster.v1.Shard` over gRPC. Every handler hands the blocking work (RocksDB, tantivy,
 //! hnsw_rs) to the blocking pool so the async runtime keeps serving. Requests become domain
-//! values in `convert`, the one place the wire meets the node.
+//! values in `convert`, the one place the wire meets the node. `reads` serves the small reads
+//! multiplexed on one stream.
 
 pub mod convert;
 #[cfg(feature = "failpoints")]
 pub mod failpoints;
+pub mod reads;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,6 +22,7 @@ use crate::node::Node;
 use crate::raft::Replica;
 use crate::shard::{HitForm, Shard};
 
+#[derive(Clone)]
 pub struct ShardService {
     node: Arc<Node>,
     write_timeout: Duration,
@@ -392,6 +395,15 @@ impl ShardRpc for ShardService {
             .map(|c| Ok(GraphDumpChunk { data: c.to_vec() }))
             .collect();
         Ok(Response::new(Box::pin(futures::stream::iter(chunks))))
+    }
+
+    type ReadsStream = reads::ReadsStream;
+
+    async fn reads(
+        &self,
+        req: Request<tonic::Streaming<ReadCalls>>,
+    ) -> Result<Response<Self::ReadsStream>, Status> {
+        Ok(Response::new(reads::serve(self.clone(), req.into_inner())))
     }
 
     async fn install_snapshot(
