@@ -6,6 +6,7 @@ use ragcluster_common::families::{self, Family, Kind};
 pub fn all() -> Vec<Family> {
     use Kind::*;
     let mut f = families::grpc_server();
+    f.extend(shard_calls());
     f.extend(families::table(&[
         (
             "coordinator_search_seconds",
@@ -56,26 +57,6 @@ pub fn all() -> Vec<Family> {
             "coordinator_ask_citations_dropped_total",
             Counter,
             "citations of chunks that were not in the prompt",
-        ),
-        (
-            "coordinator_read_failovers_total",
-            Counter,
-            "shard reads retried on another replica",
-        ),
-        (
-            "coordinator_read_streams_closed_total",
-            Counter,
-            "Shard.Reads streams that ended or broke (their calls in flight fail over)",
-        ),
-        (
-            "coordinator_write_retries_total",
-            Counter,
-            "shard write attempts retried (leader moved, node down)",
-        ),
-        (
-            "coordinator_write_failures_total",
-            Counter,
-            "shard writes not committed within write_timeout",
         ),
         (
             "coordinator_requests_shed_total",
@@ -148,6 +129,33 @@ fn model_calls() -> Vec<Family> {
             "coordinator_embed_cache_bytes",
             Gauge,
             "bytes held by the embedding cache",
+        ),
+    ])
+}
+
+/// How calls to shard nodes went: failovers, retries, broken read streams.
+fn shard_calls() -> Vec<Family> {
+    use Kind::*;
+    families::table(&[
+        (
+            "coordinator_read_failovers_total",
+            Counter,
+            "shard reads retried on another replica",
+        ),
+        (
+            "coordinator_read_streams_closed_total",
+            Counter,
+            "Shard.Reads streams that ended or broke (their calls in flight fail over)",
+        ),
+        (
+            "coordinator_write_retries_total",
+            Counter,
+            "shard write attempts retried (leader moved, node down)",
+        ),
+        (
+            "coordinator_write_failures_total",
+            Counter,
+            "shard writes not committed within write_timeout",
         ),
     ])
 }
