@@ -259,7 +259,15 @@ async fn searches_fail_over_when_a_stream_breaks() -> Result<()> {
                 Ok::<_, anyhow::Error>(())
             }
         };
-    searches(&mut c).await?;
+    // Eventual reads may reach the follower before it applied the writes: wait for both.
+    let started = std::time::Instant::now();
+    while searches(&mut c).await.is_err() {
+        ensure!(
+            started.elapsed() < Duration::from_secs(20),
+            "replicas never caught up"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     // The replica that answered (a stream to it is open) dies.
     let mut calls = Vec::new();
     for s in &cluster.shards {
