@@ -708,3 +708,15 @@ pub fn ragctl_ok(dir: &Path, args: &[&str]) -> Result<String> {
     anyhow::ensure!(success, "ragctl {args:?}: {text}");
     Ok(text)
 }
+
+/// A client of the shard node at `addr`, connected (1 s to connect).
+pub async fn shard_client(
+    addr: &str,
+) -> Result<ragcluster_proto::v1::shard_client::ShardClient<Channel>> {
+    Ok(ragcluster_proto::v1::shard_client::ShardClient::new(
+        Channel::from_shared(addr.to_owned())?
+            .connect_timeout(Duration::from_secs(1))
+            .connect()
+            .await?,
+    ))
+}

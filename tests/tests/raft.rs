@@ -13,7 +13,7 @@ use anyhow::{Context, Result, bail, ensure};
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
-use ragcluster_tests::{Cluster, http_get, metric_sum, set_failpoint};
+use ragcluster_tests::{Cluster, http_get, metric_sum, set_failpoint, shard_client};
 use rand::{Rng, SeedableRng};
 use tokio::sync::Mutex;
 use tonic::transport::Channel;
@@ -45,15 +45,6 @@ fn doc(id: u64) -> Document {
         metadata: Default::default(),
         embedding: vector(id),
     }
-}
-
-async fn shard_client(addr: &str) -> Result<ShardClient<Channel>> {
-    Ok(ShardClient::new(
-        Channel::from_shared(addr.to_owned())?
-            .connect_timeout(Duration::from_secs(1))
-            .connect()
-            .await?,
-    ))
 }
 
 fn sref(collection: &str) -> Option<ShardRef> {

@@ -9,20 +9,10 @@ use std::time::Duration;
 use anyhow::{Context, Result, ensure};
 use ragcluster_proto::v1::read_call::Call;
 use ragcluster_proto::v1::read_reply::Reply;
-use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
-use ragcluster_tests::{Cluster, Options, http_get, metric_sum, upsert_with_vectors};
+use ragcluster_tests::{Cluster, Options, http_get, metric_sum, shard_client, upsert_with_vectors};
 use tonic::Code;
 use tonic::transport::Channel;
-
-async fn shard_client(addr: &str) -> Result<ShardClient<Channel>> {
-    Ok(ShardClient::new(
-        Channel::from_shared(addr.to_owned())?
-            .connect_timeout(Duration::from_secs(2))
-            .connect()
-            .await?,
-    ))
-}
 
 fn sref(collection: &str) -> Option<ShardRef> {
     Some(ShardRef {
