@@ -148,6 +148,11 @@ fn shard_calls() -> Vec<Family> {
             "Shard.Reads streams that ended or broke (their calls in flight fail over)",
         ),
         (
+            "coordinator_read_calls_cancelled_total",
+            Counter,
+            "calls on Shard.Reads streams given up before their reply (a cancel sent to the node)",
+        ),
+        (
             "coordinator_write_retries_total",
             Counter,
             "shard write attempts retried (leader moved, node down)",

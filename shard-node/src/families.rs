@@ -76,6 +76,11 @@ pub fn all() -> Vec<Family> {
             "reads answered on Shard.Reads streams, by call and status code",
         ),
         (
+            "shard_read_calls_cancelled_total",
+            Counter,
+            "reads on Shard.Reads streams stopped by the caller's cancel before they answered",
+        ),
+        (
             "shard_read_call_seconds",
             Histogram,
             "reads answered on Shard.Reads streams: time on the node, by call",

@@ -1,7 +1,8 @@
 //! `Shard.Reads`, the stream the coordinator multiplexes the small reads of queries on, with
 //! real processes on loopback: every call answers on the stream as its unary RPC does (errors
-//! included, whatever order the replies come in), and searches through the coordinator keep
-//! answering when the node at the other end of a stream is killed.
+//! included, whatever order the replies come in), a cancelled call is dropped on the node, and
+//! searches through the coordinator keep answering when the node at the other end of a stream
+//! is killed.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -10,7 +11,9 @@ use anyhow::{Context, Result, ensure};
 use ragcluster_proto::v1::read_call::Call;
 use ragcluster_proto::v1::read_reply::Reply;
 use ragcluster_proto::v1::*;
-use ragcluster_tests::{Cluster, Options, http_get, metric_sum, shard_client, upsert_with_vectors};
+use ragcluster_tests::{
+    Cluster, Options, http_get, metric_sum, set_failpoint, shard_client, upsert_with_vectors,
+};
 use tonic::Code;
 use tonic::transport::Channel;
 
@@ -106,6 +109,7 @@ async fn reads_stream_answers_like_unary_calls() -> Result<()> {
                 id,
                 timeout_us: 5_000_000,
                 call: Some(call),
+                cancel: false,
             })
             .chain((base == 0).then_some(ReadCall {
                 id: 99,
@@ -277,5 +281,102 @@ async fn searches_fail_over_when_a_stream_breaks() -> Result<()> {
     let closed = metric_sum(&page, "coordinator_read_streams_closed_total");
     eprintln!("figures: {closed} read streams closed");
     ensure!(closed >= 1.0, "no stream saw its node die");
+    Ok(())
+}
+
+/// A call its caller cancels stops on the node and is never answered; the coordinator cancels
+/// the calls of a search whose client went away. Calls are held on the node by the failpoint
+/// `shard_read_call_stall` (1.5 s), so that each is still running when its cancel arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_calls_stop_on_the_node() -> Result<()> {
+    let cluster = Cluster::start(1)?;
+    let mut c = cluster.client().await?;
+    let info = c
+        .create_collection(CreateCollectionRequest {
+            name: "cx".into(),
+            shard_count: 1,
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .collection
+        .context("no collection")?;
+    let dim = info.dimension as usize;
+    upsert_with_vectors(&mut c, "cx", "cx", "cancelled reads", dim, 50).await?;
+    let node = &cluster.shards[0];
+    let cancelled = || async {
+        let page = http_get(&node.metrics).await?;
+        anyhow::Ok(metric_sum(&page, "shard_read_calls_cancelled_total"))
+    };
+    set_failpoint(&node.grpc, "shard_read_call_stall", "return(1500)").await?;
+
+    let call = |id: u64| ReadCall {
+        id,
+        timeout_us: 5_000_000,
+        call: Some(Call::Bm25(Bm25SearchRequest {
+            shard: sref("cx"),
+            query: "cancelled reads".into(),
+            top_k: 5,
+            ..Default::default()
+        })),
+        cancel: false,
+    };
+    let (tx, rx) = futures::channel::mpsc::unbounded::<ReadCalls>();
+    let mut sc = shard_client(&node.grpc).await?;
+    tx.unbounded_send(ReadCalls {
+        calls: vec![call(1), call(2)],
+    })?;
+    let mut inbound = sc.reads(rx).await?.into_inner();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    tx.unbounded_send(ReadCalls {
+        calls: vec![ReadCall {
+            id: 1,
+            cancel: true,
+            ..Default::default()
+        }],
+    })?;
+    // Both calls would have answered after 1.5 s; only the one not cancelled does.
+    let mut answered = Vec::new();
+    let until = tokio::time::Instant::now() + Duration::from_secs(3);
+    while let Ok(m) = tokio::time::timeout_at(until, inbound.message()).await {
+        let batch = m?.context("stream ended early")?;
+        answered.extend(batch.replies.iter().map(|r| r.id));
+    }
+    ensure!(answered == [2], "replies for {answered:?}");
+    ensure!(
+        cancelled().await? == 1.0,
+        "the node did not count the cancel"
+    );
+    drop(tx);
+
+    // A client that gives up on its search: the coordinator cancels the reads it had sent.
+    let query = SearchRequest {
+        collection: "cx".into(),
+        query: "cancelled reads".into(),
+        top_k: 5,
+        mode: SearchMode::Bm25 as i32,
+        ..Default::default()
+    };
+    let gave_up = tokio::time::timeout(Duration::from_millis(400), c.search(query.clone())).await;
+    ensure!(
+        gave_up.is_err(),
+        "the search answered through a 1.5 s stall"
+    );
+    let started = std::time::Instant::now();
+    while cancelled().await? < 2.0 {
+        ensure!(
+            started.elapsed() < Duration::from_secs(5),
+            "the coordinator sent no cancel for the abandoned search"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let page = http_get(&cluster.coordinator.metrics).await?;
+    let sent = metric_sum(&page, "coordinator_read_calls_cancelled_total");
+    ensure!(sent >= 1.0, "coordinator counted {sent} cancels");
+
+    // The stream stays in use afterwards.
+    set_failpoint(&node.grpc, "shard_read_call_stall", "off").await?;
+    let r = c.search(query).await?.into_inner();
+    ensure!(r.hits.len() == 5, "{} hits after the cancels", r.hits.len());
     Ok(())
 }

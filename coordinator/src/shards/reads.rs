@@ -2,7 +2,8 @@
 //! small reads of every query (see the proto), as TiKV's client batches its commands. Calls are
 //! queued, sent in batches of what is queued, and their replies matched back by id; a broken
 //! stream fails its calls in flight as UNAVAILABLE (reads: another replica may answer) and the
-//! next call opens a new one. A node without the method (an older build during a rolling
+//! next call opens a new one. A call whose caller stops waiting before its reply (a client
+//! that went away, a query failed on another shard) is cancelled on the node. A node without the method (an older build during a rolling
 //! upgrade) is called unary, and asked again after `RECHECK_UNSUPPORTED`.
 
 use std::collections::HashMap;
@@ -64,15 +65,26 @@ pub struct Conn {
     pending: Arc<Pending>,
 }
 
-/// Removes a call's waiter when its caller stops waiting (deadline, dropped future).
+/// Removes a call's waiter when its caller stops waiting (deadline, dropped future), and
+/// then tells the node to drop the call: its answer would go unread.
 struct Waiting<'a> {
-    pending: &'a Pending,
+    conn: &'a Conn,
     id: u64,
 }
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        self.pending.waiters.lock().remove(&self.id);
+        let unanswered = self.conn.pending.waiters.lock().remove(&self.id).is_some();
+        if unanswered && self.conn.alive() {
+            let cancel = ReadCall {
+                id: self.id,
+                cancel: true,
+                ..Default::default()
+            };
+            if self.conn.tx.send(cancel).is_ok() {
+                metrics::counter!("coordinator_read_calls_cancelled_total").increment(1);
+            }
+        }
     }
 }
 
@@ -96,14 +108,12 @@ impl Conn {
             }
             w.insert(id, tx);
         }
-        let _waiting = Waiting {
-            pending: &self.pending,
-            id,
-        };
+        let _waiting = Waiting { conn: self, id };
         let sent = self.tx.send(ReadCall {
             id,
             timeout_us: u64::try_from(timeout.as_micros()).unwrap_or(u64::MAX),
             call: Some(call),
+            cancel: false,
         });
         if sent.is_err() {
             return Err(unavailable("read stream to the shard node closed"));

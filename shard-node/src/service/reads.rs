@@ -1,18 +1,24 @@
 //! `Shard.Reads`: the coordinator's small reads multiplexed on one long-lived stream (see the
 //! proto). Each call runs on its own task through the same handler as its unary RPC, so both
 //! paths answer alike; a semaphore caps the calls of one stream in flight, and past it the
-//! stream is not read (HTTP/2 flow control then holds the caller back).
+//! stream is not read (HTTP/2 flow control then holds the caller back). A `cancel` from the
+//! caller aborts its call's task: the handler's future is dropped where it waits (a read
+//! index round, a blocking search's result) and no reply is sent.
 
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
+use parking_lot::Mutex;
 use ragcluster_common::batch::batches;
 use ragcluster_proto::v1::read_call::Call;
 use ragcluster_proto::v1::read_reply::Reply;
 use ragcluster_proto::v1::shard_server::Shard as ShardRpc;
 use ragcluster_proto::v1::*;
 use tokio::sync::Semaphore;
+use tokio::task::AbortHandle;
 use tonic::{Request, Status, Streaming};
 
 use super::ShardService;
@@ -30,6 +36,7 @@ pub type ReadsStream = std::pin::Pin<Box<dyn Stream<Item = Result<ReadReplies, S
 pub fn serve(svc: ShardService, mut input: Streaming<ReadCalls>) -> ReadsStream {
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<ReadReply>();
     let permits = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    let running = Arc::new(Running::default());
     tokio::spawn(async move {
         let node = svc.node.clone();
         let closed = node.closed();
@@ -48,19 +55,69 @@ pub fn serve(svc: ShardService, mut input: Streaming<ReadCalls>) -> ReadsStream 
                 }
             };
             for call in calls {
+                if call.cancel {
+                    running.cancel(call.id);
+                    continue;
+                }
                 let Ok(permit) = permits.clone().acquire_owned().await else {
                     return;
                 };
-                let (svc, tx) = (svc.clone(), tx.clone());
-                tokio::spawn(async move {
+                let (svc, tx, done) = (svc.clone(), tx.clone(), running.clone());
+                let id = call.id;
+                // Registered before the task can finish (it deregisters under the same lock).
+                let mut tasks = running.tasks.lock();
+                let seq = running.next.fetch_add(1, Ordering::Relaxed);
+                let task = tokio::spawn(async move {
                     let _ = tx.send(svc.answer(call).await);
+                    done.finished(id, seq);
                     drop(permit);
                 });
+                tasks.insert(id, (seq, task.abort_handle()));
             }
         }
     });
     Box::pin(batches(rx, MAX_REPLIES_PER_MESSAGE).map(|replies| Ok(ReadReplies { replies })))
 }
+
+/// The calls of one stream still running, by the caller's id, so that a `cancel` can abort
+/// one. `seq` tells a call from a later one that reused its id.
+#[derive(Default)]
+struct Running {
+    tasks: Mutex<HashMap<u64, (u64, AbortHandle)>>,
+    next: AtomicU64,
+}
+
+impl Running {
+    fn cancel(&self, id: u64) {
+        if let Some((_, task)) = self.tasks.lock().remove(&id) {
+            task.abort();
+            metrics::counter!("shard_read_calls_cancelled_total").increment(1);
+        }
+    }
+
+    fn finished(&self, id: u64, seq: u64) {
+        let mut tasks = self.tasks.lock();
+        if tasks.get(&id).is_some_and(|(s, _)| *s == seq) {
+            tasks.remove(&id);
+        }
+    }
+}
+
+/// Test hook (feature `failpoints`): `shard_read_call_stall` set to `return(MS)` holds every
+/// read call for MS milliseconds before it runs, inside its deadline.
+#[cfg(feature = "failpoints")]
+async fn stall() {
+    let ms = (|| -> Option<u64> {
+        fail::fail_point!("shard_read_call_stall", |v| v.and_then(|s| s.parse().ok()));
+        None
+    })();
+    if let Some(ms) = ms {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+}
+
+#[cfg(not(feature = "failpoints"))]
+async fn stall() {}
 
 impl ShardService {
     /// One call's reply, through the handler of its unary RPC.
@@ -74,6 +131,7 @@ impl ShardService {
             None => "none",
         };
         let run = async {
+            stall().await;
             match call.call {
                 Some(Call::Bm25(r)) => self
                     .bm25_search(Request::new(r))
