@@ -3,8 +3,9 @@
 //! `families`), and the gRPC server shell with
 //! health, reflection, per-RPC metrics and graceful shutdown (`server`), TLS with reload and
 //! member certificates (`tls`), API-key channels for clients (`client`), and the member side of
-//! cluster membership (`membership`: stable node ids and heartbeats), and the batching of
-//! queued calls onto a long-lived stream (`batch`).
+//! cluster membership (`membership`: stable node ids and heartbeats), the batching of
+//! queued calls onto a long-lived stream (`batch`), and the word-cached BERT tokenizer that
+//! the coordinator's chunkers and the model worker's Embed calls share (`tokens`).
 //! It must not depend on any process crate.
 
 pub mod batch;
@@ -16,3 +17,4 @@ pub mod names;
 pub mod server;
 pub mod telemetry;
 pub mod tls;
+pub mod tokens;

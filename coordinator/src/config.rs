@@ -52,7 +52,9 @@ pub struct CoordinatorConfig {
     /// Texts per Embed call during ingest (1..=256); 0: the model's advertised `max_batch`
     /// (one forward pass of the worker per call).
     pub embed_batch: usize,
-    /// Embed calls in flight per ingest request.
+    /// Embed calls in flight per ingest request. 8: an upsert's chunks reach the model worker
+    /// in one round, so a GPU worker's batcher stays fed while other upserts write (2 left a
+    /// lent H200 idle between rounds: docs/bench/2026-11-27-gpu-ingest-word-cache.json).
     pub embed_concurrency: usize,
     /// Bytes of embeddings kept for reuse, keyed by model revision and exact text: texts
     /// embedded before (re-ingested documents, repeated queries) skip the model. 0: off.
@@ -156,7 +158,7 @@ impl Default for CoordinatorConfig {
             shutdown_timeout: Duration::from_secs(10),
             embed_timeout: Duration::from_secs(120),
             embed_batch: 0,
-            embed_concurrency: 2,
+            embed_concurrency: 8,
             embed_cache_bytes: 64 * 1024 * 1024,
             port_file: None,
             node_id: 1,

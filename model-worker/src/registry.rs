@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ragcluster_proto::v1::{GenerateRequest, GenerateResponse, ModelInfo};
-use tokenizers::Tokenizer;
 use tokio::sync::{Semaphore, mpsc};
 
 use crate::backend::Seq;
@@ -18,7 +17,7 @@ use crate::batcher::{BatchConfig, Batcher};
 use crate::config::{ModelSpec, ModelWorkerConfig};
 use crate::error::ModelError;
 use crate::remote::RemoteGenerator;
-use crate::tokenize::TokenizerPool;
+use crate::tokenize::{TextTokenizer, TokenizerPool};
 
 /// Texts per Embed call and passages per Rerank call.
 pub const MAX_TEXTS: usize = 256;
@@ -37,7 +36,7 @@ const LLM_RERANK_PASSAGE_TOKENS: usize = 384;
 pub struct EncoderModel {
     pub placement: Placement,
     batcher: Batcher,
-    tokenizer: Arc<Tokenizer>,
+    tokenizer: Arc<TextTokenizer>,
     pub dim: usize,
     pub max_len: usize,
     /// `ModelInfo.revision`.
@@ -105,7 +104,11 @@ impl EncoderModel {
         let placement = enc.placement();
         let m = Self {
             placement,
-            tokenizer: Arc::new(enc.tokenizer()),
+            tokenizer: Arc::new(if cfg.word_cache {
+                TextTokenizer::new(enc.tokenizer())
+            } else {
+                TextTokenizer::whole(enc.tokenizer())
+            }),
             dim: enc.dimension(),
             max_len: enc.max_sequence_length(),
             revision: enc.revision().to_owned(),

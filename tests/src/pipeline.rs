@@ -22,6 +22,10 @@ pub struct PipelineOptions<'a> {
     pub dataset: &'a Path,
     /// Only the first N documents (0: all), copied to a temporary corpus.
     pub docs: usize,
+    /// The corpus this many times over (1: once). Copy k > 0 of a document gets the id
+    /// `ID~k` and the title `TITLE (k)`: the title labels every chunk's embedded text, so each
+    /// copy is new work for the model (no embedding-cache hits), as a bigger corpus would be.
+    pub copies: usize,
     pub shards: u32,
     /// `ragctl ingest --batch` and `--concurrency`.
     pub batch: usize,
@@ -76,6 +80,31 @@ impl GpuSampler {
     }
 }
 
+/// The model worker's encoder counters (its Prometheus page), to difference across a pass.
+struct WorkerCounters {
+    /// Summed forward time of the encoder thread.
+    device_s: f64,
+    forwards: f64,
+    sequences: f64,
+    tokens: f64,
+    /// Summed time Embed requests waited for the encoder thread, and how many waited.
+    queue_s: f64,
+    requests: f64,
+}
+
+impl WorkerCounters {
+    fn read(page: &str) -> Self {
+        Self {
+            device_s: metric_sum(page, "model_device_seconds_sum"),
+            forwards: metric_sum(page, "model_device_seconds_count"),
+            sequences: metric_sum(page, "model_batch_size_sum"),
+            tokens: metric_sum(page, "model_tokens_total"),
+            queue_s: metric_sum(page, "model_queue_seconds_sum"),
+            requests: metric_sum(page, "model_queue_seconds_count"),
+        }
+    }
+}
+
 fn cpu(p: &Proc) -> f64 {
     p.cpu_seconds().unwrap_or(0.0)
 }
@@ -89,16 +118,13 @@ async fn pass(
 ) -> Result<Value> {
     let worker_metrics = || async {
         let page = http_get(&cluster.model_worker.metrics).await?;
-        anyhow::Ok((
-            metric_sum(&page, "model_device_seconds_sum"),
-            metric_sum(&page, "model_tokens_total"),
-        ))
+        anyhow::Ok(WorkerCounters::read(&page))
     };
     let cache_hits = || async {
         let page = http_get(&cluster.coordinator.metrics).await?;
         anyhow::Ok(metric_sum(&page, "coordinator_embed_cache_hits_total"))
     };
-    let (device0, tokens0) = worker_metrics().await?;
+    let w0 = worker_metrics().await?;
     let hits0 = cache_hits().await?;
     let cpu0 = (
         cpu(&cluster.coordinator),
@@ -131,14 +157,20 @@ async fn pass(
         String::from_utf8_lossy(&out.stderr)
     );
     let mut summary: Value = serde_json::from_slice(&out.stdout).context("ragctl ingest --json")?;
-    let (device1, tokens1) = worker_metrics().await?;
+    let w1 = worker_metrics().await?;
     let hits = cache_hits().await? - hits0;
     let chunks = summary["chunks"].as_f64().unwrap_or(0.0);
     summary["wall_s_with_process_start"] = json!(wall);
     summary["embed_cache_hits"] = json!(hits);
+    let per = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+    let forwards = w1.forwards - w0.forwards;
     summary["model_worker"] = json!({
-        "device_busy_share": (device1 - device0) / wall,
-        "tokens": tokens1 - tokens0,
+        "device_busy_share": (w1.device_s - w0.device_s) / wall,
+        "tokens": w1.tokens - w0.tokens,
+        "forwards": forwards,
+        "sequences_per_forward": per(w1.sequences - w0.sequences, forwards),
+        "ms_per_forward": 1e3 * per(w1.device_s - w0.device_s, forwards),
+        "queue_ms_per_request": 1e3 * per(w1.queue_s - w0.queue_s, w1.requests - w0.requests),
         "cpu_s": cpu(&cluster.model_worker) - cpu0.2,
     });
     summary["gpu"] = gpu;
@@ -154,16 +186,43 @@ async fn pass(
     Ok(summary)
 }
 
+/// `lines` (BEIR corpus rows) `copies` times over: copy k > 0 of each row with the id `ID~k`
+/// and the title `TITLE (k)`.
+fn copied(lines: &[&str], copies: usize) -> Result<String> {
+    let mut out = String::new();
+    for k in 0..copies.max(1) {
+        for line in lines.iter().filter(|l| !l.trim().is_empty()) {
+            if k == 0 {
+                out.push_str(line);
+            } else {
+                let mut v: Value = serde_json::from_str(line).context("corpus row")?;
+                let id = match &v["_id"] {
+                    Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                v["_id"] = json!(format!("{id}~{k}"));
+                let title = v["title"].as_str().unwrap_or_default().to_owned();
+                v["title"] = json!(format!("{title} ({k})"));
+                out.push_str(&v.to_string());
+            }
+            out.push('\n');
+        }
+    }
+    Ok(out)
+}
+
 /// Ingests the corpus with the model (`with_model`) and again into fresh collections with
 /// every vector cached (`model_excluded`: the median pass by chunks/s).
 pub async fn ingest_twice(cluster: &Cluster, o: &PipelineOptions<'_>) -> Result<Value> {
     let tmp = tempfile::tempdir()?;
-    let corpus_dir = if o.docs == 0 {
+    let corpus_dir = if o.docs == 0 && o.copies <= 1 {
         o.dataset.to_path_buf()
     } else {
         let text = std::fs::read_to_string(o.dataset.join("corpus.jsonl"))?;
-        let head: Vec<&str> = text.lines().take(o.docs).collect();
-        std::fs::write(tmp.path().join("corpus.jsonl"), head.join("\n") + "\n")?;
+        let take = if o.docs == 0 { usize::MAX } else { o.docs };
+        let head: Vec<&str> = text.lines().take(take).collect();
+        let corpus = copied(&head, o.copies)?;
+        std::fs::write(tmp.path().join("corpus.jsonl"), corpus)?;
         tmp.path().to_path_buf()
     };
     let with_model = pass(cluster, &corpus_dir, "pipeline-model", o).await?;
@@ -199,6 +258,7 @@ pub async fn ingest_twice(cluster: &Cluster, o: &PipelineOptions<'_>) -> Result<
     Ok(json!({
         "dataset": o.dataset.display().to_string(),
         "docs_limit": o.docs,
+        "copies": o.copies.max(1),
         "shards": o.shards,
         "shard_nodes": cluster.shards.len(),
         "batch": o.batch,

@@ -483,9 +483,10 @@ async fn ingest_pipeline() -> Result<Value> {
         &ragcluster_tests::pipeline::PipelineOptions {
             dataset: &dataset,
             docs: 0,
+            copies: 1,
             shards: 3,
             batch: 128,
-            concurrency: 8,
+            concurrency: 16,
             cached_passes: 3,
             dump_chunks: None,
         },

@@ -20,6 +20,10 @@ struct Args {
     /// Only the first N documents (0: all).
     #[arg(long, default_value_t = 0)]
     docs: usize,
+    /// The corpus this many times over, each copy new work for the model (`ID~k`, `TITLE
+    /// (k)`): a longer run than SciFact's 11k chunks, for steady-state rates.
+    #[arg(long, default_value_t = 1)]
+    copies: usize,
     #[arg(long, default_value_t = 3)]
     shard_nodes: usize,
     /// Shards of the collections.
@@ -28,7 +32,7 @@ struct Args {
     /// `ragctl ingest --batch` (documents per upsert) and `--concurrency` (upserts in flight).
     #[arg(long, default_value_t = 128)]
     batch: usize,
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 16)]
     concurrency: usize,
     /// Passes with the model excluded (each into a fresh collection; the median is reported).
     #[arg(long, default_value_t = 3)]
@@ -54,6 +58,7 @@ async fn main() -> Result<()> {
         &PipelineOptions {
             dataset: &dataset,
             docs: a.docs,
+            copies: a.copies,
             shards: a.shards,
             batch: a.batch,
             concurrency: a.concurrency,
