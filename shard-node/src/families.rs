@@ -71,21 +71,6 @@ pub fn all() -> Vec<Family> {
             "HNSW graphs rebuilt from RocksDB at open (no usable dump)",
         ),
         (
-            "shard_read_calls_total",
-            Counter,
-            "reads answered on Shard.Reads streams, by call and status code",
-        ),
-        (
-            "shard_read_calls_cancelled_total",
-            Counter,
-            "reads on Shard.Reads streams stopped by the caller's cancel before they answered",
-        ),
-        (
-            "shard_read_call_seconds",
-            Histogram,
-            "reads answered on Shard.Reads streams: time on the node, by call",
-        ),
-        (
             "shard_hnsw_walks_total",
             Counter,
             "HNSW layer-0 walks by kind (flat: the copy taken when writes paused; hnsw_rs: graph changed since; filtered: metadata filter or tombstones)",
@@ -125,7 +110,30 @@ pub fn all() -> Vec<Family> {
         ),
     ]));
     f.extend(raft());
+    f.extend(read_calls());
     f
+}
+
+/// Reads on the coordinator's `Shard.Reads` streams.
+fn read_calls() -> Vec<Family> {
+    use Kind::*;
+    families::table(&[
+        (
+            "shard_read_calls_total",
+            Counter,
+            "reads answered on Shard.Reads streams, by call and status code",
+        ),
+        (
+            "shard_read_calls_cancelled_total",
+            Counter,
+            "reads on Shard.Reads streams stopped by the caller's cancel before they answered",
+        ),
+        (
+            "shard_read_call_seconds",
+            Histogram,
+            "reads answered on Shard.Reads streams: time on the node, by call",
+        ),
+    ])
 }
 
 /// The Raft side: per-shard gauges, snapshots, and the core's counters.
