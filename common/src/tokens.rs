@@ -83,6 +83,8 @@ fn runs_are_independent(t: &Tokenizer) -> bool {
     normalizer_ok && pre_ok && added_ok
 }
 
+/// (id, start, end) of each token of a run, relative to the run.
+type RunTokens = Vec<(u32, u32, u32)>;
 type Cached = Box<[(u32, u32, u32)]>;
 
 /// A tokenizer (truncation and padding off) with the per-run cache where its kind allows.
@@ -170,7 +172,7 @@ impl RunTokenizer {
         };
         missing.sort_unstable();
         missing.dedup();
-        let fresh: HashMap<&str, Vec<(u32, u32, u32)>> = if missing.is_empty() {
+        let fresh: HashMap<&str, RunTokens> = if missing.is_empty() {
             HashMap::new()
         } else {
             match self.encode_runs(&missing)? {
@@ -209,11 +211,7 @@ impl RunTokenizer {
     /// Tokens of `words` (distinct runs) from one tokenizer call over them joined by spaces;
     /// None if a token crossed a join, which a tokenizer that passed `runs_are_independent`
     /// never does.
-    #[allow(clippy::type_complexity)]
-    fn encode_runs(
-        &self,
-        words: &[&str],
-    ) -> Result<Option<Vec<Vec<(u32, u32, u32)>>>, TokenizeError> {
+    fn encode_runs(&self, words: &[&str]) -> Result<Option<Vec<RunTokens>>, TokenizeError> {
         let joined = words.join(" ");
         let mut starts = Vec::with_capacity(words.len());
         let mut at = 0;
