@@ -33,14 +33,20 @@ fn status(s: &tonic::Status) -> CallStatus {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reads_stream_answers_like_unary_calls() -> Result<()> {
-    let cluster = Cluster::start(1)?;
-    let mut c = cluster.client().await?;
+/// A one-shard collection `name` with `replicas` replicas (0: the default) and `n` documents
+/// about `topic` (with vectors); returns its dimension.
+async fn collection(
+    c: &mut ragcluster_proto::v1::coordinator_client::CoordinatorClient<Channel>,
+    name: &str,
+    replicas: u32,
+    topic: &str,
+    n: usize,
+) -> Result<usize> {
     let info = c
         .create_collection(CreateCollectionRequest {
-            name: "rs".into(),
+            name: name.into(),
             shard_count: 1,
+            replication_factor: replicas,
             ..Default::default()
         })
         .await?
@@ -48,7 +54,15 @@ async fn reads_stream_answers_like_unary_calls() -> Result<()> {
         .collection
         .context("no collection")?;
     let dim = info.dimension as usize;
-    upsert_with_vectors(&mut c, "rs", "rs", "streams of reads", dim, 300).await?;
+    upsert_with_vectors(c, name, name, topic, dim, n).await?;
+    Ok(dim)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_stream_answers_like_unary_calls() -> Result<()> {
+    let cluster = Cluster::start(1)?;
+    let mut c = cluster.client().await?;
+    let dim = collection(&mut c, "rs", 0, "streams of reads", 300).await?;
     let mut sc = shard_client(&cluster.shards[0].grpc).await?;
 
     let bm25 = Bm25SearchRequest {
@@ -216,19 +230,7 @@ async fn searches_fail_over_when_a_stream_breaks() -> Result<()> {
         ..Default::default()
     })?;
     let mut c = cluster.client().await?;
-    let info = c
-        .create_collection(CreateCollectionRequest {
-            name: "fo".into(),
-            shard_count: 1,
-            replication_factor: 2,
-            ..Default::default()
-        })
-        .await?
-        .into_inner()
-        .collection
-        .context("no collection")?;
-    let dim = info.dimension as usize;
-    upsert_with_vectors(&mut c, "fo", "fo", "failover of reads", dim, 200).await?;
+    collection(&mut c, "fo", 2, "failover of reads", 200).await?;
     let query = SearchRequest {
         collection: "fo".into(),
         query: "document 5 of fo failover".into(),
@@ -291,18 +293,7 @@ async fn searches_fail_over_when_a_stream_breaks() -> Result<()> {
 async fn cancelled_calls_stop_on_the_node() -> Result<()> {
     let cluster = Cluster::start(1)?;
     let mut c = cluster.client().await?;
-    let info = c
-        .create_collection(CreateCollectionRequest {
-            name: "cx".into(),
-            shard_count: 1,
-            ..Default::default()
-        })
-        .await?
-        .into_inner()
-        .collection
-        .context("no collection")?;
-    let dim = info.dimension as usize;
-    upsert_with_vectors(&mut c, "cx", "cx", "cancelled reads", dim, 50).await?;
+    collection(&mut c, "cx", 0, "cancelled reads", 50).await?;
     let node = &cluster.shards[0];
     let cancelled = || async {
         let page = http_get(&node.metrics).await?;
