@@ -14,6 +14,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
 
+use crate::threads::Sample;
 use crate::{Cluster, Proc, bin_dir, http_get, metric_sum};
 
 /// Options of `ingest_twice`.
@@ -30,6 +31,8 @@ pub struct PipelineOptions<'a> {
     /// `ragctl ingest --batch` and `--concurrency`.
     pub batch: usize,
     pub concurrency: usize,
+    /// `ragctl ingest --ef-construction` (None: the coordinator's default).
+    pub ef_construction: Option<u32>,
     /// Passes with the model excluded, each into a fresh collection (the median is reported).
     pub cached_passes: usize,
     /// After the pass with the model, save its chunks with their vectors here (protobuf
@@ -131,6 +134,8 @@ async fn pass(
         cluster.shards.iter().map(cpu).sum::<f64>(),
         cpu(&cluster.model_worker),
     );
+    let shard_pids: Vec<u32> = cluster.shards.iter().filter_map(Proc::pid).collect();
+    let threads0 = Sample::take_all(&shard_pids);
     let gpu = GpuSampler::start();
     let t = Instant::now();
     let out = Command::new(bin_dir().join("ragctl"))
@@ -147,9 +152,16 @@ async fn pass(
             &o.concurrency.to_string(),
             "--json",
         ])
+        .args(
+            o.ef_construction
+                .map(|e| ["--ef-construction".to_owned(), e.to_string()])
+                .into_iter()
+                .flatten(),
+        )
         .output()?;
     let wall = t.elapsed().as_secs_f64();
     let gpu = gpu.map_or(Value::Null, GpuSampler::stop);
+    let shard_threads = threads0.until(&Sample::take_all(&shard_pids));
     anyhow::ensure!(
         out.status.success(),
         "ragctl ingest: {}{}",
@@ -174,6 +186,8 @@ async fn pass(
         "cpu_s": cpu(&cluster.model_worker) - cpu0.2,
     });
     summary["gpu"] = gpu;
+    // Where the shard nodes' CPU went, by thread name, summed over the nodes.
+    summary["shard_node_threads"] = shard_threads;
     summary["cpu_s"] = json!({
         "coordinator": cpu(&cluster.coordinator) - cpu0.0,
         "shard_nodes": cluster.shards.iter().map(cpu).sum::<f64>() - cpu0.1,

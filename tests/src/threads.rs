@@ -46,9 +46,19 @@ fn machine() -> (u64, u64) {
 impl Sample {
     /// Reads every thread of process `pid`.
     pub fn take(pid: u32) -> Self {
+        Self::take_all(&[pid])
+    }
+
+    /// Reads every thread of several processes (a role's replicas), summed by thread name.
+    pub fn take_all(pids: &[u32]) -> Self {
         let mut threads = ByName::new();
-        let dir = format!("/proc/{pid}/task");
-        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+        let tasks = pids.iter().flat_map(|pid| {
+            std::fs::read_dir(format!("/proc/{pid}/task"))
+                .into_iter()
+                .flatten()
+                .flatten()
+        });
+        for e in tasks {
             let p = e.path();
             let (Ok(stat), Ok(status)) = (
                 std::fs::read_to_string(p.join("stat")),

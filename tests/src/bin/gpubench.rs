@@ -487,6 +487,7 @@ async fn ingest_pipeline() -> Result<Value> {
             shards: 3,
             batch: 128,
             concurrency: 16,
+            ef_construction: None,
             cached_passes: 3,
             dump_chunks: None,
         },

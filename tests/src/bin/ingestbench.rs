@@ -34,6 +34,9 @@ struct Args {
     batch: usize,
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
+    /// HNSW ef_construction of the collections (default: the coordinator's).
+    #[arg(long)]
+    ef_construction: Option<u32>,
     /// Passes with the model excluded (each into a fresh collection; the median is reported).
     #[arg(long, default_value_t = 3)]
     cached_passes: usize,
@@ -62,6 +65,7 @@ async fn main() -> Result<()> {
             shards: a.shards,
             batch: a.batch,
             concurrency: a.concurrency,
+            ef_construction: a.ef_construction,
             cached_passes: a.cached_passes,
             dump_chunks: a.dump_chunks.as_deref(),
         },
