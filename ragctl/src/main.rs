@@ -81,6 +81,11 @@ enum Cmd {
         /// Shards of a collection ingest creates (default: the coordinator's).
         #[arg(long)]
         shards: Option<u32>,
+        /// HNSW ef_construction of a collection ingest creates (default: the coordinator's,
+        /// 200). Graph building is most of a shard node's write CPU: 100 ingested 100k chunks
+        /// 1.72x as fast for ~0.005 less recall@10 (docs/bench/2026-11-25-ef-construction.json).
+        #[arg(long)]
+        ef_construction: Option<u32>,
         /// Print the summary as one JSON object (documents, chunks, seconds, chunks/s, the
         /// summed stage times) instead of a sentence, and no progress bar.
         #[arg(long)]
@@ -379,6 +384,7 @@ async fn main() -> Result<()> {
             concurrency,
             chunking,
             shards,
+            ef_construction,
             json,
         } => {
             let args = ingest::IngestArgs {
@@ -388,6 +394,7 @@ async fn main() -> Result<()> {
                 concurrency: *concurrency,
                 chunking: *chunking,
                 shards: *shards,
+                ef_construction: *ef_construction,
                 json: *json,
             };
             ingest::ingest(CoordinatorClient::new(channel(&cli).await?), args).await

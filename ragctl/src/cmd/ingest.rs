@@ -328,6 +328,7 @@ pub struct IngestArgs<'a> {
     pub concurrency: usize,
     pub chunking: Option<Chunker>,
     pub shards: Option<u32>,
+    pub ef_construction: Option<u32>,
     /// The summary as one JSON object, no progress bar.
     pub json: bool,
 }
@@ -362,6 +363,10 @@ pub async fn ingest(c: CoordinatorClient<KeyedChannel>, a: IngestArgs<'_>) -> Re
                     strategy: chunker.strategy() as i32,
                     ..Default::default()
                 }),
+                hnsw: a.ef_construction.map(|ef_construction| HnswParams {
+                    ef_construction,
+                    ..Default::default()
+                }),
                 ..Default::default()
             })
             .await?
@@ -374,9 +379,10 @@ pub async fn ingest(c: CoordinatorClient<KeyedChannel>, a: IngestArgs<'_>) -> Re
                 info.collection.map_or(0, |c| c.shard_count)
             );
         }
-    } else if a.chunking.is_some() || a.shards.is_some() {
+    } else if a.chunking.is_some() || a.shards.is_some() || a.ef_construction.is_some() {
         eprintln!(
-            "note: {} exists; --chunking and --shards apply only to a collection ingest creates",
+            "note: {} exists; --chunking, --shards and --ef-construction apply only to a \
+             collection ingest creates",
             a.collection
         );
     }
