@@ -9,14 +9,22 @@
 //! cannot make a huge padded batch. A request is answered as soon as its last sequence is
 //! done, not when the whole round is.
 //!
+//! Small requests (a query's one text: at most an eighth of a batch in sequences and tokens)
+//! do not wait behind bulk ones. A round computes its small requests first, in passes of their
+//! own, and between two passes over bulk requests it takes the small requests that were queued
+//! meanwhile out of the queue and computes them before the next bulk pass. Without that a
+//! query embedded during an ingest waited for the rest of the round and then for every bulk
+//! request queued before it (seconds on CPU); now it waits for at most one pass. Bulk requests
+//! keep their order, and at least every other pass is theirs.
+//!
 //! With `batching = false` every request runs alone (its own texts still form one batch):
 //! the baseline the benchmark compares against.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError};
 use std::time::{Duration, Instant};
 
+use parking_lot::{Condvar, Mutex};
 use tokio::sync::oneshot;
 
 use crate::backend::{Encoder, Seq};
@@ -35,6 +43,17 @@ pub struct BatchConfig {
     pub max_queue: usize,
     /// Merge concurrent requests into shared batches.
     pub batching: bool,
+    /// Compute small requests ahead of bulk ones (false: arrival order only).
+    pub small_first: bool,
+}
+
+impl BatchConfig {
+    /// Whether a request of `seqs` sequences and `tokens` tokens may skip ahead of bulk ones.
+    fn is_small(&self, seqs: usize, tokens: usize) -> bool {
+        self.small_first
+            && seqs <= (self.max_batch / 8).max(1)
+            && tokens <= (self.max_batch_tokens / 8).max(1)
+    }
 }
 
 type Reply = oneshot::Sender<Result<Vec<Vec<f32>>, ModelError>>;
@@ -46,26 +65,128 @@ struct Job {
     enqueued: Instant,
 }
 
+/// The waiting requests. A queue of our own rather than a channel: the encoder thread takes
+/// small requests out of the middle of it, and `max_queue` counts exactly what waits.
+struct Queue {
+    name: String,
+    cap: usize,
+    state: Mutex<QueueState>,
+    ready: Condvar,
+}
+
+#[derive(Default)]
+struct QueueState {
+    jobs: VecDeque<Job>,
+    /// The `Batcher` was dropped: the encoder thread ends once the queue is empty.
+    closed: bool,
+}
+
+impl Queue {
+    fn gauge(&self, depth: usize) {
+        metrics::gauge!("model_queue_depth", "model" => self.name.clone()).set(depth as f64);
+    }
+
+    fn push(&self, job: Job) -> Result<(), ModelError> {
+        let mut s = self.state.lock();
+        if s.jobs.len() >= self.cap {
+            return Err(ModelError::Overloaded(self.name.clone()));
+        }
+        s.jobs.push_back(job);
+        self.gauge(s.jobs.len());
+        drop(s);
+        self.ready.notify_one();
+        Ok(())
+    }
+
+    /// The oldest request, waiting for one; None once closed and empty.
+    fn pop(&self) -> Option<Job> {
+        let mut s = self.state.lock();
+        loop {
+            if let Some(j) = s.jobs.pop_front() {
+                self.gauge(s.jobs.len());
+                return Some(j);
+            }
+            if s.closed {
+                return None;
+            }
+            self.ready.wait(&mut s);
+        }
+    }
+
+    /// The oldest request, waiting until `deadline` at most.
+    fn pop_until(&self, deadline: Instant) -> Option<Job> {
+        let mut s = self.state.lock();
+        loop {
+            if let Some(j) = s.jobs.pop_front() {
+                self.gauge(s.jobs.len());
+                return Some(j);
+            }
+            if s.closed || self.ready.wait_until(&mut s, deadline).timed_out() {
+                return None;
+            }
+        }
+    }
+
+    /// Takes the waiting small requests, oldest first, up to a batch's worth of sequences
+    /// and tokens.
+    fn take_small(&self, cfg: &BatchConfig) -> Vec<Job> {
+        let mut s = self.state.lock();
+        let mut taken = Vec::new();
+        let (mut seqs, mut tokens) = (0, 0);
+        let mut i = 0;
+        while i < s.jobs.len() {
+            let j = &s.jobs[i];
+            if cfg.is_small(j.seqs.len(), j.tokens)
+                && seqs + j.seqs.len() <= cfg.max_batch
+                && tokens + j.tokens <= cfg.max_batch_tokens
+            {
+                seqs += j.seqs.len();
+                tokens += j.tokens;
+                taken.extend(s.jobs.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        if !taken.is_empty() {
+            self.gauge(s.jobs.len());
+        }
+        taken
+    }
+
+    fn close(&self) {
+        self.state.lock().closed = true;
+        self.ready.notify_all();
+    }
+}
+
 /// Handle to one model's queue and encoder thread.
 pub struct Batcher {
-    name: String,
-    tx: SyncSender<Job>,
-    depth: Arc<AtomicUsize>,
+    queue: Arc<Queue>,
+}
+
+impl Drop for Batcher {
+    fn drop(&mut self) {
+        self.queue.close();
+    }
 }
 
 impl Batcher {
     pub fn start(name: String, backend: Box<dyn Encoder>, cfg: BatchConfig) -> Self {
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(cfg.max_queue.max(1));
-        let depth = Arc::new(AtomicUsize::new(0));
+        let queue = Arc::new(Queue {
+            name: name.clone(),
+            cap: cfg.max_queue.max(1),
+            state: Mutex::new(QueueState::default()),
+            ready: Condvar::new(),
+        });
         {
-            let depth = depth.clone();
+            let queue = queue.clone();
             let name = name.clone();
             std::thread::Builder::new()
                 .name(format!("encode-{name}"))
-                .spawn(move || Worker::new(name, backend, cfg, depth).run(rx))
+                .spawn(move || Worker { name, backend, cfg }.run(&queue))
                 .expect("spawn encoder thread");
         }
-        Self { name, tx, depth }
+        Self { queue }
     }
 
     /// Queues the sequences and waits for one output per sequence, in order. Dropping the
@@ -76,21 +197,12 @@ impl Batcher {
         }
         let (reply, rx) = oneshot::channel();
         let tokens = seqs.iter().map(|s| s.ids.len()).sum();
-        match self.tx.try_send(Job {
+        self.queue.push(Job {
             seqs,
             tokens,
             reply,
             enqueued: Instant::now(),
-        }) {
-            Ok(()) => {
-                let d = self.depth.fetch_add(1, Ordering::Relaxed) + 1;
-                metrics::gauge!("model_queue_depth", "model" => self.name.clone()).set(d as f64);
-            }
-            Err(TrySendError::Full(_)) => return Err(ModelError::Overloaded(self.name.clone())),
-            Err(TrySendError::Disconnected(_)) => {
-                return Err(ModelError::Inference("encoder thread stopped".into()));
-            }
-        }
+        })?;
         rx.await
             .map_err(|_| ModelError::Inference("encoder dropped the request".into()))?
     }
@@ -107,66 +219,68 @@ struct Worker {
     name: String,
     backend: Box<dyn Encoder>,
     cfg: BatchConfig,
-    depth: Arc<AtomicUsize>,
 }
 
 impl Worker {
-    fn new(
-        name: String,
-        backend: Box<dyn Encoder>,
-        cfg: BatchConfig,
-        depth: Arc<AtomicUsize>,
-    ) -> Self {
-        Self {
-            name,
-            backend,
-            cfg,
-            depth,
-        }
-    }
-
-    fn run(mut self, rx: Receiver<Job>) {
-        while let Ok(first) = rx.recv() {
+    fn run(mut self, queue: &Queue) {
+        while let Some(first) = queue.pop() {
             let jobs = if self.cfg.batching {
-                self.gather(first, &rx)
+                let mut jobs = self.gather(first, queue);
+                // Small requests queued behind the bulk ones gathered go first.
+                if self.cfg.small_first {
+                    jobs.extend(queue.take_small(&self.cfg));
+                }
+                jobs
             } else {
                 vec![first]
             };
-            let d = self.depth.fetch_sub(jobs.len(), Ordering::Relaxed) - jobs.len();
-            metrics::gauge!("model_queue_depth", "model" => self.name.clone()).set(d as f64);
-            self.round(jobs);
+            self.round(jobs, queue);
         }
     }
 
     /// The first job plus whatever arrives within `max_wait` of its enqueueing, up to a few
     /// batches' worth of tokens (more waiting would only delay the first).
-    fn gather(&self, first: Job, rx: &Receiver<Job>) -> Vec<Job> {
+    fn gather(&self, first: Job, queue: &Queue) -> Vec<Job> {
         let deadline = first.enqueued + self.cfg.max_wait;
         let enough = self.cfg.max_batch_tokens;
         let cap = enough * 4;
         let mut tokens = first.tokens;
         let mut jobs = vec![first];
         while tokens < cap {
-            let next = match rx.try_recv() {
-                Ok(j) => Some(j),
-                Err(TryRecvError::Disconnected) => None,
-                Err(TryRecvError::Empty) => {
-                    let now = Instant::now();
-                    if tokens >= enough || now >= deadline {
-                        None
-                    } else {
-                        rx.recv_timeout(deadline - now).ok()
-                    }
-                }
+            // Past the deadline, or with a batch's worth waiting, only take what is queued.
+            let until = if tokens >= enough {
+                Instant::now()
+            } else {
+                deadline
             };
-            let Some(j) = next else { break };
+            let Some(j) = queue.pop_until(until) else {
+                break;
+            };
             tokens += j.tokens;
             jobs.push(j);
         }
         jobs
     }
 
-    fn round(&mut self, jobs: Vec<Job>) {
+    /// Computes `jobs`: the small ones first, then the rest, taking small requests queued
+    /// meanwhile between two passes over the rest.
+    fn round(&mut self, jobs: Vec<Job>, queue: &Queue) {
+        let (small, bulk): (Vec<Job>, Vec<Job>) = jobs
+            .into_iter()
+            .partition(|j| self.cfg.is_small(j.seqs.len(), j.tokens));
+        if !small.is_empty() {
+            self.compute(small, None);
+        }
+        if !bulk.is_empty() {
+            let between = (self.cfg.batching && self.cfg.small_first).then_some(queue);
+            self.compute(bulk, between);
+        }
+    }
+
+    /// Packs the jobs' sequences into passes (longest first) and answers each job when its
+    /// last sequence is done. With `between`, small requests waiting there are computed after
+    /// every pass but the last.
+    fn compute(&mut self, jobs: Vec<Job>, between: Option<&Queue>) {
         let name = self.name.clone();
         let mut active: Vec<Active> = jobs
             .into_iter()
@@ -207,45 +321,58 @@ impl Worker {
             if batch.is_empty() {
                 continue;
             }
-            let seqs: Vec<&Seq> = batch.iter().map(|&(j, i)| &active[j].job.seqs[i]).collect();
-            let real: usize = seqs.iter().map(|s| s.ids.len()).sum();
-            metrics::histogram!("model_batch_size", "model" => name.clone())
-                .record(seqs.len() as f64);
-            metrics::histogram!("model_batch_tokens", "model" => name.clone())
-                .record((seqs.len() * longest) as f64);
-            let t = Instant::now();
-            let result = self.backend.forward(&seqs);
-            metrics::histogram!("model_device_seconds", "model" => name.clone())
-                .record(t.elapsed().as_secs_f64());
-            match result {
-                Ok(outs) => {
-                    metrics::counter!("model_tokens_total", "model" => name.clone())
-                        .increment(real as u64);
-                    for (&(j, i), v) in batch.iter().zip(outs) {
-                        let a = &mut active[j];
-                        a.out[i] = Some(v);
-                        a.left -= 1;
-                    }
-                    // Answer every request that is now complete.
-                    for &(j, _) in &batch {
-                        if active[j].left == 0 && !active[j].out.is_empty() {
-                            let out = std::mem::take(&mut active[j].out);
-                            let (tx, _) = oneshot::channel();
-                            let reply = std::mem::replace(&mut active[j].job.reply, tx);
-                            let _ = reply.send(Ok(out.into_iter().flatten().collect()));
-                        }
+            self.pass(&mut active, &batch, longest);
+            if let Some(queue) = between.filter(|_| start < order.len()) {
+                let small = queue.take_small(&self.cfg);
+                if !small.is_empty() {
+                    metrics::counter!("model_small_requests_ahead_total", "model" => name.clone())
+                        .increment(small.len() as u64);
+                    self.compute(small, None);
+                }
+            }
+        }
+    }
+
+    /// One forward pass over `batch` ((job, sequence) pairs of `active`).
+    fn pass(&mut self, active: &mut [Active], batch: &[(usize, usize)], longest: usize) {
+        let name = self.name.clone();
+        let seqs: Vec<&Seq> = batch.iter().map(|&(j, i)| &active[j].job.seqs[i]).collect();
+        let real: usize = seqs.iter().map(|s| s.ids.len()).sum();
+        metrics::histogram!("model_batch_size", "model" => name.clone()).record(seqs.len() as f64);
+        metrics::histogram!("model_batch_tokens", "model" => name.clone())
+            .record((seqs.len() * longest) as f64);
+        let t = Instant::now();
+        let result = self.backend.forward(&seqs);
+        metrics::histogram!("model_device_seconds", "model" => name.clone())
+            .record(t.elapsed().as_secs_f64());
+        match result {
+            Ok(outs) => {
+                metrics::counter!("model_tokens_total", "model" => name.clone())
+                    .increment(real as u64);
+                for (&(j, i), v) in batch.iter().zip(outs) {
+                    let a = &mut active[j];
+                    a.out[i] = Some(v);
+                    a.left -= 1;
+                }
+                // Answer every request that is now complete.
+                for &(j, _) in batch {
+                    if active[j].left == 0 && !active[j].out.is_empty() {
+                        let out = std::mem::take(&mut active[j].out);
+                        let (tx, _) = oneshot::channel();
+                        let reply = std::mem::replace(&mut active[j].job.reply, tx);
+                        let _ = reply.send(Ok(out.into_iter().flatten().collect()));
                     }
                 }
-                Err(e) => {
-                    tracing::warn!(model = %name, error = %e, "forward pass failed");
-                    for &(j, _) in &batch {
-                        let a = &mut active[j];
-                        if !a.out.is_empty() {
-                            a.out.clear();
-                            let (tx, _) = oneshot::channel();
-                            let reply = std::mem::replace(&mut a.job.reply, tx);
-                            let _ = reply.send(Err(ModelError::Inference(e.to_string())));
-                        }
+            }
+            Err(e) => {
+                tracing::warn!(model = %name, error = %e, "forward pass failed");
+                for &(j, _) in batch {
+                    let a = &mut active[j];
+                    if !a.out.is_empty() {
+                        a.out.clear();
+                        let (tx, _) = oneshot::channel();
+                        let reply = std::mem::replace(&mut a.job.reply, tx);
+                        let _ = reply.send(Err(ModelError::Inference(e.to_string())));
                     }
                 }
             }
@@ -265,12 +392,16 @@ mod tests {
     struct Recorder(Arc<Mutex<Vec<Vec<usize>>>>);
 
     const BLOCKER: usize = 99;
+    /// A sequence of this many tokens takes 100 ms (a bulk pass that a test can overtake).
+    const SLOW: usize = 40;
 
     impl Encoder for Recorder {
         fn forward(&mut self, batch: &[&Seq]) -> Result<Vec<Vec<f32>>, ModelError> {
             let lens: Vec<usize> = batch.iter().map(|s| s.ids.len()).collect();
             if lens.contains(&BLOCKER) {
                 std::thread::sleep(Duration::from_millis(300));
+            } else if lens.contains(&SLOW) {
+                std::thread::sleep(Duration::from_millis(100));
             }
             self.0.lock().unwrap().push(lens.clone());
             Ok(lens.into_iter().map(|l| vec![l as f32]).collect())
@@ -297,6 +428,7 @@ mod tests {
                 max_wait: Duration::from_millis(50),
                 max_queue: 16,
                 batching: true,
+                small_first: true,
             },
         ));
         // Hold the encoder busy so the three requests are all queued when it next gathers:
@@ -351,6 +483,7 @@ mod tests {
                 max_wait: Duration::from_millis(50),
                 max_queue: 16,
                 batching: false,
+                small_first: true,
             },
         ));
         let calls = (0..4).map(|_| {
@@ -362,5 +495,140 @@ mod tests {
         }
         let batches = seen.lock().unwrap().clone();
         assert_eq!(batches, vec![vec![3, 2]; 4]);
+    }
+
+    fn config(max_batch: usize, max_batch_tokens: usize, max_queue: usize) -> BatchConfig {
+        BatchConfig {
+            max_batch,
+            max_batch_tokens,
+            max_wait: Duration::from_millis(5),
+            max_queue,
+            batching: true,
+            small_first: true,
+        }
+    }
+
+    /// Two bulk requests (4 and 2 sequences of `SLOW` tokens: passes of two under an 80-token
+    /// budget) and a one-sequence request queued while the first one's first pass runs. The
+    /// batches the encoder saw, and how long the small request took.
+    async fn small_behind_bulk(small_first: bool) -> (Vec<Vec<usize>>, Duration) {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let b = Arc::new(Batcher::start(
+            "t".into(),
+            Box::new(Recorder(seen.clone())),
+            BatchConfig {
+                small_first,
+                ..config(8, 80, 16)
+            },
+        ));
+        let send = |lens: Vec<usize>, after_ms: u64| {
+            let b = b.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(after_ms)).await;
+                let t = Instant::now();
+                let out = b.run(lens.iter().map(|&l| seq(l)).collect()).await.unwrap();
+                let got: Vec<usize> = out.into_iter().map(|v| v[0] as usize).collect();
+                assert_eq!(got, lens);
+                t.elapsed()
+            })
+        };
+        let first = send(vec![SLOW; 4], 0);
+        let second = send(vec![SLOW; 2], 20);
+        let small = send(vec![3], 50);
+        let small_wait = small.await.unwrap();
+        first.await.unwrap();
+        second.await.unwrap();
+        let batches = seen.lock().unwrap().clone();
+        (batches, small_wait)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_small_request_overtakes_queued_bulk_between_passes() {
+        // Small: one sequence of at most 10 tokens. Queued after the second bulk request, it
+        // is computed before it and before the first's second pass.
+        let (batches, wait) = small_behind_bulk(true).await;
+        assert_eq!(
+            batches,
+            vec![vec![SLOW; 2], vec![3], vec![SLOW; 2], vec![SLOW; 2]],
+            "{batches:?}"
+        );
+        assert!(wait < Duration::from_millis(250), "{wait:?}");
+        // The baseline: arrival order.
+        let (batches, _) = small_behind_bulk(false).await;
+        assert_eq!(
+            batches,
+            vec![vec![SLOW; 2], vec![SLOW; 2], vec![SLOW; 2], vec![3]],
+            "{batches:?}"
+        );
+    }
+
+    type Outputs = Result<Vec<Vec<f32>>, ModelError>;
+
+    /// A batcher whose encoder is busy with the 300 ms `BLOCKER` request (already taken out
+    /// of the queue), the batches it sees, and the blocker's call.
+    async fn blocked(
+        cfg: BatchConfig,
+    ) -> (
+        Arc<Batcher>,
+        Arc<Mutex<Vec<Vec<usize>>>>,
+        tokio::task::JoinHandle<Outputs>,
+    ) {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let b = Arc::new(Batcher::start(
+            "t".into(),
+            Box::new(Recorder(seen.clone())),
+            cfg,
+        ));
+        let blocker = {
+            let b = b.clone();
+            tokio::spawn(async move { b.run(vec![seq(BLOCKER)]).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        (b, seen, blocker)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn small_requests_gathered_with_bulk_ones_go_first() {
+        // Small: at most two sequences and 25 tokens.
+        let (b, seen, blocker) = blocked(config(16, 200, 16)).await;
+        // Both wait behind the blocker; the bulk one was queued first.
+        let bulk = {
+            let b = b.clone();
+            tokio::spawn(async move { b.run(vec![seq(30); 5]).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        b.run(vec![seq(4), seq(2)]).await.unwrap();
+        bulk.await.unwrap().unwrap();
+        blocker.await.unwrap().unwrap();
+        let batches = seen.lock().unwrap().clone();
+        assert_eq!(
+            batches,
+            vec![vec![BLOCKER], vec![4, 2], vec![30; 5]],
+            "{batches:?}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_queue_holds_max_queue_requests_and_refuses_the_next() {
+        let (b, _, blocker) = blocked(config(8, 200, 2)).await;
+        // The blocker is being computed; two more may wait, small or not.
+        let waiting: Vec<_> = [vec![seq(3)], vec![seq(30); 3]]
+            .into_iter()
+            .map(|seqs| {
+                let b = b.clone();
+                tokio::spawn(async move { b.run(seqs).await })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        match b.run(vec![seq(2)]).await {
+            Err(ModelError::Overloaded(_)) => {}
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        for w in waiting {
+            w.await.unwrap().unwrap();
+        }
+        blocker.await.unwrap().unwrap();
+        // Room again once they are done.
+        b.run(vec![seq(2)]).await.unwrap();
     }
 }

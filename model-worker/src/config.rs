@@ -25,6 +25,9 @@ pub struct ModelWorkerConfig {
     pub shutdown_timeout: std::time::Duration,
     /// Merge concurrent requests into shared batches (off: each request runs alone).
     pub batching: bool,
+    /// Small requests (a query's text) are computed ahead of bulk ones, between their passes
+    /// (false: strictly in arrival order, the baseline `ingestbench` compares with).
+    pub small_first: bool,
     /// Threads that tokenise encoder calls ahead of the batchers (0: one per core); beside one
     /// call per thread, `max_queue` calls (all models together) may wait for them before
     /// RESOURCE_EXHAUSTED.
@@ -144,6 +147,7 @@ impl Default for ModelWorkerConfig {
             batch_wait: std::time::Duration::from_millis(2),
             shutdown_timeout: std::time::Duration::from_secs(10),
             batching: true,
+            small_first: true,
             tokenizer_threads: 0,
             word_cache: true,
             http_listen: String::new(),

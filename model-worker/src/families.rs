@@ -14,6 +14,11 @@ pub fn all() -> Vec<Family> {
             Gauge,
             "pieces of calls waiting for the tokenizer threads",
         ),
+        (
+            "model_small_requests_ahead_total",
+            Counter,
+            "small requests computed between two passes over bulk ones",
+        ),
         ("model_batch_size", Histogram, "requests per device batch"),
         ("model_batch_tokens", Histogram, "tokens per device batch"),
         (

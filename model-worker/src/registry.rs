@@ -100,6 +100,7 @@ impl EncoderModel {
             max_wait: cfg.batch_wait,
             max_queue: cfg.max_queue,
             batching: cfg.batching,
+            small_first: cfg.small_first,
         };
         let placement = enc.placement();
         let m = Self {

@@ -4,18 +4,21 @@
 //! collection while the coordinator's embedding cache holds every chunk's vector, so it is the
 //! same pipeline with the model excluded. For each pass: chunks/s, the summed stage times,
 //! how busy the model worker's device was (its `model_device_seconds` over the wall time, and
-//! `nvidia-smi`'s utilisation samples where there is one), and the CPU each process used.
+//! `nvidia-smi`'s utilisation samples where there is one), the CPU each process used, and how
+//! long a query's one-text Embed call waited on the model worker meanwhile (`query_embed`).
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::Instant;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
 
 use crate::threads::Sample;
-use crate::{Cluster, Proc, bin_dir, http_get, metric_sum};
+use crate::{Cluster, Proc, bin_dir, http_get, metric_sum, percentile};
 
 /// Options of `ingest_twice`.
 pub struct PipelineOptions<'a> {
@@ -83,6 +86,56 @@ impl GpuSampler {
     }
 }
 
+/// A user's queries beside the ingest: a one-text Embed call (a new sentence each time) to
+/// the model worker every 20 ms, timed, until stopped.
+struct QueryProber {
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<Result<Vec<f64>>>,
+}
+
+impl QueryProber {
+    fn start(worker: &str) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (flag, addr) = (stop.clone(), worker.to_owned());
+        let task = tokio::spawn(async move {
+            use ragcluster_proto::v1::EmbedRequest;
+            use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
+            let mut c = ModelWorkerClient::connect(addr).await?;
+            let mut lat = Vec::new();
+            let mut i = 0u64;
+            while !flag.load(Ordering::Relaxed) {
+                i += 1;
+                let t = Instant::now();
+                c.embed(EmbedRequest {
+                    texts: vec![format!("question {i}: how do cells sense low oxygen?")],
+                    ..Default::default()
+                })
+                .await?;
+                lat.push(t.elapsed().as_secs_f64() * 1e3);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Ok(lat)
+        });
+        Self { stop, task }
+    }
+
+    /// p50/p99/max of the calls' latency (ms).
+    async fn stop(self) -> Result<Value> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut lat = self.task.await??;
+        if lat.is_empty() {
+            return Ok(Value::Null);
+        }
+        let max = lat.iter().copied().fold(0.0, f64::max);
+        Ok(json!({
+            "calls": lat.len(),
+            "p50_ms": percentile(&mut lat, 50.0),
+            "p99_ms": percentile(&mut lat, 99.0),
+            "max_ms": max,
+        }))
+    }
+}
+
 /// The model worker's encoder counters (its Prometheus page), to difference across a pass.
 struct WorkerCounters {
     /// Summed forward time of the encoder thread.
@@ -137,8 +190,10 @@ async fn pass(
     let shard_pids: Vec<u32> = cluster.shards.iter().filter_map(Proc::pid).collect();
     let threads0 = Sample::take_all(&shard_pids);
     let gpu = GpuSampler::start();
+    let prober = QueryProber::start(&cluster.model_worker.grpc);
     let t = Instant::now();
-    let out = Command::new(bin_dir().join("ragctl"))
+    let mut ragctl = Command::new(bin_dir().join("ragctl"));
+    ragctl
         .args(["--coordinator", &cluster.coordinator.grpc, "ingest"])
         .arg(corpus_dir)
         .args([
@@ -157,10 +212,11 @@ async fn pass(
                 .map(|e| ["--ef-construction".to_owned(), e.to_string()])
                 .into_iter()
                 .flatten(),
-        )
-        .output()?;
+        );
+    let out = tokio::task::spawn_blocking(move || ragctl.output()).await??;
     let wall = t.elapsed().as_secs_f64();
     let gpu = gpu.map_or(Value::Null, GpuSampler::stop);
+    let query_embed = prober.stop().await?;
     let shard_threads = threads0.until(&Sample::take_all(&shard_pids));
     anyhow::ensure!(
         out.status.success(),
@@ -186,6 +242,7 @@ async fn pass(
         "cpu_s": cpu(&cluster.model_worker) - cpu0.2,
     });
     summary["gpu"] = gpu;
+    summary["query_embed"] = query_embed;
     // Where the shard nodes' CPU went, by thread name, summed over the nodes.
     summary["shard_node_threads"] = shard_threads;
     summary["cpu_s"] = json!({
