@@ -487,6 +487,13 @@ pub fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[idx.saturating_sub(1).min(v.len() - 1)]
 }
 
+/// n, p50, p99 and max of latencies in ms, as the benches print them.
+pub fn latency_summary(mut lat: Vec<f64>) -> serde_json::Value {
+    let max = lat.iter().copied().fold(0.0, f64::max);
+    serde_json::json!({"n": lat.len(), "p50_ms": percentile(&mut lat, 50.0),
+        "p99_ms": percentile(&mut lat, 99.0), "max_ms": max})
+}
+
 /// GET over plain HTTP/1.1 (the /metrics endpoints); the body must come with 200.
 pub async fn http_get(url: &str) -> Result<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

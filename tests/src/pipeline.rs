@@ -18,7 +18,7 @@ use anyhow::{Context, Result};
 use serde_json::{Value, json};
 
 use crate::threads::Sample;
-use crate::{Cluster, Proc, bin_dir, http_get, metric_sum, percentile};
+use crate::{Cluster, Proc, bin_dir, http_get, latency_summary, metric_sum};
 
 /// Options of `ingest_twice`.
 pub struct PipelineOptions<'a> {
@@ -87,10 +87,11 @@ impl GpuSampler {
 }
 
 /// A user's queries beside the ingest: a one-text Embed call (a new sentence each time) to
-/// the model worker every 20 ms, timed, until stopped.
+/// the model worker every 20 ms, timed, until stopped. A refused call (a full queue) is
+/// counted, not timed, and does not stop the bench.
 struct QueryProber {
     stop: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<Result<Vec<f64>>>,
+    task: tokio::task::JoinHandle<Result<(Vec<f64>, usize)>>,
 }
 
 impl QueryProber {
@@ -101,38 +102,36 @@ impl QueryProber {
             use ragcluster_proto::v1::EmbedRequest;
             use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
             let mut c = ModelWorkerClient::connect(addr).await?;
-            let mut lat = Vec::new();
+            let (mut lat, mut refused) = (Vec::new(), 0);
             let mut i = 0u64;
             while !flag.load(Ordering::Relaxed) {
                 i += 1;
                 let t = Instant::now();
-                c.embed(EmbedRequest {
-                    texts: vec![format!("question {i}: how do cells sense low oxygen?")],
-                    ..Default::default()
-                })
-                .await?;
-                lat.push(t.elapsed().as_secs_f64() * 1e3);
+                let answer = c
+                    .embed(EmbedRequest {
+                        texts: vec![format!("question {i}: how do cells sense low oxygen?")],
+                        ..Default::default()
+                    })
+                    .await;
+                match answer {
+                    Ok(_) => lat.push(t.elapsed().as_secs_f64() * 1e3),
+                    Err(s) if s.code() == tonic::Code::ResourceExhausted => refused += 1,
+                    Err(s) => return Err(s.into()),
+                }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            Ok(lat)
+            Ok((lat, refused))
         });
         Self { stop, task }
     }
 
-    /// p50/p99/max of the calls' latency (ms).
+    /// n/p50/p99/max of the answered calls' latency (ms), and the refusals.
     async fn stop(self) -> Result<Value> {
         self.stop.store(true, Ordering::Relaxed);
-        let mut lat = self.task.await??;
-        if lat.is_empty() {
-            return Ok(Value::Null);
-        }
-        let max = lat.iter().copied().fold(0.0, f64::max);
-        Ok(json!({
-            "calls": lat.len(),
-            "p50_ms": percentile(&mut lat, 50.0),
-            "p99_ms": percentile(&mut lat, 99.0),
-            "max_ms": max,
-        }))
+        let (lat, refused) = self.task.await??;
+        let mut out = latency_summary(lat);
+        out["refused"] = json!(refused);
+        Ok(out)
     }
 }
 

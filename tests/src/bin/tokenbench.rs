@@ -20,7 +20,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use ragcluster_proto::v1::EmbedRequest;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
-use ragcluster_tests::{Proc, datasets_dir, percentile};
+use ragcluster_tests::{Proc, datasets_dir, latency_summary};
 use serde_json::json;
 use tonic::transport::Channel;
 use tonic_health::pb::HealthCheckRequest;
@@ -59,12 +59,6 @@ fn large_texts(n: usize, kb: usize) -> Result<Vec<String>> {
             t
         })
         .collect())
-}
-
-fn summary(mut lat: Vec<f64>) -> serde_json::Value {
-    let max = lat.iter().cloned().fold(0.0, f64::max);
-    json!({"n": lat.len(), "p50_ms": percentile(&mut lat, 50.0),
-           "p99_ms": percentile(&mut lat, 99.0), "max_ms": max})
 }
 
 #[tokio::main]
@@ -146,9 +140,9 @@ async fn main() -> Result<()> {
             "under_load": {
                 "loaders": a.loaders,
                 "seconds": a.seconds,
-                "large_calls": summary(large),
-                "health_check": summary(health),
-                "small_embed": summary(small),
+                "large_calls": latency_summary(large),
+                "health_check": latency_summary(health),
+                "small_embed": latency_summary(small),
             },
         }))?
     );
