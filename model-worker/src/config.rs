@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::backend::device::Placement;
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelWorkerConfig {
@@ -15,7 +17,8 @@ pub struct ModelWorkerConfig {
     pub max_queue: usize,
     /// Sequences per forward pass (default for every encoder model).
     pub max_batch: usize,
-    /// Padded tokens (sequences x longest) per forward pass (default for every encoder model).
+    /// Padded tokens (sequences x longest) per forward pass (default for every encoder model);
+    /// 0 = by where the model runs ([`ModelWorkerConfig::batch_tokens`]).
     pub max_batch_tokens: usize,
     /// How long a request may wait for others to share its forward pass.
     #[serde(with = "humantime_serde")]
@@ -143,7 +146,7 @@ impl Default for ModelWorkerConfig {
             )],
             max_queue: 1024,
             max_batch: 64,
-            max_batch_tokens: 8192,
+            max_batch_tokens: 0,
             batch_wait: std::time::Duration::from_millis(2),
             shutdown_timeout: std::time::Duration::from_secs(10),
             batching: true,
@@ -164,7 +167,24 @@ impl Default for ModelWorkerConfig {
     }
 }
 
+/// `max_batch_tokens = 0` on a GPU: passes big enough to keep it busy (H100/H200 ingest).
+pub const AUTO_BATCH_TOKENS_CUDA: usize = 8192;
+/// `max_batch_tokens = 0` on a CPU: a pass takes ~4x less time than at 8192 and costs no
+/// throughput, so a query behind bulk work waits half as long (2 cores, `tokenbench`).
+pub const AUTO_BATCH_TOKENS_CPU: usize = 2048;
+
 impl ModelWorkerConfig {
+    /// Padded tokens per forward pass for `spec` once placed: the model's own setting, else
+    /// the worker's, else by device.
+    pub fn batch_tokens(&self, spec: &ModelSpec, placement: Placement) -> usize {
+        match (spec.max_batch_tokens, self.max_batch_tokens, placement) {
+            (n, _, _) if n > 0 => n,
+            (0, n, _) if n > 0 => n,
+            (_, _, Placement::Cuda) => AUTO_BATCH_TOKENS_CUDA,
+            (_, _, Placement::Cpu) => AUTO_BATCH_TOKENS_CPU,
+        }
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         if self.models.is_empty() {
             return Err("model_worker.models is empty".into());
@@ -214,10 +234,8 @@ impl ModelWorkerConfig {
         if self.max_concurrent_generations == 0 {
             return Err("model_worker.max_concurrent_generations must be positive".into());
         }
-        if self.max_batch == 0 || self.max_queue == 0 || self.max_batch_tokens == 0 {
-            return Err(
-                "model_worker.max_batch, max_batch_tokens and max_queue must be positive".into(),
-            );
+        if self.max_batch == 0 || self.max_queue == 0 {
+            return Err("model_worker.max_batch and max_queue must be positive".into());
         }
         self.tls.validate("model_worker")?;
         for a in &self.coordinators {
@@ -234,5 +252,30 @@ impl ModelWorkerConfig {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_tokens_come_from_the_model_then_the_worker_then_the_device() {
+        let mut cfg = ModelWorkerConfig::default();
+        let mut spec = cfg.models[0].clone();
+        assert_eq!(
+            cfg.batch_tokens(&spec, Placement::Cpu),
+            AUTO_BATCH_TOKENS_CPU
+        );
+        assert_eq!(
+            cfg.batch_tokens(&spec, Placement::Cuda),
+            AUTO_BATCH_TOKENS_CUDA
+        );
+        cfg.max_batch_tokens = 4096;
+        assert_eq!(cfg.batch_tokens(&spec, Placement::Cpu), 4096);
+        assert_eq!(cfg.batch_tokens(&spec, Placement::Cuda), 4096);
+        spec.max_batch_tokens = 1000;
+        assert_eq!(cfg.batch_tokens(&spec, Placement::Cuda), 1000);
+        assert!(cfg.validate().is_ok());
     }
 }

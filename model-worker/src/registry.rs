@@ -92,11 +92,7 @@ impl EncoderModel {
             } else {
                 cfg.max_batch
             },
-            max_batch_tokens: if spec.max_batch_tokens > 0 {
-                spec.max_batch_tokens
-            } else {
-                cfg.max_batch_tokens
-            },
+            max_batch_tokens: cfg.batch_tokens(spec, enc.placement()),
             max_wait: cfg.batch_wait,
             max_queue: cfg.max_queue,
             batching: cfg.batching,

@@ -127,7 +127,12 @@ async fn encoders_batching_and_rerank() -> Result<()> {
         .iter()
         .find(|m| m.kind == "embed")
         .context("embed model listed")?;
-    ensure!(embed.max_batch_tokens == 8192 && embed.max_sequence_length == 256);
+    // max_batch_tokens unset: chosen by device (model_worker.max_batch_tokens = 0).
+    let auto_tokens = if embed.device == "cuda" { 8192 } else { 2048 };
+    ensure!(
+        embed.max_batch_tokens == auto_tokens && embed.max_sequence_length == 256,
+        "{embed:?}"
+    );
 
     // Truncation is flagged per text.
     let long = "retrieval augmented generation ".repeat(400);
