@@ -256,6 +256,29 @@ async fn pass(
     Ok(summary)
 }
 
+/// The worker's embed model as it advertises itself: where it runs and the batch limits in
+/// effect (`max_batch_tokens` 0 in the config resolves by device), so a run says what it ran.
+async fn embed_model(worker: &str) -> Result<Value> {
+    use ragcluster_proto::v1::ListModelsRequest;
+    use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
+    let models = ModelWorkerClient::connect(worker.to_owned())
+        .await?
+        .list_models(ListModelsRequest {})
+        .await?
+        .into_inner()
+        .models;
+    let m = models
+        .into_iter()
+        .find(|m| m.kind == "embed")
+        .context("the model worker lists no embed model")?;
+    Ok(json!({
+        "name": m.name,
+        "device": m.device,
+        "max_batch": m.max_batch,
+        "max_batch_tokens": m.max_batch_tokens,
+    }))
+}
+
 /// `lines` (BEIR corpus rows) `copies` times over: copy k > 0 of each row with the id `ID~k`
 /// and the title `TITLE (k)`.
 fn copied(lines: &[&str], copies: usize) -> Result<String> {
@@ -320,6 +343,7 @@ pub async fn ingest_twice(cluster: &Cluster, o: &PipelineOptions<'_>) -> Result<
         eprintln!("model excluded: {r}");
         runs.push(r);
     }
+    let embed_model = embed_model(&cluster.model_worker.grpc).await?;
     let rate = |r: &Value| r["chunks_per_s"].as_f64().unwrap_or(0.0);
     let mut order: Vec<usize> = (0..runs.len()).collect();
     order.sort_by(|a, b| rate(&runs[*a]).total_cmp(&rate(&runs[*b])));
@@ -333,6 +357,7 @@ pub async fn ingest_twice(cluster: &Cluster, o: &PipelineOptions<'_>) -> Result<
         "shard_nodes": cluster.shards.len(),
         "batch": o.batch,
         "concurrency": o.concurrency,
+        "embed_model": embed_model,
         "with_model": with_model,
         "model_excluded": model_excluded,
         "model_excluded_chunks_per_s_each_pass": rates,
