@@ -307,11 +307,34 @@ pub fn python_with(modules: &str) -> Option<String> {
     })
 }
 
-/// A free loopback port (bound and released; good enough on a test machine).
+/// A free loopback port for a process that must be told its port up front (replicated
+/// coordinators list each other). It is bound and released, so something else may take it
+/// before the process binds it: taken below the kernel's ephemeral range (where port-0 binds
+/// and outgoing connections draw theirs, which once took a coordinator's port between the two
+/// binds) and never handed out twice by this process.
 pub fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+    use rand::Rng;
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    if ephemeral_low > 12_000 {
+        let mut rng = rand::rng();
+        for _ in 0..200 {
+            let port = rng.random_range(10_000..ephemeral_low);
+            if !given.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                given.push(port);
+                return Ok(port);
+            }
+        }
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
-        .port())
+        .port();
+    given.push(port);
+    Ok(port)
 }
 
 impl Cluster {
