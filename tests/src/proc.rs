@@ -259,10 +259,20 @@ impl Proc {
         }
     }
 
+    /// The last 30 lines of the log; a binary's final `Error:` (anyhow's exit message, whose
+    /// backtrace alone would fill those lines) comes first when it is further up.
     pub fn log_tail(&self) -> String {
         let s = std::fs::read_to_string(self.log()).unwrap_or_default();
         let lines: Vec<&str> = s.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
+        let from = lines.len().saturating_sub(30);
+        let tail = lines[from..].join("\n");
+        match lines.iter().rposition(|l| l.starts_with("Error:")) {
+            Some(i) if i < from => {
+                let cause = lines[i..(i + 6).min(from)].join("\n");
+                format!("{cause}\n  ...\n{tail}")
+            }
+            _ => tail,
+        }
     }
 
     /// SIGKILL: no chance to flush anything.
