@@ -28,7 +28,7 @@ use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
 use ragcluster_tests::metrics::{doc_ranking, ndcg_at, recall_at};
 use ragcluster_tests::scale::{
-    MODES, create_collection, embed_queries, perturbed_copies, qps, req, write_direct,
+    MODES, QPS_SECONDS, create_collection, embed_queries, perturbed_copies, qps, req, write_direct,
 };
 use ragcluster_tests::{
     BeirDoc, BeirQuery, Cluster, Proc, datasets_dir, percentile, read_jsonl, read_qrels,
@@ -503,7 +503,7 @@ async fn compare_latency(
             .zip(qvecs)
             .map(|(q, v)| req(coll, q, v, mode, fusion, 10))
             .collect();
-        let qps = qps(c, reqs, concurrency).await?;
+        let (qps, _) = qps(c, reqs, concurrency, QPS_SECONDS).await?;
         let v = &lat[name];
         let reference = match mode {
             SearchMode::Bm25 => t50,

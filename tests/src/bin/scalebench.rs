@@ -24,7 +24,7 @@ use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::*;
 use ragcluster_tests::scale::{
-    create_collection, embed_queries, perturbed_copies, qps, req, write_direct,
+    QPS_SECONDS, create_collection, embed_queries, perturbed_copies, qps, req, write_direct,
 };
 use ragcluster_tests::{BeirQuery, Cluster, datasets_dir, percentile, read_jsonl, read_qrels};
 use serde_json::{Map, Value, json};
@@ -41,6 +41,9 @@ struct Args {
     /// Clients in flight for the QPS figure.
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
+    /// Each QPS figure cycles through the queries for at least this long.
+    #[arg(long, default_value_t = QPS_SECONDS)]
+    qps_seconds: f64,
     /// Extra dense rows at these search breadths (request `ef_search`), for recall vs cost.
     #[arg(long, value_delimiter = ',', default_value = "128,256")]
     dense_ef: Vec<u32>,
@@ -174,14 +177,15 @@ async fn one_size(
             queries,
             qvecs,
             (mode, fusion, 0),
-            args.concurrency,
+            (args.concurrency, args.qps_seconds),
         )
         .await?;
         out.insert(name.into(), with_recall(row, mode, &exact, &top));
     }
     for &ef in &args.dense_ef {
         let dense = (SearchMode::Dense, "", ef);
-        let (row, top) = latency(&cluster, &mut c, queries, qvecs, dense, args.concurrency).await?;
+        let load = (args.concurrency, args.qps_seconds);
+        let (row, top) = latency(&cluster, &mut c, queries, qvecs, dense, load).await?;
         let row = with_recall(row, SearchMode::Dense, &exact, &top);
         out.insert(format!("dense_ef{ef}"), row);
     }
@@ -211,15 +215,15 @@ async fn one_size(
     Ok(Value::Object(out))
 }
 
-/// One client query by query (p50/p99), then `concurrency` clients (QPS); returns the row and
-/// the chunk ids each query got.
+/// One client query by query (p50/p99), then `concurrency` clients for at least `qps_seconds`
+/// (QPS and CPU per query); returns the row and the chunk ids each query got.
 async fn latency(
     cluster: &Cluster,
     c: &mut CoordinatorClient<Channel>,
     queries: &[BeirQuery],
     qvecs: &[Vec<f32>],
     (mode, fusion, ef): (SearchMode, &str, u32),
-    concurrency: usize,
+    (concurrency, qps_seconds): (usize, f64),
 ) -> Result<(Value, Vec<Vec<String>>)> {
     let req = |q: &BeirQuery, v: &[f32]| SearchRequest {
         ef_search: ef,
@@ -238,12 +242,11 @@ async fn latency(
     }
     let reqs: Vec<SearchRequest> = queries.iter().zip(qvecs).map(|(q, v)| req(q, v)).collect();
     let cpu_before = cluster.data_path_cpu_seconds();
-    let n = reqs.len();
-    let qps = qps(c, reqs, concurrency).await?;
+    let (qps, n) = qps(c, reqs, concurrency, qps_seconds).await?;
     // Coordinator + shard nodes CPU per query under load (the bench client is not counted).
     let cpu_ms = 1e3 * (cluster.data_path_cpu_seconds() - cpu_before) / n as f64;
     let row = json!({"p50_ms": percentile(&mut lat, 50.0), "p99_ms": percentile(&mut lat, 99.0),
-                     "qps": qps, "cpu_ms_per_query": cpu_ms});
+                     "qps": qps, "qps_queries": n, "cpu_ms_per_query": cpu_ms});
     Ok((row, top))
 }
 
