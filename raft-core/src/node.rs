@@ -81,6 +81,10 @@ pub struct RaftNode<L: LogStore, M: StateMachine> {
     read_seq: u64,
     /// Ticks since start (re-asks pending read indexes every heartbeat).
     ticks: u64,
+    /// The tick each peer was last heard from. raft-rs clears every follower's `recent_active`
+    /// at each check-quorum pass, so right after one it reads as if no peer were reachable;
+    /// membership checks also count a voter heard within an election timeout.
+    heard: HashMap<u64, u64>,
     /// Read-index answers waiting for the applied index to reach theirs.
     applied_reads: Vec<(u64, Reply<u64>)>,
     status: watch::Sender<Status>,
@@ -136,6 +140,7 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
             reads: HashMap::new(),
             read_seq: 0,
             ticks: 0,
+            heard: HashMap::new(),
             applied_reads: Vec::new(),
             status,
             last_leader: 0,
@@ -194,6 +199,9 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
     pub fn handle(&mut self, m: Msg<M::Response>) {
         match m {
             Msg::Raft(msg) => {
+                if msg.from != 0 {
+                    self.heard.insert(msg.from, self.ticks);
+                }
                 // Stale terms, unknown peers and the like are rejected by raft-rs itself.
                 if let Err(e) = self.raw.step(*msg) {
                     tracing::debug!(group = %self.opts.name, error = %e, "raft message ignored");
@@ -302,10 +310,18 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
                     let remaining: Vec<u64> =
                         cs.voters.iter().copied().filter(|v| *v != id).collect();
                     let prs = self.raw.raft.prs();
+                    let timeout = self.opts.election_ticks as u64;
+                    let heard = |v: u64| {
+                        self.heard
+                            .get(&v)
+                            .is_some_and(|t| self.ticks.saturating_sub(*t) <= timeout)
+                    };
                     let active = remaining
                         .iter()
                         .filter(|v| {
-                            **v == self.opts.id || prs.get(**v).is_some_and(|p| p.recent_active)
+                            **v == self.opts.id
+                                || prs.get(**v).is_some_and(|p| p.recent_active)
+                                || heard(**v)
                         })
                         .count();
                     if remaining.is_empty() || active < remaining.len() / 2 + 1 {
