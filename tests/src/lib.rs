@@ -20,7 +20,7 @@ pub mod workerload;
 
 pub use proc::Proc;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use ragcluster_proto::v1::admin_client::AdminClient;
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::{
@@ -305,6 +305,21 @@ pub fn python_with(modules: &str) -> Option<String> {
             .output()
             .is_ok_and(|o| o.status.success())
     })
+}
+
+/// The first embed model a model worker at `worker` lists (ListModels).
+pub async fn embed_model_info(worker: &str) -> Result<ragcluster_proto::v1::ModelInfo> {
+    use ragcluster_proto::v1::ListModelsRequest;
+    use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
+    ModelWorkerClient::connect(worker.to_owned())
+        .await?
+        .list_models(ListModelsRequest {})
+        .await?
+        .into_inner()
+        .models
+        .into_iter()
+        .find(|m| m.kind == "embed")
+        .context("the model worker lists no embed model")
 }
 
 /// A free loopback port for a process that must be told its port up front (replicated

@@ -259,18 +259,7 @@ async fn pass(
 /// The worker's embed model as it advertises itself: where it runs and the batch limits in
 /// effect (`max_batch_tokens` 0 in the config resolves by device), so a run says what it ran.
 async fn embed_model(worker: &str) -> Result<Value> {
-    use ragcluster_proto::v1::ListModelsRequest;
-    use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
-    let models = ModelWorkerClient::connect(worker.to_owned())
-        .await?
-        .list_models(ListModelsRequest {})
-        .await?
-        .into_inner()
-        .models;
-    let m = models
-        .into_iter()
-        .find(|m| m.kind == "embed")
-        .context("the model worker lists no embed model")?;
+    let m = crate::embed_model_info(worker).await?;
     Ok(json!({
         "name": m.name,
         "device": m.device,

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Result, ensure};
 use ragcluster_proto::v1::*;
 use ragcluster_tests::{Cluster, http_get, metric_sum, workspace};
 use tokio::sync::Mutex;
@@ -255,17 +255,7 @@ async fn embedding_cache(
     docs: Vec<Document>,
     chunks: u32,
 ) -> Result<()> {
-    let mut mw =
-        model_worker_client::ModelWorkerClient::connect(cluster.model_worker.grpc.clone()).await?;
-    let models = mw
-        .list_models(ListModelsRequest {})
-        .await?
-        .into_inner()
-        .models;
-    let mini = models
-        .iter()
-        .find(|m| m.kind == "embed")
-        .context("an embed model")?;
+    let mini = ragcluster_tests::embed_model_info(&cluster.model_worker.grpc).await?;
     ensure!(
         mini.revision.len() == 32 && mini.max_batch > 0,
         "revision {:?}, max_batch {}",
