@@ -34,6 +34,16 @@ pub struct EmbedOptions {
     pub cache_bytes: usize,
 }
 
+/// An Embed call refused for load is sent again for up to this many `timeout`s in all: other
+/// calls may take the room a refused one waited for, so one deadline is not always enough
+/// during a large ingest into a slow worker.
+const BACKLOG_WAIT_DEADLINES: u32 = 5;
+
+/// How long to wait before calling a worker that answered RESOURCE_EXHAUSTED again.
+fn backoff(retry_after_ms: u64) -> Duration {
+    Duration::from_millis(retry_after_ms.clamp(10, 5_000))
+}
+
 /// Texts per Embed call under `batch = 0` while no worker has told its limits.
 const FALLBACK_BATCH: usize = 32;
 /// Texts per Embed call at most (the worker's `MAX_TEXTS`).
@@ -457,18 +467,35 @@ impl Models {
         let out: Vec<(Vec<Vec<f32>>, String)> = stream::iter(batches)
             .map(|b| async move {
                 let refs: Vec<&str> = b.iter().map(String::as_str).collect();
-                let (r, _) = self
-                    .with_worker(model, tokens(&refs), |mut c| {
-                        let req = request(
-                            EmbedRequest {
-                                model: model.to_owned(),
-                                texts: b.clone(),
-                            },
-                            timeout,
-                        );
-                        async move { call("model worker", timeout, c.embed(req)).await }
-                    })
-                    .await?;
+                let started = Instant::now();
+                let r = loop {
+                    let r = self
+                        .with_worker(model, tokens(&refs), |mut c| {
+                            let req = request(
+                                EmbedRequest {
+                                    model: model.to_owned(),
+                                    texts: b.clone(),
+                                },
+                                timeout,
+                            );
+                            async move { call("model worker", timeout, c.embed(req)).await }
+                        })
+                        .await;
+                    // A worker with more queued than it can do within the deadline (or a
+                    // full queue) says when to come back: the call waits that out, for
+                    // `BACKLOG_WAIT_DEADLINES` deadlines in all, instead of failing the
+                    // whole request.
+                    match r {
+                        Err(CoordError::Overloaded { retry_after_ms, .. })
+                            if started.elapsed() + backoff(retry_after_ms)
+                                < timeout * BACKLOG_WAIT_DEADLINES =>
+                        {
+                            metrics::counter!("coordinator_embed_backlog_waits_total").increment(1);
+                            tokio::time::sleep(backoff(retry_after_ms)).await;
+                        }
+                        r => break r?.0,
+                    }
+                };
                 let vectors = r.embeddings.into_iter().map(|e| e.values).collect();
                 Ok::<_, CoordError>((vectors, r.revision))
             })

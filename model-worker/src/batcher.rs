@@ -17,11 +17,19 @@
 //! request queued before it (seconds on CPU); now it waits for at most one pass. Bulk requests
 //! keep their order, and at least every other pass is theirs.
 //!
+//! A bulk request whose caller set a deadline is refused up front (RESOURCE_EXHAUSTED, with
+//! a retry hint of when enough of the queue should be done) when the bulk work queued ahead
+//! of it would take more than three quarters of that deadline at the encoder's measured rate: an ingest
+//! sending more than a CPU encoder can do within the deadline gets told to wait, instead of
+//! every call timing out after the whole deadline (and the encoder computing answers nobody
+//! waits for any more). Small requests skip ahead of bulk ones and are never refused for it.
+//!
 //! With `batching = false` every request runs alone (its own texts still form one batch):
 //! the baseline the benchmark compares against.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -61,9 +69,17 @@ type Reply = oneshot::Sender<Result<Vec<Vec<f32>>, ModelError>>;
 struct Job {
     seqs: Vec<Seq>,
     tokens: usize,
+    /// May skip ahead of bulk requests (`BatchConfig::is_small`).
+    small: bool,
     reply: Reply,
     enqueued: Instant,
 }
+
+/// A bulk request is admitted while the queued bulk work takes at most this share of its
+/// deadline (the rest covers the round in progress and a rate that moves).
+const ADMIT_SHARE: f64 = 0.75;
+/// How far the measured rate follows each round (exponential moving average).
+const RATE_WEIGHT: f64 = 0.3;
 
 /// The waiting requests. A queue of our own rather than a channel: the encoder thread takes
 /// small requests out of the middle of it, and `max_queue` counts exactly what waits.
@@ -72,11 +88,15 @@ struct Queue {
     cap: usize,
     state: Mutex<QueueState>,
     ready: Condvar,
+    /// Tokens the encoder computes per second of rounds (f64 bits; 0: not measured yet).
+    rate: AtomicU64,
 }
 
 #[derive(Default)]
 struct QueueState {
     jobs: VecDeque<Job>,
+    /// Tokens of the bulk requests waiting.
+    bulk_tokens: usize,
     /// The `Batcher` was dropped: the encoder thread ends once the queue is empty.
     closed: bool,
 }
@@ -86,10 +106,28 @@ impl Queue {
         metrics::gauge!("model_queue_depth", "model" => self.name.clone()).set(depth as f64);
     }
 
-    fn push(&self, job: Job) -> Result<(), ModelError> {
+    fn push(&self, job: Job, deadline: Option<Duration>) -> Result<(), ModelError> {
         let mut s = self.state.lock();
         if s.jobs.len() >= self.cap {
             return Err(ModelError::Overloaded(self.name.clone()));
+        }
+        if let (false, Some(d), Some(rate)) = (job.small, deadline, self.rate()) {
+            // Alone in the queue a request is always taken, however long it is.
+            let wait = (s.bulk_tokens + job.tokens) as f64 / rate;
+            let budget = d.as_secs_f64() * ADMIT_SHARE;
+            if s.bulk_tokens > 0 && wait > budget {
+                metrics::counter!("model_backlog_refusals_total", "model" => self.name.clone())
+                    .increment(1);
+                return Err(ModelError::Backlog {
+                    model: self.name.clone(),
+                    wait_ms: (wait * 1e3) as u64,
+                    deadline_ms: d.as_millis() as u64,
+                    retry_after_ms: ((wait - budget) * 1e3).clamp(50.0, 10_000.0) as u64,
+                });
+            }
+        }
+        if !job.small {
+            s.bulk_tokens += job.tokens;
         }
         s.jobs.push_back(job);
         self.gauge(s.jobs.len());
@@ -102,7 +140,7 @@ impl Queue {
     fn pop(&self) -> Option<Job> {
         let mut s = self.state.lock();
         loop {
-            if let Some(j) = s.jobs.pop_front() {
+            if let Some(j) = s.pop_front() {
                 self.gauge(s.jobs.len());
                 return Some(j);
             }
@@ -117,7 +155,7 @@ impl Queue {
     fn pop_until(&self, deadline: Instant) -> Option<Job> {
         let mut s = self.state.lock();
         loop {
-            if let Some(j) = s.jobs.pop_front() {
+            if let Some(j) = s.pop_front() {
                 self.gauge(s.jobs.len());
                 return Some(j);
             }
@@ -136,7 +174,7 @@ impl Queue {
         let mut i = 0;
         while i < s.jobs.len() {
             let j = &s.jobs[i];
-            if cfg.is_small(j.seqs.len(), j.tokens)
+            if j.small
                 && seqs + j.seqs.len() <= cfg.max_batch
                 && tokens + j.tokens <= cfg.max_batch_tokens
             {
@@ -157,11 +195,42 @@ impl Queue {
         self.state.lock().closed = true;
         self.ready.notify_all();
     }
+
+    /// The measured rate in tokens per second, once there is one.
+    fn rate(&self) -> Option<f64> {
+        let r = f64::from_bits(self.rate.load(Ordering::Relaxed));
+        (r > 0.0).then_some(r)
+    }
+
+    /// Folds a round of `tokens` computed in `took` into the rate.
+    fn observe(&self, tokens: usize, took: Duration) {
+        let secs = took.as_secs_f64();
+        if tokens == 0 || secs < 1e-4 {
+            return;
+        }
+        let now = tokens as f64 / secs;
+        let r = match self.rate() {
+            Some(old) => old + RATE_WEIGHT * (now - old),
+            None => now,
+        };
+        self.rate.store(r.to_bits(), Ordering::Relaxed);
+    }
+}
+
+impl QueueState {
+    fn pop_front(&mut self) -> Option<Job> {
+        let j = self.jobs.pop_front()?;
+        if !j.small {
+            self.bulk_tokens -= j.tokens;
+        }
+        Some(j)
+    }
 }
 
 /// Handle to one model's queue and encoder thread.
 pub struct Batcher {
     queue: Arc<Queue>,
+    cfg: BatchConfig,
 }
 
 impl Drop for Batcher {
@@ -177,32 +246,42 @@ impl Batcher {
             cap: cfg.max_queue.max(1),
             state: Mutex::new(QueueState::default()),
             ready: Condvar::new(),
+            rate: AtomicU64::new(0),
         });
         {
             let queue = queue.clone();
             let name = name.clone();
+            let cfg = cfg.clone();
             std::thread::Builder::new()
                 .name(format!("encode-{name}"))
                 .spawn(move || Worker { name, backend, cfg }.run(&queue))
                 .expect("spawn encoder thread");
         }
-        Self { queue }
+        Self { queue, cfg }
     }
 
     /// Queues the sequences and waits for one output per sequence, in order. Dropping the
-    /// future (a cancelled RPC) drops the request from the queue.
-    pub async fn run(&self, seqs: Vec<Seq>) -> Result<Vec<Vec<f32>>, ModelError> {
+    /// future (a cancelled RPC) drops the request from the queue. `deadline`: how long the
+    /// caller waits (its gRPC deadline), for the backlog check.
+    pub async fn run(
+        &self,
+        seqs: Vec<Seq>,
+        deadline: Option<Duration>,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         if seqs.is_empty() {
             return Ok(Vec::new());
         }
         let (reply, rx) = oneshot::channel();
         let tokens = seqs.iter().map(|s| s.ids.len()).sum();
-        self.queue.push(Job {
+        let small = self.cfg.is_small(seqs.len(), tokens);
+        let job = Job {
             seqs,
             tokens,
+            small,
             reply,
             enqueued: Instant::now(),
-        })?;
+        };
+        self.queue.push(job, deadline)?;
         rx.await
             .map_err(|_| ModelError::Inference("encoder dropped the request".into()))?
     }
@@ -265,9 +344,14 @@ impl Worker {
     /// Computes `jobs`: the small ones first, then the rest, taking small requests queued
     /// meanwhile between two passes over the rest.
     fn round(&mut self, jobs: Vec<Job>, queue: &Queue) {
-        let (small, bulk): (Vec<Job>, Vec<Job>) = jobs
-            .into_iter()
-            .partition(|j| self.cfg.is_small(j.seqs.len(), j.tokens));
+        let started = Instant::now();
+        // What will be computed: callers that went away are skipped.
+        let tokens = jobs
+            .iter()
+            .filter(|j| !j.reply.is_closed())
+            .map(|j| j.tokens)
+            .sum();
+        let (small, bulk): (Vec<Job>, Vec<Job>) = jobs.into_iter().partition(|j| j.small);
         if !small.is_empty() {
             self.compute(small, None);
         }
@@ -275,6 +359,7 @@ impl Worker {
             let between = (self.cfg.batching && self.cfg.small_first).then_some(queue);
             self.compute(bulk, between);
         }
+        queue.observe(tokens, started.elapsed());
     }
 
     /// Packs the jobs' sequences into passes (longest first) and answers each job when its
@@ -435,7 +520,7 @@ mod tests {
         // the test must not depend on thread scheduling.
         let blocker = {
             let b = b.clone();
-            tokio::spawn(async move { b.run(vec![seq(BLOCKER)]).await })
+            tokio::spawn(async move { b.run(vec![seq(BLOCKER)], None).await })
         };
         // (Were it merged into their round instead, it would still run first and alone: 99
         // tokens fill the 100-token budget.)
@@ -444,7 +529,7 @@ mod tests {
         let calls = jobs.iter().map(|lens| {
             let b = b.clone();
             let seqs: Vec<Seq> = lens.iter().map(|&l| seq(l)).collect();
-            async move { b.run(seqs).await }
+            async move { b.run(seqs, None).await }
         });
         let out = futures::future::join_all(calls).await;
         for (lens, got) in jobs.iter().zip(out) {
@@ -488,7 +573,7 @@ mod tests {
         ));
         let calls = (0..4).map(|_| {
             let b = b.clone();
-            async move { b.run(vec![seq(3), seq(2)]).await }
+            async move { b.run(vec![seq(3), seq(2)], None).await }
         });
         for r in futures::future::join_all(calls).await {
             r.unwrap();
@@ -526,7 +611,10 @@ mod tests {
             tokio::spawn(async move {
                 tokio::time::sleep(Duration::from_millis(after_ms)).await;
                 let t = Instant::now();
-                let out = b.run(lens.iter().map(|&l| seq(l)).collect()).await.unwrap();
+                let out = b
+                    .run(lens.iter().map(|&l| seq(l)).collect(), None)
+                    .await
+                    .unwrap();
                 let got: Vec<usize> = out.into_iter().map(|v| v[0] as usize).collect();
                 assert_eq!(got, lens);
                 t.elapsed()
@@ -581,7 +669,7 @@ mod tests {
         ));
         let blocker = {
             let b = b.clone();
-            tokio::spawn(async move { b.run(vec![seq(BLOCKER)]).await })
+            tokio::spawn(async move { b.run(vec![seq(BLOCKER)], None).await })
         };
         tokio::time::sleep(Duration::from_millis(50)).await;
         (b, seen, blocker)
@@ -594,10 +682,10 @@ mod tests {
         // Both wait behind the blocker; the bulk one was queued first.
         let bulk = {
             let b = b.clone();
-            tokio::spawn(async move { b.run(vec![seq(30); 5]).await })
+            tokio::spawn(async move { b.run(vec![seq(30); 5], None).await })
         };
         tokio::time::sleep(Duration::from_millis(20)).await;
-        b.run(vec![seq(4), seq(2)]).await.unwrap();
+        b.run(vec![seq(4), seq(2)], None).await.unwrap();
         bulk.await.unwrap().unwrap();
         blocker.await.unwrap().unwrap();
         let batches = seen.lock().unwrap().clone();
@@ -616,11 +704,11 @@ mod tests {
             .into_iter()
             .map(|seqs| {
                 let b = b.clone();
-                tokio::spawn(async move { b.run(seqs).await })
+                tokio::spawn(async move { b.run(seqs, None).await })
             })
             .collect();
         tokio::time::sleep(Duration::from_millis(50)).await;
-        match b.run(vec![seq(2)]).await {
+        match b.run(vec![seq(2)], None).await {
             Err(ModelError::Overloaded(_)) => {}
             other => panic!("expected a refusal, got {other:?}"),
         }
@@ -629,6 +717,63 @@ mod tests {
         }
         blocker.await.unwrap().unwrap();
         // Room again once they are done.
-        b.run(vec![seq(2)]).await.unwrap();
+        b.run(vec![seq(2)], None).await.unwrap();
+    }
+
+    /// Takes 1 ms per token of each pass: a known rate (~1,000 tokens/s) for the backlog check.
+    struct Paced;
+
+    impl Encoder for Paced {
+        fn forward(&mut self, batch: &[&Seq]) -> Result<Vec<Vec<f32>>, ModelError> {
+            let tokens: usize = batch.iter().map(|s| s.ids.len()).sum();
+            std::thread::sleep(Duration::from_millis(tokens as u64));
+            Ok(batch.iter().map(|s| vec![s.ids.len() as f32]).collect())
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bulk_work_past_half_a_deadline_is_refused_with_a_hint() {
+        let b = Arc::new(Batcher::start(
+            "t".into(),
+            Box::new(Paced),
+            config(8, 200, 16),
+        ));
+        let short = Some(Duration::from_millis(200));
+        // No rate measured yet: nothing is refused for a backlog.
+        b.run(vec![seq(100)], short).await.unwrap();
+        // Measured now (~1,000 tokens/s). A 150 ms pass holds the encoder while the queue fills.
+        let queue = |seqs: Vec<Seq>, deadline: Option<Duration>| {
+            let b = b.clone();
+            tokio::spawn(async move { b.run(seqs, deadline).await })
+        };
+        let busy = queue(vec![seq(150)], None);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Alone in the queue: taken although 160 tokens outlast 3/4 of 200 ms.
+        let alone = queue(vec![seq(40); 4], short);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        // 250 tokens ahead would take ~250 ms: refused, with a hint of when there is room.
+        match b.run(vec![seq(30); 3], short).await {
+            Err(ModelError::Backlog {
+                wait_ms,
+                deadline_ms: 200,
+                retry_after_ms,
+                ..
+            }) => {
+                assert!((200..450).contains(&wait_ms), "{wait_ms}");
+                assert!((50..300).contains(&retry_after_ms), "{retry_after_ms}");
+            }
+            other => panic!("expected a backlog refusal, got {other:?}"),
+        }
+        // Taken: no deadline, a deadline long enough, a small request whatever its deadline.
+        let waiting = [
+            queue(vec![seq(30); 3], None),
+            queue(vec![seq(30); 3], Some(Duration::from_secs(10))),
+            queue(vec![seq(3)], Some(Duration::from_millis(1))),
+        ];
+        for w in waiting {
+            w.await.unwrap().unwrap();
+        }
+        alone.await.unwrap().unwrap();
+        busy.await.unwrap().unwrap();
     }
 }

@@ -16,6 +16,18 @@ pub enum ModelError {
     InvalidArgument(String),
     #[error("queue of model {0} is full")]
     Overloaded(String),
+    /// The work queued ahead would outlast the caller's deadline: refused up front rather
+    /// than computed for nobody (`retry_after_ms`: when enough of it should be done).
+    #[error(
+        "model {model}: {wait_ms} ms of queued work ahead, over 3/4 of the request's deadline \
+         of {deadline_ms} ms"
+    )]
+    Backlog {
+        model: String,
+        wait_ms: u64,
+        deadline_ms: u64,
+        retry_after_ms: u64,
+    },
     #[error("inference failed: {0}")]
     Inference(String),
     /// A remote generation server could not be reached or failed.
@@ -35,20 +47,19 @@ impl From<ModelError> for Status {
             ModelError::Load { .. } | ModelError::Inference(_) => Code::Internal,
             ModelError::UnknownModel(_) => Code::NotFound,
             ModelError::InvalidArgument(_) => Code::InvalidArgument,
-            ModelError::Overloaded(_) => Code::ResourceExhausted,
+            ModelError::Overloaded(_) | ModelError::Backlog { .. } => Code::ResourceExhausted,
             ModelError::Unavailable(_) => Code::Unavailable,
         };
-        let mut s = Status::new(code, e.to_string());
-        let retry = match code {
-            Code::ResourceExhausted => Some("50"),
-            Code::Unavailable => Some("1000"),
+        let retry = match (&e, code) {
+            (ModelError::Backlog { retry_after_ms, .. }, _) => Some(*retry_after_ms),
+            (_, Code::ResourceExhausted) => Some(50),
+            (_, Code::Unavailable) => Some(1000),
             _ => None,
         };
+        let mut s = Status::new(code, e.to_string());
         if let Some(ms) = retry {
-            s.metadata_mut().insert(
-                "retry-after-ms",
-                tonic::metadata::MetadataValue::from_static(ms),
-            );
+            s.metadata_mut()
+                .insert("retry-after-ms", tonic::metadata::MetadataValue::from(ms));
         }
         s
     }

@@ -56,7 +56,9 @@ impl From<ModelError> for ApiError {
         let (code, kind) = match &e {
             ModelError::InvalidArgument(_) => (StatusCode::BAD_REQUEST, "invalid_request_error"),
             ModelError::UnknownModel(_) => (StatusCode::NOT_FOUND, "model_not_found"),
-            ModelError::Overloaded(_) => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded"),
+            ModelError::Overloaded(_) | ModelError::Backlog { .. } => {
+                (StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded")
+            }
             ModelError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "server_error"),
             ModelError::Load { .. } | ModelError::Inference(_) => {
                 (StatusCode::INTERNAL_SERVER_ERROR, "server_error")
@@ -105,7 +107,7 @@ async fn embeddings(
         _ => return Err(bad("input must be a string or a list of strings")),
     };
     let out = reg
-        .embed(v["model"].as_str().unwrap_or_default(), texts)
+        .embed(v["model"].as_str().unwrap_or_default(), texts, None)
         .await?;
     let data: Vec<Value> = out
         .vectors

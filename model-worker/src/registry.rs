@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use ragcluster_proto::v1::{GenerateRequest, GenerateResponse, ModelInfo};
 use tokio::sync::{Semaphore, mpsc};
@@ -306,13 +307,20 @@ impl Registry {
             .ok_or_else(|| ModelError::UnknownModel(name.to_owned()))
     }
 
-    pub async fn embed(&self, model: &str, texts: Vec<String>) -> Result<Embedded, ModelError> {
+    /// `deadline`: how long the caller waits (its gRPC deadline), so that a backlog longer
+    /// than that is refused up front (see `batcher`).
+    pub async fn embed(
+        &self,
+        model: &str,
+        texts: Vec<String>,
+        deadline: Option<Duration>,
+    ) -> Result<Embedded, ModelError> {
         let (name, m) = Self::pick(&self.embedders, &self.default_embed, model, "embed")?;
         check_texts("texts", &texts)?;
         let seqs = self.tokenize.texts(&name, &m.tokenizer, texts).await?;
         let tokens = seqs.iter().map(|s| s.ids.len()).sum();
         let truncated = truncated(&seqs);
-        let vectors = m.batcher.run(seqs).await?;
+        let vectors = m.batcher.run(seqs, deadline).await?;
         Ok(Embedded {
             model: name,
             dim: m.dim,
@@ -346,7 +354,7 @@ impl Registry {
                     .pairs(&name, &enc.tokenizer, query, passages)
                     .await?;
                 let t = truncated(&seqs);
-                let out = enc.batcher.run(seqs).await?;
+                let out = enc.batcher.run(seqs, None).await?;
                 (out.into_iter().map(|v| v[0]).collect(), t)
             }
             Reranker::MaxSim(enc) => {
@@ -355,7 +363,7 @@ impl Registry {
                 texts.extend(passages);
                 let seqs = self.tokenize.texts(&name, &enc.tokenizer, texts).await?;
                 let t = truncated(&seqs[1..]);
-                let out = enc.batcher.run(seqs).await?;
+                let out = enc.batcher.run(seqs, None).await?;
                 let q = &out[0];
                 let scores = out[1..].iter().map(|d| maxsim(q, d, enc.dim)).collect();
                 (scores, t)

@@ -27,8 +27,9 @@ type GenStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + S
 #[tonic::async_trait]
 impl ModelWorker for ModelWorkerService {
     async fn embed(&self, req: Request<EmbedRequest>) -> Result<Response<EmbedResponse>, Status> {
+        let deadline = ragcluster_common::server::grpc_timeout(req.metadata());
         let r = req.into_inner();
-        let out = self.reg.embed(&r.model, r.texts).await?;
+        let out = self.reg.embed(&r.model, r.texts, deadline).await?;
         Ok(Response::new(EmbedResponse {
             model: out.model,
             dimension: out.dim as u32,

@@ -249,15 +249,20 @@ fn retry_hint(s: &tonic::Status) -> Option<Duration> {
 /// at 128, because each call costs every shard it touches a write of its own.
 pub const DEFAULT_BATCH: usize = 128;
 
-/// Total time one batch may spend waiting out refusals before the upload fails.
+/// How long refusals may go on with no batch of the upload acknowledged before it fails. Not
+/// per batch: while others go through, a batch refused for load (a slow model worker's
+/// backlog) is the cluster asking it to wait its turn, not a failure.
 const RETRY_BUDGET: Duration = Duration::from_secs(120);
+
+/// When a batch of the upload was last acknowledged (or the upload started).
+type Progress = parking_lot::Mutex<Instant>;
 
 async fn send(
     mut c: CoordinatorClient<KeyedChannel>,
     collection: &str,
     documents: Vec<Document>,
+    progress: &Progress,
 ) -> Result<(UpsertDocumentsResponse, u64)> {
-    let started = Instant::now();
     let mut retries = 0;
     loop {
         let req = UpsertDocumentsRequest {
@@ -265,9 +270,12 @@ async fn send(
             documents: documents.clone(),
         };
         match c.upsert_documents(req).await {
-            Ok(r) => return Ok((r.into_inner(), retries)),
+            Ok(r) => {
+                *progress.lock() = Instant::now();
+                return Ok((r.into_inner(), retries));
+            }
             Err(s) => match retry_hint(&s) {
-                Some(wait) if started.elapsed() + wait < RETRY_BUDGET => {
+                Some(wait) if progress.lock().elapsed() + wait < RETRY_BUDGET => {
                     retries += 1;
                     tokio::time::sleep(wait).await;
                 }
@@ -301,11 +309,13 @@ pub async fn upload(
         docs.peek()?;
         Some(docs.by_ref().take(batch.max(1)).collect::<Result<Vec<_>>>())
     });
+    let progress = Progress::new(started);
+    let progress = &progress;
     let mut calls = stream::iter(batches)
         .map(|b| async move {
             let b = b?;
             let n = b.len() as u64;
-            let (r, retries) = send(client.clone(), collection, b).await?;
+            let (r, retries) = send(client.clone(), collection, b, progress).await?;
             Ok::<_, anyhow::Error>((n, r, retries))
         })
         .buffer_unordered(concurrency.max(1));
