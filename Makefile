@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-tokenize bench-ingest bench-chunking bench-sampling
+.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-engines bench-tokenize bench-ingest bench-chunking bench-sampling
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -67,6 +67,14 @@ bench-hnsw: bench-chunks ## the HNSW walk in process at 100k: portable vs AVX2 d
 
 bench-scale: bench-chunks ## scale curve 10k / 100k / 1M chunks: ingest, p50/p99/QPS per mode, recall, RAM and disk per chunk
 	$(BIN)/scalebench --sizes 10000,100000,1000000 --out bench-out/scale.json
+
+# A Python with tantivy-py and qdrant-edge-py: `bash scripts/setup-bench-python.sh --engines`.
+ENGINES_PYTHON ?= $(HOME)/.cache/engines-venv/bin/python
+
+bench-engines: bench-chunks ## whole SciFact at 1 and 3 shards, then 100k dense, each beside tantivy-py and the Qdrant engine in process
+	$(BIN)/scalebench --sizes 11235 --shards 1 --engines $(ENGINES_PYTHON) --out bench-out/engines-1shard.json
+	$(BIN)/scalebench --sizes 11235 --shards 3 --engines $(ENGINES_PYTHON) --out bench-out/engines-3shards.json
+	$(BIN)/scalebench --sizes 100000 --dense-only-above 11235 --dense-ef 64,128 --engines $(ENGINES_PYTHON) --out bench-out/engines-100k.json
 
 bench-security: build ## search latency/QPS and new connections: plaintext vs mutual TLS + API keys
 	$(BIN)/securitybench

@@ -8,6 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 pub mod decodeprof;
+pub mod engines;
 pub mod inproc;
 pub mod llama;
 pub mod load;

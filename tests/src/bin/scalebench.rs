@@ -12,6 +12,12 @@
 //!   at each `--dense-ef`;
 //! - RAM (resident set of the shard nodes) and disk (their data directories) per chunk.
 //!
+//! With `--engines PYTHON` (a Python with qdrant-edge-py and tantivy: `bash
+//! scripts/setup-bench-python.sh --engines`), each size's corpus, queries and exact top 10 are
+//! also handed to `scripts/engines_bench.py` once the cluster is stopped: tantivy-py and the
+//! Qdrant engine measured in process on the same machine in the same run, with ratios
+//! (`vs_engines`: ragcluster's figure over the engine's).
+//!
 //! `cargo run --release -p ragcluster-tests --bin scalebench -- --chunks bench-out/scifact-chunks.pb --sizes 10000,100000,1000000`
 
 use std::path::PathBuf;
@@ -26,7 +32,9 @@ use ragcluster_proto::v1::*;
 use ragcluster_tests::scale::{
     QPS_SECONDS, create_collection, embed_queries, perturbed_copies, qps, req, write_direct,
 };
-use ragcluster_tests::{BeirQuery, Cluster, datasets_dir, percentile, read_jsonl, read_qrels};
+use ragcluster_tests::{
+    BeirQuery, Cluster, datasets_dir, engines, percentile, read_jsonl, read_qrels,
+};
 use serde_json::{Map, Value, json};
 use shard_node::index::distance::dot;
 use tonic::transport::Channel;
@@ -66,6 +74,10 @@ struct Args {
     /// Shards of the collection (each on its own shard node up to three).
     #[arg(long, default_value_t = 3)]
     shards: u32,
+    /// A Python with qdrant-edge-py and tantivy: run `scripts/engines_bench.py` on each size's
+    /// corpus after the cluster's figures, for side-by-side rows.
+    #[arg(long)]
+    engines: Option<PathBuf>,
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -94,13 +106,21 @@ async fn main() -> Result<()> {
     let mut qvecs: Vec<Vec<f32>> = Vec::new();
     for &n in &args.sizes {
         let started = Instant::now();
-        let row = one_size(&args, &real, n, &queries, &mut qvecs).await?;
+        let (mut row, exact) = one_size(&args, &real, n, &queries, &mut qvecs).await?;
+        if let Some(python) = &args.engines {
+            compare(
+                python,
+                &args,
+                &mut row,
+                (&real, n),
+                (&queries, &qvecs, &exact),
+            )?;
+        }
         eprintln!(
             "{n} chunks: {} ({:.0} s in all)",
             serde_json::to_string(&row)?,
             started.elapsed().as_secs_f64()
         );
-        let mut row = row;
         row["bench_wall_s"] = json!(started.elapsed().as_secs_f64());
         report.insert(n.to_string(), row);
     }
@@ -118,7 +138,7 @@ async fn one_size(
     n: usize,
     queries: &[BeirQuery],
     qvecs: &mut Vec<Vec<f32>>,
-) -> Result<Value> {
+) -> Result<(Value, Vec<Vec<String>>)> {
     let chunks = perturbed_copies(real, n);
     let cluster = Cluster::start(3)?;
     if qvecs.is_empty() {
@@ -212,7 +232,37 @@ async fn one_size(
         "shard_nodes_rss_bytes".into(),
         json!({"idle": idle_rss, "loaded": rss}),
     );
-    Ok(Value::Object(out))
+    Ok((Value::Object(out), exact))
+}
+
+/// The engines' rows for the same corpus and queries (`--engines`), measured once the size's
+/// cluster has stopped, under `row["engines"]`, with ours-over-theirs in `row["vs_engines"]`.
+fn compare(
+    python: &std::path::Path,
+    args: &Args,
+    row: &mut Value,
+    (real, n): (&[Chunk], usize),
+    (queries, qvecs, exact): (&[BeirQuery], &[Vec<f32>], &[Vec<String>]),
+) -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    engines::export(
+        dir.path(),
+        &perturbed_copies(real, n),
+        queries,
+        qvecs,
+        exact,
+    )?;
+    let load = engines::Load {
+        concurrency: args.concurrency,
+        qps_seconds: args.qps_seconds,
+        dense_ef: &args.dense_ef,
+        dense_only: n > args.dense_only_above,
+    };
+    let theirs = engines::run(python, dir.path(), &load)?;
+    row["vs_engines"] = engines::ratios(row, &theirs);
+    row["engines"] = theirs;
+    eprintln!("{n} chunks, vs engines: {}", row["vs_engines"]);
+    Ok(())
 }
 
 /// One client query by query (p50/p99), then `concurrency` clients for at least `qps_seconds`
