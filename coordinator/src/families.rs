@@ -116,6 +116,11 @@ fn model_calls() -> Vec<Family> {
             "model calls moved to another worker after one failed",
         ),
         (
+            "coordinator_embed_backlog_waits_total",
+            Counter,
+            "Embed calls sent again after a worker's load refusal and its retry hint",
+        ),
+        (
             "coordinator_embed_cache_hits_total",
             Counter,
             "texts whose embedding came from the embedding cache",

@@ -19,6 +19,11 @@ pub fn all() -> Vec<Family> {
             Counter,
             "small requests computed between two passes over bulk ones",
         ),
+        (
+            "model_backlog_refusals_total",
+            Counter,
+            "bulk requests refused because the work queued ahead outlasts their deadline",
+        ),
         ("model_batch_size", Histogram, "requests per device batch"),
         ("model_batch_tokens", Histogram, "tokens per device batch"),
         (
