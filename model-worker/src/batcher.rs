@@ -19,10 +19,10 @@
 //!
 //! A bulk request whose caller set a deadline is refused up front (RESOURCE_EXHAUSTED, with
 //! a retry hint of when enough of the queue should be done) when the bulk work queued ahead
-//! of it would take more than three quarters of that deadline at the encoder's measured rate: an ingest
-//! sending more than a CPU encoder can do within the deadline gets told to wait, instead of
-//! every call timing out after the whole deadline (and the encoder computing answers nobody
-//! waits for any more). Small requests skip ahead of bulk ones and are never refused for it.
+//! of it would take more than three quarters of that deadline at the encoder's measured rate:
+//! an ingest sending more than a CPU encoder can do within the deadline gets told to wait,
+//! instead of every call timing out after the whole deadline (and the encoder computing
+//! answers nobody waits for any more). Small requests skip ahead of bulk ones and are never refused for it.
 //!
 //! With `batching = false` every request runs alone (its own texts still form one batch):
 //! the baseline the benchmark compares against.
@@ -732,7 +732,7 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn bulk_work_past_half_a_deadline_is_refused_with_a_hint() {
+    async fn bulk_work_past_most_of_a_deadline_is_refused_with_a_hint() {
         let b = Arc::new(Batcher::start(
             "t".into(),
             Box::new(Paced),
