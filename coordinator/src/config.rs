@@ -338,6 +338,48 @@ impl CoordinatorConfig {
     }
 }
 
+/// The coordinator's command-line flags, over `[coordinator]` (a set one wins over the file and
+/// the environment); shared by the binaries that run a coordinator.
+#[derive(Debug, Default, clap::Args, Serialize)]
+pub struct CoordinatorFlags {
+    /// gRPC listen address (coordinator.listen).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    listen: Option<String>,
+    /// Catalog directory (coordinator.data_dir).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data_dir: Option<PathBuf>,
+    /// Shard node addresses, comma separated (coordinator.shard_nodes).
+    #[arg(long, value_delimiter = ',')]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    shard_nodes: Option<Vec<String>>,
+    /// Model worker address (coordinator.model_worker).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model_worker: Option<String>,
+    /// tokenizer.json of the embedding model (coordinator.embedding_tokenizer).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    embedding_tokenizer: Option<PathBuf>,
+    /// Raft id of this coordinator in the catalog group (coordinator.node_id).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    node_id: Option<u64>,
+    /// All coordinators as ID=URL, comma separated (coordinator.peers).
+    #[arg(long, value_delimiter = ',')]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    peers: Option<Vec<String>>,
+    /// Flow file for Ask (coordinator.flows_file); default: the shipped example flows.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    flows_file: Option<PathBuf>,
+    /// Write the bound addresses here as JSON (coordinator.port_file).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    port_file: Option<PathBuf>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -158,6 +158,11 @@ fn shard_calls() -> Vec<Family> {
             "calls on Shard.Reads streams given up before their reply (a cancel sent to the node)",
         ),
         (
+            "coordinator_colocated_calls_total",
+            Counter,
+            "shard calls served by the shard node in this process (colocated binary), no network hop",
+        ),
+        (
             "coordinator_write_retries_total",
             Counter,
             "shard write attempts retried (leader moved, node down)",

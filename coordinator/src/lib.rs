@@ -10,9 +10,9 @@
 //! - `service`: the gRPC edge (authentication, admission, forwarding to the catalog leader,
 //!   wire <-> domain conversions); `server`: the composition root.
 //!
-//! It talks to shard nodes and model workers only over gRPC (or a test's in-process
-//! connector), never through their crates; it must not depend on `shard-node` or
-//! `model-worker`.
+//! It talks to shard nodes and model workers only over gRPC or through its own `ShardNode`
+//! trait (implemented in process by the `colocated` crate and the tests), never through their
+//! crates; it must not depend on `shard-node` or `model-worker`.
 
 pub mod auth;
 pub mod catalog;
@@ -39,4 +39,4 @@ pub mod service;
 pub mod shards;
 
 pub use config::CoordinatorConfig;
-pub use server::{run, run_with};
+pub use server::{run, run_colocated, run_with};

@@ -25,7 +25,8 @@ use crate::rebalance::Rebalancer;
 use crate::search::Searcher;
 use crate::service::forward::Forwarder;
 use crate::service::{AdminService, CatalogPeerService, CoordinatorService, MembershipService};
-use crate::shards::{Connector, GrpcConnector, Shards};
+use crate::shards::local::ColocatedConnector;
+use crate::shards::{Connector, GrpcConnector, ShardNode, Shards};
 
 /// Serves the Coordinator and Admin services until `shutdown` resolves, reaching shard nodes
 /// over gRPC.
@@ -44,9 +45,55 @@ pub async fn run_with(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     connector: Option<Arc<dyn Connector>>,
 ) -> anyhow::Result<()> {
-    let tls = ragcluster_common::tls::Tls::load(&cfg.tls)?;
     // The recorder first: the catalog's first election is an event too.
     let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
+    let access = match connector {
+        Some(c) => ShardAccess::Given(c),
+        None => ShardAccess::Grpc,
+    };
+    serve(cfg, metrics_addr, shutdown, access).await
+}
+
+/// As `run`, with the shard node at `address` running in this process and called through
+/// `local` (the `colocated` binary); `/metrics` is already served at `metrics_addr`.
+pub async fn run_colocated(
+    mut cfg: CoordinatorConfig,
+    metrics_addr: std::net::SocketAddr,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    address: String,
+    local: Arc<dyn ShardNode>,
+) -> anyhow::Result<()> {
+    if !cfg.shard_nodes.contains(&address) {
+        cfg.shard_nodes.push(address.clone());
+    }
+    serve(
+        cfg,
+        metrics_addr,
+        shutdown,
+        ShardAccess::Colocated { address, local },
+    )
+    .await
+}
+
+/// How this coordinator reaches shard nodes.
+enum ShardAccess {
+    Grpc,
+    /// Over gRPC, except the node at `address`, which runs in this process.
+    Colocated {
+        address: String,
+        local: Arc<dyn ShardNode>,
+    },
+    /// A caller's connector (tests).
+    Given(Arc<dyn Connector>),
+}
+
+async fn serve(
+    cfg: CoordinatorConfig,
+    metrics_addr: std::net::SocketAddr,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    access: ShardAccess,
+) -> anyhow::Result<()> {
+    let tls = ragcluster_common::tls::Tls::load(&cfg.tls)?;
     ragcluster_common::families::register(&crate::families::all());
     let channels = Arc::new(Channels::new(tls.clone()));
     let catalog_opts = CatalogOptions {
@@ -63,8 +110,16 @@ pub async fn run_with(
         &tokio::runtime::Handle::current(),
         tls.as_ref(),
     )?);
-    let connector = connector
-        .unwrap_or_else(|| Arc::new(GrpcConnector::new(channels.clone(), cfg.shard_read_streams)));
+    let grpc = || -> Arc<dyn Connector> {
+        Arc::new(GrpcConnector::new(channels.clone(), cfg.shard_read_streams))
+    };
+    let connector: Arc<dyn Connector> = match access {
+        ShardAccess::Grpc => grpc(),
+        ShardAccess::Colocated { address, local } => {
+            Arc::new(ColocatedConnector::new(address, local, grpc()))
+        }
+        ShardAccess::Given(c) => c,
+    };
     let (coordinator, admin) = services(&cfg, catalog.clone(), channels, connector)?;
     admin.membership.spawn();
     let members = MembershipService {

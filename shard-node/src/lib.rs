@@ -66,10 +66,20 @@ pub async fn start(
     metrics_listen: &str,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<Running> {
-    let started = std::time::Instant::now();
-    let tls = ragcluster_common::tls::Tls::load(&cfg.tls)?;
     // The recorder first: recovery elects leaders, and those are events too.
     let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
+    start_sharing_metrics(cfg, metrics_addr, shutdown).await
+}
+
+/// As `start`, in a process that already serves `/metrics` at `metrics_addr` (a coordinator
+/// hosting this node): the node's families join that endpoint.
+pub async fn start_sharing_metrics(
+    cfg: ShardNodeConfig,
+    metrics_addr: std::net::SocketAddr,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<Running> {
+    let started = std::time::Instant::now();
+    let tls = ragcluster_common::tls::Tls::load(&cfg.tls)?;
     ragcluster_common::families::register(&crate::families::all());
     let node = {
         let cfg = cfg.clone();

@@ -1,6 +1,7 @@
 //! A whole cluster in one process: shard nodes opened from the shard-node library, a model
 //! worker, and a coordinator that reaches the shard nodes through `LocalConnector`, direct
-//! calls into each node's `ShardService` (no sockets, no protobuf encoding). Raft traffic
+//! calls into each node's `ShardService` (`colocated::LocalNode`: no sockets, no protobuf
+//! encoding). Raft traffic
 //! between the shard nodes still goes over loopback gRPC as in production, so leader
 //! election, replication and snapshots are the real thing; only the coordinator-to-shard hop
 //! is short-circuited. Nodes stop and restart in place (same data directory and address).
@@ -14,126 +15,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use coordinator::shards::node::{call, request};
+use colocated::LocalNode;
 use coordinator::shards::{Connector, ShardCallError, ShardNode};
 use parking_lot::RwLock;
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
-use ragcluster_proto::v1::shard_server::Shard as ShardRpc;
 use ragcluster_proto::v1::*;
 use shard_node::ShardNodeConfig;
-use shard_node::service::ShardService;
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
 type CallResult<T> = std::result::Result<T, ShardCallError>;
-
-/// One shard node called in process.
-pub struct LocalNode {
-    svc: ShardService,
-}
-
-#[tonic::async_trait]
-impl ShardNode for LocalNode {
-    async fn node_info(&self, timeout: Duration) -> CallResult<NodeInfoResponse> {
-        call(
-            timeout,
-            self.svc.node_info(request(NodeInfoRequest {}, timeout)),
-        )
-        .await
-    }
-
-    async fn open_shard(&self, req: OpenShardRequest, timeout: Duration) -> CallResult<()> {
-        call(timeout, self.svc.open_shard(request(req, timeout)))
-            .await
-            .map(|_| ())
-    }
-
-    async fn drop_shard(&self, shard: ShardRef, timeout: Duration) -> CallResult<()> {
-        let req = DropShardRequest { shard: Some(shard) };
-        call(timeout, self.svc.drop_shard(request(req, timeout)))
-            .await
-            .map(|_| ())
-    }
-
-    async fn write_batch(
-        &self,
-        req: WriteBatchRequest,
-        timeout: Duration,
-    ) -> CallResult<WriteBatchResponse> {
-        call(timeout, self.svc.write_batch(request(req, timeout))).await
-    }
-
-    async fn bm25_search(
-        &self,
-        req: Bm25SearchRequest,
-        timeout: Duration,
-    ) -> CallResult<ShardSearchResponse> {
-        call(timeout, self.svc.bm25_search(request(req, timeout))).await
-    }
-
-    async fn vector_search(
-        &self,
-        req: VectorSearchRequest,
-        timeout: Duration,
-    ) -> CallResult<Vec<ShardHit>> {
-        Ok(call(timeout, self.svc.vector_search(request(req, timeout)))
-            .await?
-            .hits)
-    }
-
-    async fn term_statistics(
-        &self,
-        req: TermStatisticsRequest,
-        timeout: Duration,
-    ) -> CallResult<TermStatisticsResponse> {
-        call(timeout, self.svc.term_statistics(request(req, timeout))).await
-    }
-
-    async fn get_chunks(&self, req: GetChunksRequest, timeout: Duration) -> CallResult<Vec<Chunk>> {
-        Ok(call(timeout, self.svc.get_chunks(request(req, timeout)))
-            .await?
-            .chunks)
-    }
-
-    async fn get_neighbours(
-        &self,
-        req: GetNeighboursRequest,
-        timeout: Duration,
-    ) -> CallResult<Vec<Chunk>> {
-        Ok(
-            call(timeout, self.svc.get_neighbours(request(req, timeout)))
-                .await?
-                .chunks,
-        )
-    }
-
-    async fn shard_info(
-        &self,
-        shard: ShardRef,
-        timeout: Duration,
-    ) -> CallResult<ShardInfoResponse> {
-        let req = ShardInfoRequest { shard: Some(shard) };
-        call(timeout, self.svc.shard_info(request(req, timeout))).await
-    }
-
-    async fn change_replicas(
-        &self,
-        req: ChangeReplicasRequest,
-        timeout: Duration,
-    ) -> CallResult<ChangeReplicasResponse> {
-        call(timeout, self.svc.change_replicas(request(req, timeout))).await
-    }
-
-    async fn transfer_leader(
-        &self,
-        req: TransferLeaderRequest,
-        timeout: Duration,
-    ) -> CallResult<()> {
-        call(timeout, self.svc.transfer_leader(request(req, timeout)))
-            .await
-            .map(|_| ())
-    }
-}
 
 /// Shard node addresses resolved to the nodes running in this process; a stopped node's
 /// address answers UNAVAILABLE, as a dead process does.
@@ -317,11 +208,11 @@ impl InProcCluster {
         })
         .await
         .with_context(|| format!("in-process shard node {i}"))?;
-        let svc = ShardService::new(running.node.clone(), &m.cfg);
+        let local = LocalNode::new(running.node.clone(), &m.cfg);
         self.connector
             .nodes
             .write()
-            .insert(m.address.clone(), Arc::new(LocalNode { svc }));
+            .insert(m.address.clone(), Arc::new(local));
         let served = running.served;
         m.running = Some(Running {
             stop: tx,

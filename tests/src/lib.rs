@@ -245,9 +245,19 @@ pub struct Cluster {
     pub coordinator: Proc,
     /// The other coordinators, replicas of the catalog.
     pub more_coordinators: Vec<Proc>,
+    /// `coordinator` also hosts a shard node (`Options::colocated`).
+    pub colocated: bool,
 }
 
 impl Cluster {
+    /// The processes that hold shard replicas: the shard nodes, and the first coordinator
+    /// when it hosts one.
+    pub fn shard_processes(&self) -> impl Iterator<Item = &Proc> {
+        self.shards
+            .iter()
+            .chain(self.colocated.then_some(&self.coordinator))
+    }
+
     /// CPU seconds used so far by the coordinator and the shard nodes (the processes a write
     /// or search goes through; the model worker is left out).
     pub fn data_path_cpu_seconds(&self) -> f64 {
@@ -273,6 +283,9 @@ pub struct Options<'a> {
     pub generation: bool,
     /// TOML read by the model worker (its `[model_worker]` section).
     pub model_worker_config: Option<&'a str>,
+    /// The first coordinator is the `colocated` binary: one more shard node in its process
+    /// (configured by `shard_config` too), besides the `shard_nodes` separate ones.
+    pub colocated: bool,
 }
 
 impl Options<'_> {
@@ -367,6 +380,7 @@ impl Cluster {
             coordinator_config: None,
             generation: false,
             model_worker_config: None,
+            colocated: false,
         })
     }
 
@@ -380,6 +394,7 @@ impl Cluster {
             coordinator_config: None,
             generation: true,
             model_worker_config: None,
+            colocated: false,
         })
     }
 
@@ -472,12 +487,42 @@ impl Cluster {
                     peers.clone(),
                 ]);
             }
-            if let Some(c) = &coord_config {
+            let colocated = o.colocated && i == 0;
+            if colocated {
+                let own = dir.path().join(&name);
+                // A fixed port: restarted, the node keeps the address its peers know.
+                args.extend([
+                    "--shard-listen".into(),
+                    format!("127.0.0.1:{}", free_port()?),
+                    "--shard-data-dir".into(),
+                    own.join("data").join("shard-node").display().to_string(),
+                    "--shard-port-file".into(),
+                    own.join("shard-node.port").display().to_string(),
+                ]);
+            }
+            // The colocated binary reads one file: the coordinator's sections, then the shard
+            // node's.
+            let file = match (&coord_config, colocated.then_some(o.shard_config).flatten()) {
+                (Some(c), Some(sc)) if o.coordinator_config == Some(sc) => Some(c.clone()),
+                (Some(c), Some(sc)) => {
+                    let both = dir.path().join("colocated.toml");
+                    std::fs::write(&both, format!("{}\n{sc}", std::fs::read_to_string(c)?))?;
+                    Some(both)
+                }
+                (Some(c), None) => Some(c.clone()),
+                (None, _) if colocated => config.clone(),
+                (None, _) => None,
+            };
+            if let Some(c) = &file {
                 args.extend(["--config".into(), c.display().to_string()]);
             }
             coordinators.push(Proc::start(
                 &name,
-                "coordinator",
+                if colocated {
+                    "colocated"
+                } else {
+                    "coordinator"
+                },
                 args,
                 dir.path(),
                 Duration::from_secs(60),
@@ -490,6 +535,7 @@ impl Cluster {
             shards,
             coordinator,
             more_coordinators: coordinators,
+            colocated: o.colocated,
         })
     }
 

@@ -22,6 +22,7 @@ const CRATES: &[(&str, &str)] = &[
     ("raft-core", "ragcluster-raft"),
     ("shard-node", "shard-node"),
     ("coordinator", "coordinator"),
+    ("colocated", "colocated"),
     ("model-worker", "model-worker"),
     ("ragctl", "ragctl"),
 ];
@@ -60,12 +61,20 @@ const FORBIDDEN: &[(&str, &[&str])] = &[
             "ragctl",
         ],
     ),
-    ("shard-node", &["coordinator", "model-worker", "ragctl"]),
+    (
+        "shard-node",
+        &["coordinator", "colocated", "model-worker", "ragctl"],
+    ),
+    // Composes the coordinator and a shard node in one process; nothing imports it.
+    ("colocated", &["model-worker", "ragctl"]),
     (
         "model-worker",
         &["coordinator", "shard-node", "ragcluster-raft", "ragctl"],
     ),
-    ("coordinator", &["shard-node", "model-worker", "ragctl"]),
+    (
+        "coordinator",
+        &["shard-node", "colocated", "model-worker", "ragctl"],
+    ),
     (
         "ragctl",
         &[

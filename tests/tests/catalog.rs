@@ -121,8 +121,7 @@ async fn replicated_catalog() -> Result<()> {
         shard_config: None,
         coordinators: 3,
         coordinator_config: Some(COORDINATOR_CONFIG),
-        generation: false,
-        model_worker_config: None,
+        ..Default::default()
     })?;
     let addrs: Vec<String> = cluster
         .coordinators_mut()

@@ -1,8 +1,8 @@
 //! The shard client: every call the coordinator makes to shard nodes goes through `Shards`,
 //! which owns routing (which replica serves a call: `routing`), the one retry and failover
 //! policy, deadline propagation and the typed errors of `error`. Nodes are reached through a
-//! `node::Connector`: gRPC in every deployment (small reads multiplexed on one stream per
-//! node: `reads`), in process in tests.
+//! `node::Connector`: gRPC (small reads multiplexed on one stream per node: `reads`), or
+//! directly for a shard node in this process (`local`).
 //!
 //! - Writes go to the shard's leader, follow NotLeader hints, try the other replicas with
 //!   backoff while the leader is unknown or down, and retry with the same request id, so a
@@ -11,6 +11,7 @@
 //!   share of the time left; strong reads stay on the leader (Raft read index).
 //! - Membership and leadership changes go to the leader, found again when it moves.
 
+pub mod local;
 pub mod node;
 pub mod reads;
 pub mod routing;
@@ -83,8 +84,8 @@ fn node_error(node: &str, e: ShardCallError) -> CoordError {
 impl Shards {
     pub fn new(connector: Arc<dyn Connector>) -> Self {
         Self {
+            routing: Routing::with_local(connector.local_address().map(str::to_owned)),
             connector,
-            routing: Routing::default(),
             node_ids: Default::default(),
         }
     }

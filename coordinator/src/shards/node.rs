@@ -1,7 +1,8 @@
 //! One shard node as the coordinator calls it (`ShardNode`), and how an address becomes one
-//! (`Connector`): over gRPC in every deployment (`GrpcConnector`), in process in tests that run
-//! a whole cluster in one process. Every call carries its deadline to the node; the small
-//! reads of queries go on the node's `Reads` stream (`reads`).
+//! (`Connector`): over gRPC (`GrpcConnector`), or directly for a node in this process
+//! (`local`: a co-located node, or every node of a test's one-process cluster). Every call
+//! carries its deadline to the node; the small reads of queries go on the node's `Reads`
+//! stream (`reads`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -66,6 +67,12 @@ pub trait ShardNode: Send + Sync {
 /// Resolves a shard node's address.
 pub trait Connector: Send + Sync {
     fn node(&self, address: &str) -> Result<Arc<dyn ShardNode>>;
+
+    /// The address of the shard node running in this process, if any: eventual reads
+    /// prefer its replicas (`Routing`), which cost no network hop.
+    fn local_address(&self) -> Option<&str> {
+        None
+    }
 }
 
 /// Shard nodes over gRPC, on the coordinator's member channels.

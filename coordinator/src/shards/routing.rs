@@ -1,7 +1,8 @@
 //! Which replica serves a request. Writes and strong reads go to the shard leader (learned
 //! from NotLeader hints and successful writes, the preferred leader first); eventual reads go
-//! to the healthy replica with the fewest requests in flight. Nodes that just failed a call
-//! are avoided for a short while.
+//! to the healthy replica with the fewest requests in flight, the replica in this process
+//! (a co-located shard node) first unless it has `LOCAL_SLACK` more in flight than another.
+//! Nodes that just failed a call are avoided for a short while.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -12,6 +13,11 @@ use parking_lot::Mutex;
 use ragcluster_proto::v1::Consistency;
 
 const DOWN_FOR: Duration = Duration::from_secs(2);
+/// Requests in flight by which the co-located replica may exceed the least loaded other one
+/// and still take an eventual read: it serves without a network hop or protobuf encoding
+/// (15-20% of a 1-shard query's server CPU on 2 cores), so it is worth a short queue, but a
+/// node whose queue grows past that gives way to idle replicas elsewhere.
+const LOCAL_SLACK: usize = 2;
 
 #[derive(Default)]
 pub struct Routing {
@@ -22,6 +28,8 @@ pub struct Routing {
     /// come back.
     members_down: parking_lot::RwLock<std::collections::HashSet<String>>,
     rotation: AtomicUsize,
+    /// The co-located shard node's address (`Connector::local_address`).
+    local: Option<String>,
 }
 
 /// Counts a request in flight on a node until dropped.
@@ -34,6 +42,14 @@ impl Drop for InFlight {
 }
 
 impl Routing {
+    /// Routing that prefers the replicas of the shard node at `local` (this process).
+    pub fn with_local(local: Option<String>) -> Self {
+        Self {
+            local,
+            ..Self::default()
+        }
+    }
+
     pub fn leader(&self, collection: &str, shard: u32, replicas: &[String]) -> String {
         self.leaders
             .lock()
@@ -100,11 +116,22 @@ impl Routing {
         // Lowest load among healthy replicas; ties broken by rotation so idle replicas share.
         let start = self.rotation.fetch_add(1, Ordering::Relaxed);
         let n = replicas.len();
-        (0..n)
+        let best = (0..n)
             .map(|i| &replicas[(start + i) % n])
             .min_by_key(|r| (self.is_down(r), self.load(r)))
             .cloned()
-            .unwrap_or_default()
+            .unwrap_or_default();
+        match &self.local {
+            Some(local)
+                if *local != best
+                    && replicas.contains(local)
+                    && !self.is_down(local)
+                    && self.load(local) <= self.load(&best) + LOCAL_SLACK =>
+            {
+                local.clone()
+            }
+            _ => best,
+        }
     }
 
     /// The replica an eventual read fails over to after `tried` failed: untried, healthy
@@ -159,5 +186,28 @@ mod tests {
             Some("c")
         );
         assert_eq!(r.failover(&reps, &reps), None);
+    }
+
+    #[test]
+    fn eventual_reads_prefer_the_colocated_replica_within_its_slack() {
+        let r = Routing::with_local(Some("b".into()));
+        let reps: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
+        let mut held = Vec::new();
+        for _ in 0..=LOCAL_SLACK {
+            assert_eq!(r.read_target("x", 0, &reps, Consistency::Eventual), "b");
+            held.push(r.track("b"));
+        }
+        // Past its slack the least loaded other replica takes the read.
+        let t = r.read_target("x", 0, &reps, Consistency::Eventual);
+        assert!(t == "a" || t == "c", "{t}");
+        held.pop();
+        assert_eq!(r.read_target("x", 0, &reps, Consistency::Eventual), "b");
+        // Down, or not a replica of the shard: no preference.
+        r.mark_down("b");
+        assert_ne!(r.read_target("x", 0, &reps, Consistency::Eventual), "b");
+        let others: Vec<String> = ["a", "c"].iter().map(|s| s.to_string()).collect();
+        assert_ne!(r.read_target("x", 0, &others, Consistency::Eventual), "b");
+        // Strong reads stay on the leader.
+        assert_eq!(r.read_target("x", 0, &reps, Consistency::Strong), "a");
     }
 }

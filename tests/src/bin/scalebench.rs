@@ -1,6 +1,7 @@
 //! `scalebench`: how cost grows with the corpus. For each size (default 10k, 100k, 1M chunks)
 //! a fresh local cluster (3 shard nodes, 3 shards, replication 1, one coordinator, a model
-//! worker for the query vectors only) is fed SciFact's chunks and MiniLM vectors, repeated with
+//! worker for the query vectors only; `--shard-nodes`, `--shards`, and `--colocated` for a
+//! coordinator with a shard node in its process) is fed SciFact's chunks and MiniLM vectors, repeated with
 //! perturbed vectors beyond the real 11k (`ragcluster_tests::scale`), straight into the shard
 //! nodes (embedding excluded; a write is acknowledged once searchable). Then, through the
 //! coordinator's gRPC API with SciFact's 300 test queries at top_k 10:
@@ -74,6 +75,13 @@ struct Args {
     /// Shards of the collection (each on its own shard node up to three).
     #[arg(long, default_value_t = 3)]
     shards: u32,
+    /// Separate shard-node processes (with `--colocated`, besides the coordinator's own).
+    #[arg(long, default_value_t = 3)]
+    shard_nodes: usize,
+    /// The coordinator is the `colocated` binary, a shard node in its process: with
+    /// `--shard-nodes 0` a one-process deployment, every shard read in process.
+    #[arg(long)]
+    colocated: bool,
     /// A Python with qdrant-edge-py and tantivy: run `scripts/engines_bench.py` on each size's
     /// corpus after the cluster's figures, for side-by-side rows.
     #[arg(long)]
@@ -140,7 +148,11 @@ async fn one_size(
     qvecs: &mut Vec<Vec<f32>>,
 ) -> Result<(Value, Vec<Vec<String>>)> {
     let chunks = perturbed_copies(real, n);
-    let cluster = Cluster::start(3)?;
+    let cluster = Cluster::start_opts(ragcluster_tests::Options {
+        shard_nodes: args.shard_nodes,
+        colocated: args.colocated,
+        ..Default::default()
+    })?;
     if qvecs.is_empty() {
         let mut mw = ModelWorkerClient::new(
             Channel::from_shared(cluster.model_worker.grpc.clone())?
@@ -164,7 +176,10 @@ async fn one_size(
         },
     )
     .await?;
-    let idle_rss: u64 = cluster.shards.iter().filter_map(|s| s.rss_bytes()).sum();
+    let idle_rss: u64 = cluster
+        .shard_processes()
+        .filter_map(|s| s.rss_bytes())
+        .sum();
     // The vectors stay here for the recall figure; the chunks go to the cluster.
     let vectors: Vec<(String, Vec<f32>)> = chunks
         .iter()
@@ -221,8 +236,11 @@ async fn one_size(
         )
         .await?;
     }
-    let rss: u64 = cluster.shards.iter().filter_map(|s| s.rss_bytes()).sum();
-    let disk: u64 = cluster.shards.iter().map(|s| s.data_bytes()).sum();
+    let rss: u64 = cluster
+        .shard_processes()
+        .filter_map(|s| s.rss_bytes())
+        .sum();
+    let disk: u64 = cluster.shard_processes().map(|s| s.data_bytes()).sum();
     out.insert(
         "ram_bytes_per_chunk".into(),
         json!(rss.saturating_sub(idle_rss) as f64 / n as f64),
