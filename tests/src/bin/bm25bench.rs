@@ -1,0 +1,122 @@
+//! `bm25bench`: one shard's BM25 search in process, block-WAND pruning against scoring every
+//! match (`Bm25Index::set_exhaustive_below`), on SciFact's chunks (and repeated copies for the
+//! bigger sizes) with its 300 test queries at top_k 10, one thread. Both traversals must give
+//! the same hits; the figure is time per query on one busy thread (the machine otherwise idle),
+//! rounds alternating.
+//!
+//! `cargo run --release -p ragcluster-tests --bin bm25bench -- --sizes 11235,100000`
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, ensure};
+use clap::Parser;
+use prost::Message;
+use ragcluster_proto::v1::{Chunk, GetChunksResponse};
+use ragcluster_tests::scale::perturbed_copies;
+use ragcluster_tests::{BeirQuery, datasets_dir, read_jsonl, read_qrels};
+use serde_json::{Map, Value, json};
+use shard_node::index::bm25::Bm25Index;
+
+#[derive(Parser)]
+struct Args {
+    /// Chunks with vectors saved by `ingestbench --dump-chunks`.
+    #[arg(long, default_value = "bench-out/scifact-chunks.pb")]
+    chunks: PathBuf,
+    #[arg(long, value_delimiter = ',', default_value = "11235,100000")]
+    sizes: Vec<usize>,
+    /// Alternating rounds per traversal.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Passes over the queries per round.
+    #[arg(long, default_value_t = 10)]
+    passes: usize,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let real = GetChunksResponse::decode(
+        &*std::fs::read(&args.chunks).with_context(|| args.chunks.display().to_string())?,
+    )?
+    .chunks;
+    let dir = datasets_dir().join("scifact");
+    let qrels = read_qrels(&dir.join("qrels/test.tsv"))?;
+    let queries: Vec<String> = read_jsonl::<BeirQuery>(&dir.join("queries.jsonl"), usize::MAX)?
+        .into_iter()
+        .filter(|q| qrels.contains_key(&q.id))
+        .map(|q| q.text)
+        .collect();
+    let mut report = Map::new();
+    for &n in &args.sizes {
+        report.insert(n.to_string(), one_size(&args, &real, n, &queries)?);
+    }
+    println!("{}", serde_json::to_string_pretty(&Value::Object(report))?);
+    Ok(())
+}
+
+/// One query's hits: chunk id and score, best first.
+type Hits = Vec<(String, f32)>;
+
+fn one_size(args: &Args, real: &[Chunk], n: usize, queries: &[String]) -> Result<Value> {
+    let tmp = tempfile::tempdir()?;
+    let idx = Bm25Index::open(tmp.path(), 200_000_000)?;
+    let t = Instant::now();
+    for group in perturbed_copies(real, n).chunks(10_000) {
+        idx.stage_chunks(group)?;
+    }
+    idx.commit(1)?;
+    if idx.merge_segments()? {
+        // The merge runs on its own thread and reloads the reader when done.
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        while idx.merge_segments()? {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        }
+    }
+    eprintln!("{n}: indexed in {:.1} s", t.elapsed().as_secs_f64());
+    let run = |exhaustive: bool| -> Result<(f64, Vec<Hits>)> {
+        idx.set_exhaustive_below(if exhaustive { u64::MAX } else { 0 });
+        let mut tops = Vec::new();
+        let t = Instant::now();
+        for pass in 0..args.passes {
+            for q in queries {
+                let top = idx.search(q, 10, &Vec::new(), None)?;
+                if pass == 0 {
+                    tops.push(top);
+                }
+            }
+        }
+        let per = t.elapsed().as_secs_f64() / (args.passes * queries.len()) as f64;
+        Ok((per * 1e6, tops))
+    };
+    run(false)?; // warm-up
+    let (mut wand, mut full) = (Vec::new(), Vec::new());
+    for _ in 0..args.rounds {
+        let (w, wt) = run(false)?;
+        let (f, ft) = run(true)?;
+        for (i, (a, b)) in wt.iter().zip(&ft).enumerate() {
+            let score = |v: &[(String, f32)]| v.iter().map(|x| x.1).collect::<Vec<_>>();
+            ensure!(
+                score(a)
+                    .iter()
+                    .zip(score(b))
+                    .all(|(x, y)| (x - y).abs() < 1e-4),
+                "query {i}: scores differ: {a:?} vs {b:?}"
+            );
+        }
+        wand.push(w);
+        full.push(f);
+        eprintln!("{n}: block-WAND {w:.1} us, exhaustive {f:.1} us per query");
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (w, f) = (median(&mut wand), median(&mut full));
+    Ok(json!({
+        "docs": idx.num_docs(),
+        "block_wand_us_per_query": w,
+        "exhaustive_us_per_query": f,
+        "exhaustive_over_wand": f / w,
+        "rounds": {"block_wand": wand, "exhaustive": full},
+    }))
+}
