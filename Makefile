@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-engines bench-tokenize bench-ingest bench-chunking bench-sampling
+.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-engines bench-bm25 bench-tokenize bench-ingest bench-chunking bench-sampling
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -75,6 +75,10 @@ bench-engines: bench-chunks ## whole SciFact at 1 and 3 shards, then 100k dense,
 	$(BIN)/scalebench --sizes 11235 --shards 1 --engines $(ENGINES_PYTHON) --out bench-out/engines-1shard.json
 	$(BIN)/scalebench --sizes 11235 --shards 3 --engines $(ENGINES_PYTHON) --out bench-out/engines-3shards.json
 	$(BIN)/scalebench --sizes 100000 --dense-only-above 11235 --dense-ef 64,128 --engines $(ENGINES_PYTHON) --out bench-out/engines-100k.json
+	$(BIN)/scalebench --sizes 11235 --shards 1 --shard-nodes 0 --colocated --engines $(ENGINES_PYTHON) --out bench-out/engines-1shard-colocated.json
+
+bench-bm25: bench-chunks ## one shard's BM25 in process: block-WAND vs scoring every match at 11k and 100k chunks
+	$(BIN)/bm25bench --sizes 11235,100000 > bench-out/bm25.json
 
 bench-security: build ## search latency/QPS and new connections: plaintext vs mutual TLS + API keys
 	$(BIN)/securitybench

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the three container images (ragcluster/coordinator, ragcluster/shard-node,
-# ragcluster/model-worker, tag $TAG, default "dev") with one command:
+# Builds the container images (ragcluster/coordinator, ragcluster/shard-node,
+# ragcluster/model-worker, ragcluster/colocated, tag $TAG, default "dev") with one command:
 #   bash deploy/build-images.sh [--no-build]
 # There is no container registry here, so nothing is pulled: each image is FROM scratch with a
 # root filesystem staged by this script: the release binary and ragctl (health checks),
@@ -53,3 +53,6 @@ stage() { # image binary...
 stage coordinator coordinator ragctl
 stage shard-node shard-node ragctl
 stage model-worker model-worker ragctl
+# A coordinator with a shard node in its process (one-process deployments, data nodes that
+# also coordinate).
+stage colocated colocated ragctl
