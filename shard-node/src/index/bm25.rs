@@ -52,6 +52,7 @@ pub struct Bm25Index {
     /// Searches over fewer documents than this score every match instead of pruning with
     /// block-WAND (`search`).
     exhaustive_below: AtomicU64,
+    term_stats: Mutex<TermStatsCache>,
 }
 
 /// Below this many documents (all segments) a query scores every matching document instead of
@@ -129,6 +130,7 @@ impl Bm25Index {
             merging: Arc::default(),
             merge_ms: Arc::default(),
             exhaustive_below: AtomicU64::new(EXHAUSTIVE_BELOW_DOCS),
+            term_stats: Mutex::default(),
         })
     }
 
@@ -327,25 +329,25 @@ impl Bm25Index {
             query = Box::new(EmptyQuery);
         }
         let collector = TopDocs::with_limit(top_k).order_by_score();
-        let provider = stats.map(|s| GlobalStats {
+        let local = LocalStats::new(&searcher, self.f_body, &self.term_stats);
+        let global = stats.map(|s| GlobalStats {
             stats: s,
-            local: &searcher,
+            local: &local,
             body: self.f_body,
         });
+        let provider: &dyn Bm25StatisticsProvider = match &global {
+            Some(g) => g,
+            None => &local,
+        };
         let top = if searcher.num_docs() < self.exhaustive_below.load(Ordering::Relaxed) {
             // Paired with a count, the top-k collector takes tantivy's plain `for_each`
             // traversal (a tuple of collectors cannot prune).
             let both = (collector, Count);
-            match &provider {
-                Some(p) => searcher.search_with_statistics_provider(&*query, &both, p)?,
-                None => searcher.search(&*query, &both)?,
-            }
-            .0
+            searcher
+                .search_with_statistics_provider(&*query, &both, provider)?
+                .0
         } else {
-            match &provider {
-                Some(p) => searcher.search_with_statistics_provider(&*query, &collector, p)?,
-                None => searcher.search(&*query, &collector)?,
-            }
+            searcher.search_with_statistics_provider(&*query, &collector, provider)?
         };
         let mut segments: Vec<Option<Arc<SegmentIds>>> =
             vec![None; searcher.segment_readers().len()];
@@ -382,11 +384,81 @@ impl Bm25Index {
     }
 }
 
+/// The body field's statistics for one searcher generation. Tantivy looks every query term up
+/// in the term dictionary (an FST walk, cache misses) twice: for its BM25 weight (document
+/// frequency) and for its postings. The first one becomes a hash lookup here for terms seen
+/// before in this generation.
+#[derive(Default)]
+struct TermStatsCache {
+    generation: u64,
+    total_tokens: Option<u64>,
+    doc_freq: HashMap<Term, u64>,
+}
+
+/// Terms kept per generation at most (then the cache starts over).
+const TERM_STATS_CACHE_TERMS: usize = 100_000;
+
+/// The shard's own statistics, the body field's through `TermStatsCache`.
+struct LocalStats<'a> {
+    searcher: &'a Searcher,
+    body: Field,
+    cache: &'a Mutex<TermStatsCache>,
+}
+
+impl<'a> LocalStats<'a> {
+    fn new(searcher: &'a Searcher, body: Field, cache: &'a Mutex<TermStatsCache>) -> Self {
+        let generation = searcher.generation().generation_id();
+        let mut c = cache.lock();
+        if c.generation != generation || c.doc_freq.len() >= TERM_STATS_CACHE_TERMS {
+            *c = TermStatsCache {
+                generation,
+                ..Default::default()
+            };
+        }
+        drop(c);
+        Self {
+            searcher,
+            body,
+            cache,
+        }
+    }
+}
+
+impl Bm25StatisticsProvider for LocalStats<'_> {
+    fn total_num_tokens(&self, field: Field) -> tantivy::Result<u64> {
+        if field != self.body {
+            return Bm25StatisticsProvider::total_num_tokens(self.searcher, field);
+        }
+        if let Some(n) = self.cache.lock().total_tokens {
+            return Ok(n);
+        }
+        let n = Bm25StatisticsProvider::total_num_tokens(self.searcher, field)?;
+        self.cache.lock().total_tokens = Some(n);
+        Ok(n)
+    }
+
+    fn total_num_docs(&self) -> tantivy::Result<u64> {
+        Bm25StatisticsProvider::total_num_docs(self.searcher)
+    }
+
+    fn doc_freq(&self, term: &Term) -> tantivy::Result<u64> {
+        if term.field() != self.body {
+            return self.searcher.doc_freq(term);
+        }
+        if let Some(&n) = self.cache.lock().doc_freq.get(term) {
+            return Ok(n);
+        }
+        let n = self.searcher.doc_freq(term)?;
+        self.cache.lock().doc_freq.insert(term.clone(), n);
+        Ok(n)
+    }
+}
+
 /// Collection-wide statistics for body terms; anything else (the metadata filter, scored at
 /// zero anyway) falls back to the shard's own numbers.
 struct GlobalStats<'a> {
     stats: &'a GlobalBm25Stats,
-    local: &'a Searcher,
+    local: &'a LocalStats<'a>,
     body: Field,
 }
 
@@ -579,5 +651,31 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Cached term statistics follow the index: after a commit that adds documents with a
+    /// term, its scores are those of a freshly opened index (no cache).
+    #[test]
+    fn cached_term_statistics_follow_commits() {
+        let dir = tempfile::tempdir().unwrap();
+        let idx = Bm25Index::open(dir.path(), 20_000_000).unwrap();
+        idx.stage(&[write("a", &["rare word here"]), write("c", &["other text"])])
+            .unwrap();
+        idx.commit(1).unwrap();
+        let before = idx.search("rare", 10, &vec![], None).unwrap();
+        idx.stage(&[write("b", &["rare again", "rare thrice"])])
+            .unwrap();
+        idx.commit(2).unwrap();
+        let after = idx.search("rare", 10, &vec![], None).unwrap();
+        drop(idx);
+        let fresh = Bm25Index::open(dir.path(), 20_000_000).unwrap();
+        let expected = fresh.search("rare", 10, &vec![], None).unwrap();
+        assert_eq!(after.len(), 3);
+        assert_eq!(after, expected);
+        let score_a = |v: &[(String, f32)]| v.iter().find(|h| h.0 == "a#0").unwrap().1;
+        assert!(
+            score_a(&after) < score_a(&before),
+            "idf of a commoner term is lower"
+        );
     }
 }
