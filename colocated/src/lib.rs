@@ -1,9 +1,10 @@
 //! A coordinator and a shard node in one process, the way an Elasticsearch node can hold data
-//! and coordinate: on 2 cores the hop between the two was 15-20% of a 1-shard query's server
-//! CPU, and without it whole SciFact serves 1.2-1.3x the BM25 and dense queries per second
-//! (docs/bench/2026-11-27-colocated.json). The shard node is a full member on its own port (Raft peers, other
-//! coordinators, `ragctl`); the coordinator calls it through `LocalNode`, directly into its
-//! gRPC service with no socket and no encoding, and prefers its replicas for eventual reads.
+//! and coordinate: on 2 cores the hop between the two was 12-20% of a 1-shard query's server
+//! CPU, and without it whole SciFact serves 1.16-1.31x the BM25 and dense queries per second
+//! (docs/bench/2026-11-27-colocated.json). The shard node is a full member on its own port
+//! (Raft peers, other coordinators, `ragctl`); the coordinator calls it through `LocalNode`,
+//! directly into its gRPC service with no socket and no encoding, and prefers its replicas
+//! for eventual reads.
 //!
 //! This crate only composes: the coordinator knows shard nodes through its `ShardNode` trait,
 //! and neither process crate depends on the other.
@@ -31,7 +32,7 @@ pub async fn run(
     // One `/metrics` for both (their families have distinct prefixes).
     let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
     let (stop_tx, stop_rx) = watch::channel(false);
-    let stop_tx = std::sync::Arc::new(stop_tx);
+    let stop_tx = Arc::new(stop_tx);
     {
         let stop_tx = stop_tx.clone();
         tokio::spawn(async move {

@@ -15,7 +15,7 @@ use ragcluster_proto::v1::Consistency;
 const DOWN_FOR: Duration = Duration::from_secs(2);
 /// Requests in flight by which the co-located replica may exceed the least loaded other one
 /// and still take an eventual read: it serves without a network hop or protobuf encoding
-/// (15-20% of a 1-shard query's server CPU on 2 cores), so it is worth a short queue, but a
+/// (12-20% of a 1-shard query's server CPU on 2 cores), so it is worth a short queue, but a
 /// node whose queue grows past that gives way to idle replicas elsewhere.
 const LOCAL_SLACK: usize = 2;
 
