@@ -25,10 +25,19 @@ use tokio::sync::watch;
 /// its leaderships to other replicas and drains, and the node's indexes are flushed last.
 pub async fn run(
     coordinator: CoordinatorConfig,
-    shard: ShardNodeConfig,
+    mut shard: ShardNodeConfig,
     metrics_listen: &str,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    // Among replicated coordinators only the catalog leader registers seed addresses, and
+    // that may be another one: the node heartbeats to its own coordinator, which passes the
+    // registration on to the leader.
+    if shard.coordinators.is_empty() && !coordinator.peers.is_empty() {
+        let members = coordinator.catalog_members().map_err(anyhow::Error::msg)?;
+        if let Some(own) = members.get(&coordinator.node_id) {
+            shard.coordinators = vec![own.clone()];
+        }
+    }
     // One `/metrics` for both (their families have distinct prefixes).
     let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
     let (stop_tx, stop_rx) = watch::channel(false);

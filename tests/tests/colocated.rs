@@ -3,7 +3,7 @@
 //! between them), the coordinator reads its replicas in process (`coordinator_colocated_calls_total`)
 //! and keeps answering from them when the other node dies, one `/metrics` carries both
 //! processes' families, and SIGTERM drains and flushes both so that a restart serves the same
-//! hits.
+//! hits. Beside replicated coordinators, its node registers whichever one leads the catalog.
 
 use std::time::{Duration, Instant};
 
@@ -134,5 +134,54 @@ async fn colocated_node_is_a_member_read_in_process() -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    Ok(())
+}
+
+/// With replicated coordinators, the colocated node heartbeats to its own coordinator, which
+/// passes its registration on to whichever one leads the catalog: it gets replicas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn colocated_node_registers_with_replicated_coordinators() -> Result<()> {
+    let cluster = Cluster::start_opts(Options {
+        shard_nodes: 1,
+        coordinators: 3,
+        colocated: true,
+        ..Default::default()
+    })?;
+    let mut c = cluster.client().await?;
+    let started = Instant::now();
+    let info = loop {
+        let r = c
+            .create_collection(CreateCollectionRequest {
+                name: "co3".into(),
+                shard_count: 2,
+                replication_factor: 2,
+                ..Default::default()
+            })
+            .await;
+        match r {
+            Ok(r) => break r.into_inner().collection.context("no collection")?,
+            Err(e) => ensure!(
+                started.elapsed() < Duration::from_secs(30),
+                "two shard nodes never up: {e}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    for p in &info.shards {
+        ensure!(
+            p.nodes.len() == 2,
+            "shard on {:?}: both nodes expected",
+            p.nodes
+        );
+    }
+    upsert_with_vectors(
+        &mut c,
+        "co3",
+        "co3",
+        "replicated coordinators",
+        info.dimension as usize,
+        20,
+    )
+    .await?;
     Ok(())
 }
