@@ -35,6 +35,38 @@ async fn searches(c: &mut CoordinatorClient<Channel>, n: usize, k: usize) -> Res
     Ok(last)
 }
 
+/// Creates `name` with 2 shards of 2 replicas (retrying while fewer than two shard nodes are
+/// up, for at most 30 s), checks that every shard is on both nodes, and upserts `n` documents.
+async fn on_both_nodes(c: &mut CoordinatorClient<Channel>, name: &str, n: usize) -> Result<()> {
+    let started = Instant::now();
+    let info = loop {
+        let r = c
+            .create_collection(CreateCollectionRequest {
+                name: name.into(),
+                shard_count: 2,
+                replication_factor: 2,
+                ..Default::default()
+            })
+            .await;
+        match r {
+            Ok(r) => break r.into_inner().collection.context("no collection")?,
+            Err(e) => ensure!(
+                started.elapsed() < Duration::from_secs(30),
+                "two shard nodes never up: {e}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    for p in &info.shards {
+        ensure!(
+            p.nodes.len() == 2,
+            "shard on {:?}: both nodes expected",
+            p.nodes
+        );
+    }
+    upsert_with_vectors(c, name, name, "colocated reads", info.dimension as usize, n).await
+}
+
 fn local_calls(page: &str) -> f64 {
     metric_sum(page, "coordinator_colocated_calls_total")
 }
@@ -47,33 +79,7 @@ async fn colocated_node_is_a_member_read_in_process() -> Result<()> {
         ..Default::default()
     })?;
     let mut c = cluster.client().await?;
-    let info = c
-        .create_collection(CreateCollectionRequest {
-            name: "co".into(),
-            shard_count: 2,
-            replication_factor: 2,
-            ..Default::default()
-        })
-        .await?
-        .into_inner()
-        .collection
-        .context("no collection")?;
-    for p in &info.shards {
-        ensure!(
-            p.nodes.len() == 2,
-            "shard on {:?}: both nodes expected",
-            p.nodes
-        );
-    }
-    upsert_with_vectors(
-        &mut c,
-        "co",
-        "co",
-        "colocated reads",
-        info.dimension as usize,
-        300,
-    )
-    .await?;
+    on_both_nodes(&mut c, "co", 300).await?;
 
     // Eventual reads may reach a follower before it applied the writes: wait for both.
     let started = Instant::now();
@@ -148,40 +154,6 @@ async fn colocated_node_registers_with_replicated_coordinators() -> Result<()> {
         ..Default::default()
     })?;
     let mut c = cluster.client().await?;
-    let started = Instant::now();
-    let info = loop {
-        let r = c
-            .create_collection(CreateCollectionRequest {
-                name: "co3".into(),
-                shard_count: 2,
-                replication_factor: 2,
-                ..Default::default()
-            })
-            .await;
-        match r {
-            Ok(r) => break r.into_inner().collection.context("no collection")?,
-            Err(e) => ensure!(
-                started.elapsed() < Duration::from_secs(30),
-                "two shard nodes never up: {e}"
-            ),
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    };
-    for p in &info.shards {
-        ensure!(
-            p.nodes.len() == 2,
-            "shard on {:?}: both nodes expected",
-            p.nodes
-        );
-    }
-    upsert_with_vectors(
-        &mut c,
-        "co3",
-        "co3",
-        "replicated coordinators",
-        info.dimension as usize,
-        20,
-    )
-    .await?;
+    on_both_nodes(&mut c, "co3", 20).await?;
     Ok(())
 }
