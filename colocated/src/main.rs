@@ -66,10 +66,7 @@ async fn main() -> anyhow::Result<()> {
     coord.validate().map_err(anyhow::Error::msg)?;
     let shard: ShardNodeConfig = load_section(file, "shard_node", &flags.shard)?;
     shard.validate().map_err(anyhow::Error::msg)?;
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(shard.index_threads)
-        .thread_name(|i| format!("hnsw-insert-{i}"))
-        .build_global()?;
+    shard_node::init_index_threads(&shard)?;
     // The longer of the two drains bounds the process.
     let limit = coord.shutdown_timeout.max(shard.shutdown_timeout);
     let shutdown = async move {

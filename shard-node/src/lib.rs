@@ -44,6 +44,17 @@ pub struct Running {
     pub served: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
+/// Sizes and names rayon's global pool, on which hnsw_rs runs its parallel inserts
+/// (`index_threads`; 0: one per core). Call it once at process start, before anything uses
+/// the pool.
+pub fn init_index_threads(cfg: &ShardNodeConfig) -> anyhow::Result<()> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(cfg.index_threads)
+        .thread_name(|i| format!("hnsw-insert-{i}"))
+        .build_global()?;
+    Ok(())
+}
+
 /// Runs a shard node until `shutdown` resolves: opens (and recovers) every shard, serves gRPC
 /// and `/metrics`, then flushes the indexes on the way out.
 pub async fn run(

@@ -58,11 +58,6 @@ async fn main() -> anyhow::Result<()> {
     telemetry::init_logging(&tel);
     let cfg: ShardNodeConfig = load_section(file, "shard_node", &flags)?;
     cfg.validate().map_err(anyhow::Error::msg)?;
-    // hnsw_rs's parallel inserts run on rayon's global pool: size and name it here, before
-    // anything uses it.
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(cfg.index_threads)
-        .thread_name(|i| format!("hnsw-insert-{i}"))
-        .build_global()?;
+    shard_node::init_index_threads(&cfg)?;
     shard_node::run(cfg, &tel.metrics_listen, server::shutdown_signal()).await
 }
