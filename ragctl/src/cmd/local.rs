@@ -70,48 +70,93 @@ pub async fn health(addr: &str, service: &str, timeout: Duration) -> Result<()> 
     Ok(())
 }
 
-fn spawn(bin: &Path, args: &[String], log: &Path) -> Result<u32> {
+/// Starts `bin`; dropping the returned child leaves the process running.
+fn spawn(bin: &Path, args: &[String], log: &Path) -> Result<std::process::Child> {
     let out = std::fs::File::create(log)?;
-    let child = {
-        use std::os::unix::process::CommandExt;
-        Command::new(bin)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(out.try_clone()?)
-            .stderr(out)
-            // Own process group: the cluster outlives this command and the terminal's Ctrl-C.
-            .process_group(0)
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?
-    };
-    Ok(child.id())
+    use std::os::unix::process::CommandExt;
+    Command::new(bin)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out)
+        // Own process group: the cluster outlives this command and the terminal's Ctrl-C.
+        .process_group(0)
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))
 }
 
-async fn wait_port_file(path: &Path, log: &Path, timeout: Duration) -> Result<PortFile> {
+/// The last lines of a process's log, for an error message.
+fn log_tail(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+/// Waits for the port file `child` writes once it serves; fails as soon as the child exits
+/// first (with how it ended: a signal leaves nothing in the log) or after `timeout`.
+async fn wait_port_file(
+    child: &mut std::process::Child,
+    path: &Path,
+    log: &Path,
+    timeout: Duration,
+) -> Result<PortFile> {
     let start = Instant::now();
     loop {
         if let Ok(s) = std::fs::read_to_string(path) {
             return Ok(serde_json::from_str(&s)?);
         }
-        if start.elapsed() > timeout {
-            let tail = std::fs::read_to_string(log).unwrap_or_default();
-            let tail: String = tail
-                .lines()
-                .rev()
-                .take(15)
-                .collect::<Vec<_>>()
-                .into_iter()
-                .rev()
-                .collect::<Vec<_>>()
-                .join("\n");
+        if let Some(status) = child.try_wait()? {
             bail!(
-                "{} did not start within {:?}; log {}:\n{tail}",
+                "{} exited before it served ({}); log {}:\n{}",
+                child.id(),
+                exit_description(status),
+                log.display(),
+                log_tail(log)
+            );
+        }
+        if start.elapsed() > timeout {
+            bail!(
+                "{} did not start within {:?} ({}); log {}:\n{}",
                 path.display(),
                 timeout,
-                log.display()
+                waiting_in(child.id()),
+                log.display(),
+                log_tail(log)
             );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Where the threads of a process that does not come up are waiting: kernel wait channels
+/// with their thread counts, e.g. "threads in flock_lock_inode_wait: 1, futex_wait_queue: 9".
+fn waiting_in(pid: u32) -> String {
+    let mut counts = std::collections::BTreeMap::<String, usize>::new();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in tasks.flatten() {
+            let w = std::fs::read_to_string(t.path().join("wchan")).unwrap_or_default();
+            let w = if w.is_empty() || w == "0" {
+                "running".to_string()
+            } else {
+                w
+            };
+            *counts.entry(w).or_default() += 1;
+        }
+    }
+    if counts.is_empty() {
+        return format!("pid {pid} not found");
+    }
+    let list: Vec<String> = counts.iter().map(|(w, n)| format!("{w}: {n}")).collect();
+    format!("pid {pid}, threads in {}", list.join(", "))
+}
+
+/// "exit code N" or "killed by signal N".
+fn exit_description(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exit code {code}"),
+        (None, Some(sig)) => format!("killed by signal {sig}"),
+        _ => status.to_string(),
     }
 }
 
@@ -223,17 +268,22 @@ impl Launcher {
     }
 
     /// Starts `name`; `wait_started` waits for its port file.
-    fn spawn(&self, name: &str, coordinator: &str) -> Result<()> {
+    fn spawn(&self, name: &str, coordinator: &str) -> Result<std::process::Child> {
         std::fs::create_dir_all(self.dir.join(name))?;
         let (bin, args) = self.command(name, coordinator);
         let _ = std::fs::remove_file(self.port_file(name));
-        spawn(&bin, &args, &self.log(name))?;
-        Ok(())
+        spawn(&bin, &args, &self.log(name))
     }
 
-    async fn wait_started(&self, name: &str) -> Result<LocalProcess> {
+    async fn wait_started(
+        &self,
+        name: &str,
+        child: &mut std::process::Child,
+    ) -> Result<LocalProcess> {
         let timeout = Duration::from_secs(if name.starts_with("shard") { 300 } else { 120 });
-        let p = wait_port_file(&self.port_file(name), &self.log(name), timeout).await?;
+        let p = wait_port_file(child, &self.port_file(name), &self.log(name), timeout)
+            .await
+            .with_context(|| format!("{name} did not start"))?;
         Ok(process(name, &p))
     }
 }
@@ -276,11 +326,14 @@ pub async fn local_up(dir: &Path, n: usize, models: &Path) -> Result<()> {
         .chain((0..n.max(had)).map(|i| format!("shard-{i}")))
         .collect();
     let old = read_cluster(&dir);
-    let running = |name: &str| {
-        old.as_ref()
-            .and_then(|c| c.processes.iter().find(|p| p.name == name && alive(&p.pid)))
-            .cloned()
-    };
+    // Decided once, before anything starts: a process started here may reuse an old pid.
+    let alive_before: Vec<LocalProcess> = old
+        .iter()
+        .flat_map(|c| c.processes.iter())
+        .filter(|p| alive(&p.pid))
+        .cloned()
+        .collect();
+    let running = |name: &str| alive_before.iter().find(|p| p.name == name).cloned();
     let missing: Vec<&String> = names.iter().filter(|n| running(n).is_none()).collect();
     if missing.is_empty() {
         let c = old.context("cluster.json")?;
@@ -297,22 +350,22 @@ pub async fn local_up(dir: &Path, n: usize, models: &Path) -> Result<()> {
     let co = match running("coordinator") {
         Some(p) => p,
         None => {
-            l.spawn("coordinator", "")?;
-            l.wait_started("coordinator").await?
+            let mut child = l.spawn("coordinator", "")?;
+            l.wait_started("coordinator", &mut child).await?
         }
     };
+    let mut processes = vec![co.clone()];
+    let mut started = Vec::new();
     for name in names.iter().skip(1) {
-        if running(name).is_none() {
-            l.spawn(name, &co.grpc)?;
+        match running(name) {
+            Some(p) => processes.push(p),
+            None => started.push((name, l.spawn(name, &co.grpc)?)),
         }
     }
-    let mut processes = vec![co.clone()];
-    for name in names.iter().skip(1) {
-        processes.push(match running(name) {
-            Some(p) => p,
-            None => l.wait_started(name).await?,
-        });
+    for (name, mut child) in started {
+        processes.push(l.wait_started(name, &mut child).await?);
     }
+    processes.sort_by_key(|p| names.iter().position(|n| *n == p.name));
     let cluster = write_cluster(&dir, processes)?;
     wait_registered(&cluster, names.len() - 1).await?;
     print_health(&cluster, &dir).await
@@ -391,8 +444,8 @@ pub async fn local_restart(dir: &Path, name: &str, models: &Path) -> Result<()> 
     } else {
         c.coordinator.as_str()
     };
-    l.spawn(name, co)?;
-    let started = l.wait_started(name).await?;
+    let mut child = l.spawn(name, co)?;
+    let started = l.wait_started(name, &mut child).await?;
     println!("{name} restarted at {} (pid {})", started.grpc, started.pid);
     let processes = c
         .processes
@@ -485,6 +538,11 @@ fn stop(pids: &[u32], c: &LocalCluster) -> (Vec<String>, Duration) {
     let stuck: Vec<u32> = pids.iter().copied().filter(alive).collect();
     for pid in &stuck {
         signal("-KILL", *pid);
+    }
+    // Gone for good before anything restarts on the same data (RocksDB's lock, the ports).
+    let killed = Instant::now();
+    while stuck.iter().any(alive) && killed.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
     }
     (stuck.into_iter().map(name_of).collect(), start.elapsed())
 }
