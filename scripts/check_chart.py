@@ -79,11 +79,24 @@ def check(name, out_dir):
         validated += 1
 
     merged = helm.Chart.load(str(CHART)).merge_values(values)
-    shards = one(objects, "StatefulSet", "-shard-node")
+    colocated = merged["coordinator"]["colocated"]
     coords = one(objects, "StatefulSet", "-coordinator")
     worker = one(objects, "Deployment", "-model-worker")
-    n_shards = merged["shardNode"]["replicas"]
     n_coords = merged["coordinator"]["replicas"]
+    if colocated:
+        # The coordinator pods are the shard nodes.
+        if by_kind(objects, "StatefulSet", "-shard-node") or by_kind(objects, "PodDisruptionBudget", "-shard-node"):
+            fail(f"{name}: colocated renders a shard-node StatefulSet")
+        shards, n_shards = coords, n_coords
+        image = coords["spec"]["template"]["spec"]["containers"][0]["image"]
+        if "/colocated:" not in image:
+            fail(f"{name}: colocated coordinators run {image}")
+        headless = one(objects, "Service", "-coordinator-headless")
+        if 7100 not in {p["port"] for p in headless["spec"]["ports"]}:
+            fail(f"{name}: the coordinators' headless Service lacks the shard port")
+    else:
+        shards = one(objects, "StatefulSet", "-shard-node")
+        n_shards = merged["shardNode"]["replicas"]
     if shards["spec"]["replicas"] != n_shards or coords["spec"]["replicas"] != n_coords:
         fail(f"{name}: replica counts")
     for ss in (shards, coords):
@@ -108,11 +121,12 @@ def check(name, out_dir):
         if merged["metrics"]["annotations"] and pod["metadata"]["annotations"].get("prometheus.io/scrape") != "true":
             fail(f"{name}: {c['name']} lacks scrape annotations")
     # Shard nodes: quorum-keeping PDB, anti-affinity as asked.
-    pdb = one(objects, "PodDisruptionBudget", "-shard-node")
-    if pdb["spec"]["maxUnavailable"] != merged["shardNode"]["maxUnavailable"]:
-        fail(f"{name}: shard-node PDB")
+    if not colocated:
+        pdb = one(objects, "PodDisruptionBudget", "-shard-node")
+        if pdb["spec"]["maxUnavailable"] != merged["shardNode"]["maxUnavailable"]:
+            fail(f"{name}: shard-node PDB")
     aff = shards["spec"]["template"]["spec"].get("affinity", {}).get("podAntiAffinity", {})
-    mode = merged["shardNode"]["antiAffinity"]
+    mode = merged["coordinator" if colocated else "shardNode"]["antiAffinity"]
     key = {"hard": "requiredDuringSchedulingIgnoredDuringExecution",
            "soft": "preferredDuringSchedulingIgnoredDuringExecution"}.get(mode)
     if key and key not in aff:
@@ -147,17 +161,24 @@ def check(name, out_dir):
     if cm2["data"] != cm["data"]:
         fail(f"{name}: scaling shard nodes changes the config (coordinators would restart)")
     coord_svc = f"rag-ragcluster-coordinator:7000"
-    for section in ("shard_node", "model_worker"):
+    # A colocated shard node registers with the coordinator of its own process.
+    sections = ("model_worker",) if colocated else ("shard_node", "model_worker")
+    if colocated and "coordinators" in cfg["shard_node"]:
+        fail(f"{name}: a colocated shard node must register with its own coordinator")
+    if colocated and cfg["shard_node"]["data_dir"] == cfg["coordinator"]["data_dir"]:
+        fail(f"{name}: the colocated shard node shares the catalog's data directory")
+    for section in sections:
         if not all(a.endswith(coord_svc) for a in cfg[section]["coordinators"]) or not cfg[section]["coordinators"]:
             fail(f"{name}: [{section}] coordinators {cfg[section].get('coordinators')}")
     env = {e["name"]: e for e in shards["spec"]["template"]["spec"]["containers"][0].get("env", [])}
     adv = env.get("RAGCLUSTER__SHARD_NODE__ADVERTISE_ADDRESS", {}).get("value", "")
-    if "$(POD_NAME).rag-ragcluster-shard-node-headless." not in adv:
+    headless = "coordinator-headless" if colocated else "shard-node-headless"
+    if f"$(POD_NAME).rag-ragcluster-{headless}." not in adv or not adv.endswith(":7100"):
         fail(f"{name}: shard nodes must advertise their stable pod name ({adv!r})")
     if len(cfg["coordinator"].get("peers", [])) != (n_coords if n_coords > 1 else 0):
         fail(f"{name}: peers list")
     scheme = "https://" if merged["tls"]["enabled"] else "http://"
-    addrs = cfg["shard_node"]["coordinators"] + cfg["model_worker"]["coordinators"] + [adv]
+    addrs = cfg["shard_node"].get("coordinators", []) + cfg["model_worker"]["coordinators"] + [adv]
     addrs += [p.split("=", 1)[1] for p in cfg["coordinator"].get("peers", [])]
     if not all(a.startswith(scheme) for a in addrs):
         fail(f"{name}: addresses must be {scheme} ({addrs})")
@@ -187,7 +208,7 @@ def check_rejected(name, values, why):
 
 def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "chart-out"
-    for name in ("default", "ha", "gpu", "secure"):
+    for name in ("default", "ha", "gpu", "secure", "colocated"):
         check(name, out_dir)
     check_rejected("even-coordinators", {"coordinator": {"replicas": 2}}, "2 coordinators")
     check_rejected("unknown-key", {"shardNode": {"replica": 3}}, "a misspelt key")

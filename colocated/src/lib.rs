@@ -21,6 +21,23 @@ use ragcluster_common::telemetry;
 use shard_node::ShardNodeConfig;
 use tokio::sync::watch;
 
+/// Where the node registers when `shard_node.coordinators` is not set: among replicated
+/// coordinators only the catalog leader registers seed addresses, and that may be another one,
+/// so the node heartbeats to its own coordinator, which passes the registration on to the
+/// leader. (A single coordinator registers its node itself.)
+pub fn register_with_own(
+    coordinator: &CoordinatorConfig,
+    shard: &mut ShardNodeConfig,
+) -> anyhow::Result<()> {
+    if shard.coordinators.is_empty() && !coordinator.peers.is_empty() {
+        let members = coordinator.catalog_members().map_err(anyhow::Error::msg)?;
+        if let Some(own) = members.get(&coordinator.node_id) {
+            shard.coordinators = vec![own.clone()];
+        }
+    }
+    Ok(())
+}
+
 /// Serves both until `shutdown` resolves: the coordinator drains while the shard node hands
 /// its leaderships to other replicas and drains, and the node's indexes are flushed last.
 pub async fn run(
@@ -29,15 +46,7 @@ pub async fn run(
     metrics_listen: &str,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    // Among replicated coordinators only the catalog leader registers seed addresses, and
-    // that may be another one: the node heartbeats to its own coordinator, which passes the
-    // registration on to the leader.
-    if shard.coordinators.is_empty() && !coordinator.peers.is_empty() {
-        let members = coordinator.catalog_members().map_err(anyhow::Error::msg)?;
-        if let Some(own) = members.get(&coordinator.node_id) {
-            shard.coordinators = vec![own.clone()];
-        }
-    }
+    register_with_own(&coordinator, &mut shard)?;
     // One `/metrics` for both (their families have distinct prefixes).
     let metrics_addr = telemetry::serve_metrics(metrics_listen).await?;
     let (stop_tx, stop_rx) = watch::channel(false);

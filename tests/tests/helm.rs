@@ -1,5 +1,6 @@
-//! The Helm chart (`helm/ragcluster`) linted and rendered offline with four value sets
-//! (defaults, HA with a ServiceMonitor, GPU model workers, mutual TLS with API keys), every rendered object validated
+//! The Helm chart (`helm/ragcluster`) linted and rendered offline with five value sets
+//! (defaults, HA with a ServiceMonitor, GPU model workers, mutual TLS with API keys, shard
+//! nodes colocated with the coordinators), every rendered object validated
 //! against the Kubernetes 1.30 schemas, and bad values refused by values.schema.json: that is
 //! `scripts/check_chart.py` (helm-python-sdk and kubernetes-validate, which scripts/setup.sh
 //! installs into ~/.cache/ragcluster-pyenv). Then the ragcluster.toml each value set renders
@@ -63,7 +64,13 @@ fn chart_renders_valid_objects_and_configs() -> Result<()> {
         "check_chart.py: {}",
         String::from_utf8_lossy(&o.stderr)
     );
-    for (set, coordinators) in [("default", 3), ("ha", 3), ("gpu", 1), ("secure", 3)] {
+    for (set, coordinators) in [
+        ("default", 3),
+        ("ha", 3),
+        ("gpu", 1),
+        ("secure", 3),
+        ("colocated", 3),
+    ] {
         let file = out.path().join(set).join("ragcluster.toml");
         // Pod 1 of the coordinator StatefulSet: node id 2 (must be a catalog member if there
         // are peers).
@@ -72,7 +79,16 @@ fn chart_renders_valid_objects_and_configs() -> Result<()> {
         } else {
             "rag-ragcluster-coordinator-0"
         };
-        let (co, sn, _) = load_all(&file, host).with_context(|| set.to_string())?;
+        let (co, mut sn, _) = load_all(&file, host).with_context(|| set.to_string())?;
+        if set == "colocated" {
+            // Its node registers with the coordinator in its process: pod 1's own address.
+            colocated::register_with_own(&co, &mut sn)?;
+            ensure!(
+                sn.coordinators.len() == 1 && sn.coordinators[0].contains("coordinator-1."),
+                "colocated: {:?}",
+                sn.coordinators
+            );
+        }
         // Members register themselves (the advertised address comes from the pod's env).
         ensure!(
             co.shard_nodes.is_empty() && sn.coordinators.len() == 1,
