@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use ragcluster_proto::v1::{Chunk, DocumentWrite, GlobalBm25Stats};
@@ -23,10 +23,11 @@ use tantivy::schema::{
 use tantivy::tokenizer::{
     Language, LowerCaser, RemoveLongFilter, SimpleTokenizer, Stemmer, StopWordFilter, TextAnalyzer,
 };
-use tantivy::{Index, IndexReader, IndexWriter, ReloadPolicy, Searcher, TantivyDocument, Term};
+use tantivy::{Index, IndexReader, IndexWriter, ReloadPolicy, TantivyDocument, Term};
 
 use super::Filter;
 use super::bm25_ids::{CHUNK_ID, IdCache, SegmentIds};
+use super::bm25_terms::{LocalStats, TermCache, score_all};
 use crate::error::{Result, ShardError};
 
 /// English analysis as in Lucene's EnglishAnalyzer: split on non-alphanumerics, lowercase,
@@ -49,20 +50,43 @@ pub struct Bm25Index {
     merging: Arc<AtomicBool>,
     /// How long the last merge took, in milliseconds.
     merge_ms: Arc<AtomicU64>,
-    /// Searches over fewer documents than this score every match instead of pruning with
-    /// block-WAND (`search`).
-    exhaustive_below: AtomicU64,
-    term_stats: Mutex<TermStatsCache>,
+    /// How searches traverse the postings (`Scoring`, as u8).
+    scoring: AtomicU8,
+    term_cache: Mutex<TermCache>,
 }
 
-/// Below this many documents (all segments) a query scores every matching document instead of
-/// pruning with block-WAND. With SciFact's queries (about a dozen terms after stop words)
-/// block-WAND's bookkeeping (re-sorting the term scorers at each pivot, block maxima, seeks)
-/// costs more than the documents it skips, which tantivy's bucketed union scores in passes
-/// over a bitset: one thread, `bm25bench`, 61 against 136 us per query at 11k chunks, 287
-/// against 496 at 100k, 805 against 941 at 300k; about even at 600k, block-WAND 10% ahead at
-/// 1M.
+/// Below this many documents (all segments) a filtered query scores every matching document
+/// instead of pruning with block-WAND. With SciFact's queries (about a dozen terms after stop
+/// words) block-WAND's bookkeeping (re-sorting the term scorers at each pivot, block maxima,
+/// seeks) costs more than the documents it skips, which tantivy's bucketed union scores in
+/// passes over a bitset: one thread, `bm25bench`, 61 against 136 us per query at 11k chunks,
+/// 287 against 496 at 100k, 805 against 941 at 300k; about even at 600k, block-WAND 10% ahead
+/// at 1M.
 pub const EXHAUSTIVE_BELOW_DOCS: u64 = 300_000;
+
+/// Below this many documents an unfiltered query is scored a term at a time
+/// (`bm25_terms::score_all`): `bm25bench`, one thread, 77-78 us per query at 11k chunks
+/// against 136-139 for tantivy's every-match traversal and 236-247 for block-WAND; 100k 396-434
+/// against 663-761 and 926-1,012; 300k 977-1,172 against 1,349-1,566 and 1,528-1,930; 1M
+/// 3,472-3,520 against 4,983-5,063 and 4,776-5,546. Not measured beyond; its score array takes
+/// 4 bytes per document of the largest segment on each searching thread.
+pub const TERM_AT_A_TIME_BELOW_DOCS: u64 = 1_000_000;
+
+/// How a search walks the postings of its terms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Scoring {
+    /// Term at a time (`bm25_terms::score_all`) below `TERM_AT_A_TIME_BELOW_DOCS` documents
+    /// without a filter; with one, tantivy's traversal of every match below
+    /// `EXHAUSTIVE_BELOW_DOCS`; block-WAND above those.
+    Auto = 0,
+    /// Tantivy's block-WAND pruning.
+    BlockWand = 1,
+    /// Tantivy's scorer tree, every match scored.
+    EveryMatch = 2,
+    /// `bm25_terms::score_all` (a filter falls back to `EveryMatch`).
+    TermAtATime = 3,
+}
 
 fn analyzer() -> TextAnalyzer {
     TextAnalyzer::builder(SimpleTokenizer::default())
@@ -129,8 +153,8 @@ impl Bm25Index {
             ids: IdCache::default(),
             merging: Arc::default(),
             merge_ms: Arc::default(),
-            exhaustive_below: AtomicU64::new(EXHAUSTIVE_BELOW_DOCS),
-            term_stats: Mutex::default(),
+            scoring: AtomicU8::new(Scoring::Auto as u8),
+            term_cache: Mutex::default(),
         })
     }
 
@@ -295,41 +319,11 @@ impl Bm25Index {
         if terms.is_empty() || top_k == 0 {
             return Ok(Vec::new());
         }
-        let should: Vec<(Occur, Box<dyn Query>)> = terms
+        let terms: Vec<Term> = terms
             .iter()
-            .map(|t| {
-                let q: Box<dyn Query> = Box::new(TermQuery::new(
-                    Term::from_field_text(self.f_body, t),
-                    IndexRecordOption::WithFreqs,
-                ));
-                (Occur::Should, q)
-            })
+            .map(|t| Term::from_field_text(self.f_body, t))
             .collect();
-        let mut query: Box<dyn Query> = Box::new(BooleanQuery::new(should));
-        if !filter.is_empty() {
-            let must: Vec<(Occur, Box<dyn Query>)> = filter
-                .iter()
-                .map(|(k, v)| {
-                    let q: Box<dyn Query> = Box::new(TermQuery::new(
-                        Term::from_field_text(self.f_meta, &format!("{k}{META_SEP}{v}")),
-                        IndexRecordOption::Basic,
-                    ));
-                    (Occur::Must, q)
-                })
-                .collect();
-            // The filter must not change scores: wrap it in a zero constant score.
-            let filter_q: Box<dyn Query> =
-                Box::new(ConstScoreQuery::new(Box::new(BooleanQuery::new(must)), 0.0));
-            query = Box::new(BooleanQuery::new(vec![
-                (Occur::Must, filter_q),
-                (Occur::Must, query),
-            ]));
-        }
-        if searcher.num_docs() == 0 {
-            query = Box::new(EmptyQuery);
-        }
-        let collector = TopDocs::with_limit(top_k).order_by_score();
-        let local = LocalStats::new(&searcher, self.f_body, &self.term_stats);
+        let local = LocalStats::new(&searcher, self.f_body, &self.term_cache);
         let global = stats.map(|s| GlobalStats {
             stats: s,
             local: &local,
@@ -339,15 +333,31 @@ impl Bm25Index {
             Some(g) => g,
             None => &local,
         };
-        let top = if searcher.num_docs() < self.exhaustive_below.load(Ordering::Relaxed) {
-            // Paired with a count, the top-k collector takes tantivy's plain `for_each`
-            // traversal (a tuple of collectors cannot prune).
-            let both = (collector, Count);
-            searcher
-                .search_with_statistics_provider(&*query, &both, provider)?
-                .0
+        let docs = searcher.num_docs();
+        let (taat, every) = match self.scoring() {
+            Scoring::Auto => (
+                docs < TERM_AT_A_TIME_BELOW_DOCS,
+                docs < EXHAUSTIVE_BELOW_DOCS,
+            ),
+            Scoring::BlockWand => (false, false),
+            Scoring::EveryMatch => (false, true),
+            Scoring::TermAtATime => (true, true),
+        };
+        let top = if taat && filter.is_empty() {
+            score_all(&local, &terms, provider, top_k)?
         } else {
-            searcher.search_with_statistics_provider(&*query, &collector, provider)?
+            let query = self.query(terms, filter, searcher.num_docs() == 0);
+            let collector = TopDocs::with_limit(top_k).order_by_score();
+            if every {
+                // Paired with a count, the top-k collector takes tantivy's plain `for_each`
+                // traversal (a tuple of collectors cannot prune).
+                let both = (collector, Count);
+                searcher
+                    .search_with_statistics_provider(&*query, &both, provider)?
+                    .0
+            } else {
+                searcher.search_with_statistics_provider(&*query, &collector, provider)?
+            }
         };
         let mut segments: Vec<Option<Arc<SegmentIds>>> =
             vec![None; searcher.segment_readers().len()];
@@ -364,10 +374,55 @@ impl Bm25Index {
         Ok(out)
     }
 
-    /// Sets the document count below which searches score every match (default
-    /// `EXHAUSTIVE_BELOW_DOCS`; 0: always block-WAND), for benchmarks that compare the two.
-    pub fn set_exhaustive_below(&self, docs: u64) {
-        self.exhaustive_below.store(docs, Ordering::Relaxed);
+    /// The tantivy query: the body terms as SHOULD clauses, every filter pair a MUST clause
+    /// that scores zero.
+    fn query(&self, terms: Vec<Term>, filter: &Filter, empty_index: bool) -> Box<dyn Query> {
+        if empty_index {
+            return Box::new(EmptyQuery);
+        }
+        let should: Vec<(Occur, Box<dyn Query>)> = terms
+            .into_iter()
+            .map(|t| {
+                let q: Box<dyn Query> = Box::new(TermQuery::new(t, IndexRecordOption::WithFreqs));
+                (Occur::Should, q)
+            })
+            .collect();
+        let query: Box<dyn Query> = Box::new(BooleanQuery::new(should));
+        if filter.is_empty() {
+            return query;
+        }
+        let must: Vec<(Occur, Box<dyn Query>)> = filter
+            .iter()
+            .map(|(k, v)| {
+                let q: Box<dyn Query> = Box::new(TermQuery::new(
+                    Term::from_field_text(self.f_meta, &format!("{k}{META_SEP}{v}")),
+                    IndexRecordOption::Basic,
+                ));
+                (Occur::Must, q)
+            })
+            .collect();
+        // The filter must not change scores: wrap it in a zero constant score.
+        let filter_q: Box<dyn Query> =
+            Box::new(ConstScoreQuery::new(Box::new(BooleanQuery::new(must)), 0.0));
+        Box::new(BooleanQuery::new(vec![
+            (Occur::Must, filter_q),
+            (Occur::Must, query),
+        ]))
+    }
+
+    /// Forces a traversal (default `Scoring::Auto`), for benchmarks and tests that compare
+    /// them.
+    pub fn set_scoring(&self, scoring: Scoring) {
+        self.scoring.store(scoring as u8, Ordering::Relaxed);
+    }
+
+    fn scoring(&self) -> Scoring {
+        match self.scoring.load(Ordering::Relaxed) {
+            1 => Scoring::BlockWand,
+            2 => Scoring::EveryMatch,
+            3 => Scoring::TermAtATime,
+            _ => Scoring::Auto,
+        }
     }
 
     pub fn num_docs(&self) -> u64 {
@@ -381,76 +436,6 @@ impl Bm25Index {
             .space_usage()
             .map(|u| u.total().get_bytes())
             .unwrap_or(0)
-    }
-}
-
-/// The body field's statistics for one searcher generation. Tantivy looks every query term up
-/// in the term dictionary (an FST walk, cache misses) twice: for its BM25 weight (document
-/// frequency) and for its postings. The first one becomes a hash lookup here for terms seen
-/// before in this generation.
-#[derive(Default)]
-struct TermStatsCache {
-    generation: u64,
-    total_tokens: Option<u64>,
-    doc_freq: HashMap<Term, u64>,
-}
-
-/// Terms kept per generation at most (then the cache starts over).
-const TERM_STATS_CACHE_TERMS: usize = 100_000;
-
-/// The shard's own statistics, the body field's through `TermStatsCache`.
-struct LocalStats<'a> {
-    searcher: &'a Searcher,
-    body: Field,
-    cache: &'a Mutex<TermStatsCache>,
-}
-
-impl<'a> LocalStats<'a> {
-    fn new(searcher: &'a Searcher, body: Field, cache: &'a Mutex<TermStatsCache>) -> Self {
-        let generation = searcher.generation().generation_id();
-        let mut c = cache.lock();
-        if c.generation != generation || c.doc_freq.len() >= TERM_STATS_CACHE_TERMS {
-            *c = TermStatsCache {
-                generation,
-                ..Default::default()
-            };
-        }
-        drop(c);
-        Self {
-            searcher,
-            body,
-            cache,
-        }
-    }
-}
-
-impl Bm25StatisticsProvider for LocalStats<'_> {
-    fn total_num_tokens(&self, field: Field) -> tantivy::Result<u64> {
-        if field != self.body {
-            return Bm25StatisticsProvider::total_num_tokens(self.searcher, field);
-        }
-        if let Some(n) = self.cache.lock().total_tokens {
-            return Ok(n);
-        }
-        let n = Bm25StatisticsProvider::total_num_tokens(self.searcher, field)?;
-        self.cache.lock().total_tokens = Some(n);
-        Ok(n)
-    }
-
-    fn total_num_docs(&self) -> tantivy::Result<u64> {
-        Bm25StatisticsProvider::total_num_docs(self.searcher)
-    }
-
-    fn doc_freq(&self, term: &Term) -> tantivy::Result<u64> {
-        if term.field() != self.body {
-            return self.searcher.doc_freq(term);
-        }
-        if let Some(&n) = self.cache.lock().doc_freq.get(term) {
-            return Ok(n);
-        }
-        let n = self.searcher.doc_freq(term)?;
-        self.cache.lock().doc_freq.insert(term.clone(), n);
-        Ok(n)
     }
 }
 
@@ -607,8 +592,8 @@ mod tests {
         assert_eq!(idx.committed_seq().unwrap(), 5);
     }
 
-    /// Scoring every match and block-WAND pruning rank alike: same ids, same scores, deleted
-    /// documents skipped, a filter and global statistics applied either way.
+    /// Block-WAND pruning, tantivy scoring every match and term-at-a-time scoring rank alike:
+    /// same scores, deleted documents skipped, a filter and global statistics applied.
     #[test]
     fn exhaustive_and_block_wand_agree() {
         let dir = tempfile::tempdir().unwrap();
@@ -641,13 +626,20 @@ mod tests {
             "theta alpha theta",
         ] {
             for (f, s) in [(&vec![], None), (&vec![], Some(&stats)), (&filter, None)] {
-                idx.set_exhaustive_below(0);
-                let wand = idx.search(q, 10, f, s).unwrap();
-                idx.set_exhaustive_below(u64::MAX);
-                let full = idx.search(q, 10, f, s).unwrap();
-                assert_eq!(wand.len(), full.len(), "{q}");
-                for (a, b) in wand.iter().zip(&full) {
-                    assert!((a.1 - b.1).abs() < 1e-5, "{q}: {wand:?} vs {full:?}");
+                // 1,000: every live match, so the counts must agree too.
+                for k in [10, 1000] {
+                    let run = |scoring| {
+                        idx.set_scoring(scoring);
+                        idx.search(q, k, f, s).unwrap()
+                    };
+                    let wand = run(Scoring::BlockWand);
+                    for other in [Scoring::EveryMatch, Scoring::TermAtATime] {
+                        let hits = run(other);
+                        assert_eq!(wand.len(), hits.len(), "{q} {other:?}");
+                        for (a, b) in wand.iter().zip(&hits) {
+                            assert!((a.1 - b.1).abs() < 1e-5, "{q}: {wand:?} vs {hits:?}");
+                        }
+                    }
                 }
             }
         }

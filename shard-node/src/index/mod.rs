@@ -4,6 +4,7 @@
 
 pub mod bm25;
 pub mod bm25_ids;
+pub mod bm25_terms;
 pub mod distance;
 pub mod hnsw;
 pub mod hnsw_dump;

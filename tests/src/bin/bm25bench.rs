@@ -1,8 +1,8 @@
-//! `bm25bench`: one shard's BM25 search in process, block-WAND pruning against scoring every
-//! match (`Bm25Index::set_exhaustive_below`), on SciFact's chunks (and repeated copies for the
-//! bigger sizes) with its 300 test queries at top_k 10, one thread. Both traversals must give
-//! the same hits; the figure is time per query on one busy thread (the machine otherwise idle),
-//! rounds alternating.
+//! `bm25bench`: one shard's BM25 search in process with each traversal (`Bm25Index::set_scoring`):
+//! tantivy's block-WAND pruning, tantivy's scorer tree over every match, and our term-at-a-time
+//! scoring, on SciFact's chunks (and repeated copies for the bigger sizes) with its 300 test
+//! queries at top_k 10, one thread. Every traversal must give the same scores; the figure is
+//! time per query on one busy thread (the machine otherwise idle), rounds alternating.
 //!
 //! `cargo run --release -p ragcluster-tests --bin bm25bench -- --sizes 11235,100000`
 
@@ -16,7 +16,7 @@ use ragcluster_proto::v1::{Chunk, GetChunksResponse};
 use ragcluster_tests::scale::perturbed_copies;
 use ragcluster_tests::{BeirQuery, datasets_dir, read_jsonl, read_qrels};
 use serde_json::{Map, Value, json};
-use shard_node::index::bm25::Bm25Index;
+use shard_node::index::bm25::{Bm25Index, Scoring};
 
 #[derive(Parser)]
 struct Args {
@@ -73,8 +73,8 @@ fn one_size(args: &Args, real: &[Chunk], n: usize, queries: &[String]) -> Result
         }
     }
     eprintln!("{n}: indexed in {:.1} s", t.elapsed().as_secs_f64());
-    let run = |exhaustive: bool| -> Result<(f64, Vec<Hits>)> {
-        idx.set_exhaustive_below(if exhaustive { u64::MAX } else { 0 });
+    let run = |scoring: Scoring| -> Result<(f64, Vec<Hits>)> {
+        idx.set_scoring(scoring);
         let mut tops = Vec::new();
         let t = Instant::now();
         for pass in 0..args.passes {
@@ -88,35 +88,47 @@ fn one_size(args: &Args, real: &[Chunk], n: usize, queries: &[String]) -> Result
         let per = t.elapsed().as_secs_f64() / (args.passes * queries.len()) as f64;
         Ok((per * 1e6, tops))
     };
-    run(false)?; // warm-up
-    let (mut wand, mut full) = (Vec::new(), Vec::new());
+    let modes = [
+        ("block_wand", Scoring::BlockWand),
+        ("every_match", Scoring::EveryMatch),
+        ("term_at_a_time", Scoring::TermAtATime),
+    ];
+    run(Scoring::BlockWand)?; // warm-up
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
     for _ in 0..args.rounds {
-        let (w, wt) = run(false)?;
-        let (f, ft) = run(true)?;
-        for (i, (a, b)) in wt.iter().zip(&ft).enumerate() {
-            let score = |v: &[(String, f32)]| v.iter().map(|x| x.1).collect::<Vec<_>>();
-            ensure!(
-                score(a)
-                    .iter()
-                    .zip(score(b))
-                    .all(|(x, y)| (x - y).abs() < 1e-4),
-                "query {i}: scores differ: {a:?} vs {b:?}"
-            );
+        let mut reference: Option<Vec<Hits>> = None;
+        let mut line = Vec::new();
+        for (i, (name, scoring)) in modes.iter().enumerate() {
+            let (us, tops) = run(*scoring)?;
+            if let Some(r) = &reference {
+                for (q, (a, b)) in r.iter().zip(&tops).enumerate() {
+                    ensure!(
+                        a.len() == b.len()
+                            && a.iter().zip(b).all(|(x, y)| (x.1 - y.1).abs() < 1e-4),
+                        "query {q}: {name} scores differ: {a:?} vs {b:?}"
+                    );
+                }
+            } else {
+                reference = Some(tops);
+            }
+            times[i].push(us);
+            line.push(format!("{name} {us:.1}"));
         }
-        wand.push(w);
-        full.push(f);
-        eprintln!("{n}: block-WAND {w:.1} us, exhaustive {f:.1} us per query");
+        eprintln!("{n}: {} us per query", line.join(", "));
     }
-    let median = |v: &mut Vec<f64>| {
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let (w, f) = (median(&mut wand), median(&mut full));
-    Ok(json!({
-        "docs": idx.num_docs(),
-        "block_wand_us_per_query": w,
-        "exhaustive_us_per_query": f,
-        "exhaustive_over_wand": f / w,
-        "rounds": {"block_wand": wand, "exhaustive": full},
-    }))
+    let mut out = Map::new();
+    out.insert("docs".into(), json!(idx.num_docs()));
+    let wand = median(&times[0]);
+    for (i, (name, _)) in modes.iter().enumerate() {
+        let m = median(&times[i]);
+        out.insert(format!("{name}_us_per_query"), json!(m));
+        out.insert(format!("{name}_over_block_wand"), json!(m / wand));
+        out.insert(format!("{name}_rounds"), json!(times[i]));
+    }
+    Ok(Value::Object(out))
 }
