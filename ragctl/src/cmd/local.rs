@@ -107,7 +107,7 @@ async fn wait_port_file(
         }
         if let Some(status) = child.try_wait()? {
             bail!(
-                "{} exited before it served ({}); log {}:\n{}",
+                "pid {} exited before it served ({}); log {}:\n{}",
                 child.id(),
                 exit_description(status),
                 log.display(),
