@@ -201,7 +201,7 @@ fn scan(sources: &[Source]) -> Result<(u64, u64)> {
 pub struct Totals {
     pub documents: u64,
     pub chunks: u64,
-    /// Calls sent again after a load refusal.
+    /// Calls sent again after a load refusal or a deadline (`retry_wait`).
     pub retries: u64,
     pub chunk: Duration,
     pub embed: Duration,
@@ -234,15 +234,30 @@ impl Totals {
     }
 }
 
-/// Load refusals worth waiting out: the coordinator's hint, or None for any other error.
-fn retry_hint(s: &tonic::Status) -> Option<Duration> {
-    let ms = retry_after_ms(s)?;
-    matches!(
-        s.code(),
-        tonic::Code::ResourceExhausted | tonic::Code::Unavailable
-    )
-    .then(|| Duration::from_millis(ms.clamp(10, 5_000)))
+/// How long to wait before sending a failed batch again, or None when resending won't help.
+/// Load refusals carry the coordinator's hint. A call that ran out of time (the model
+/// worker's queue outgrew the deadline after it took the work, e.g. when the machine became
+/// busy) is sent again too, waiting longer each time: an upsert replaces its documents by id,
+/// so a second one writes the same thing. `late` counts this batch's earlier calls that ran
+/// out of time.
+fn retry_wait(s: &tonic::Status, late: u32) -> Option<Duration> {
+    match s.code() {
+        tonic::Code::ResourceExhausted | tonic::Code::Unavailable => {
+            let ms = retry_after_ms(s)?;
+            Some(Duration::from_millis(ms.clamp(10, 5_000)))
+        }
+        tonic::Code::DeadlineExceeded => Some(
+            DEADLINE_BACKOFF
+                .saturating_mul(1 << late.min(4))
+                .min(MAX_DEADLINE_BACKOFF),
+        ),
+        _ => None,
+    }
 }
+
+/// The first wait after a batch's call ran out of time, doubled on each further one.
+const DEADLINE_BACKOFF: Duration = Duration::from_secs(1);
+const MAX_DEADLINE_BACKOFF: Duration = Duration::from_secs(10);
 
 /// Documents per upsert call by default. SciFact into 3 shards with the model excluded
 /// (`ingestbench --docs 1500`): 2,000-2,300 chunks/s at 32 documents per call, 2,800-3,800
@@ -263,7 +278,7 @@ async fn send(
     documents: Vec<Document>,
     progress: &Progress,
 ) -> Result<(UpsertDocumentsResponse, u64)> {
-    let mut retries = 0;
+    let (mut retries, mut late) = (0, 0);
     loop {
         let req = UpsertDocumentsRequest {
             collection: collection.to_owned(),
@@ -274,9 +289,10 @@ async fn send(
                 *progress.lock() = Instant::now();
                 return Ok((r.into_inner(), retries));
             }
-            Err(s) => match retry_hint(&s) {
+            Err(s) => match retry_wait(&s, late) {
                 Some(wait) if progress.lock().elapsed() + wait < RETRY_BUDGET => {
                     retries += 1;
+                    late += u32::from(s.code() == tonic::Code::DeadlineExceeded);
                     tokio::time::sleep(wait).await;
                 }
                 _ => {
@@ -448,7 +464,10 @@ pub async fn ingest(c: CoordinatorClient<KeyedChannel>, a: IngestArgs<'_>) -> Re
             String::new()
         },
         if t.retries > 0 {
-            format!("; {} retries after load refusals", t.retries)
+            format!(
+                "; {} calls resent after load refusals or deadlines",
+                t.retries
+            )
         } else {
             String::new()
         },
@@ -512,19 +531,26 @@ mod tests {
     }
 
     #[test]
-    fn only_hinted_load_refusals_are_retried() {
+    fn hinted_load_refusals_and_deadlines_are_retried() {
         let mut s = tonic::Status::resource_exhausted("busy");
         s.metadata_mut()
             .insert("retry-after-ms", "250".parse().unwrap());
-        assert_eq!(retry_hint(&s), Some(Duration::from_millis(250)));
+        assert_eq!(retry_wait(&s, 0), Some(Duration::from_millis(250)));
+        assert_eq!(retry_wait(&s, 3), Some(Duration::from_millis(250)));
         // Too large a batch is RESOURCE_EXHAUSTED too, but without a hint: waiting won't help.
         assert_eq!(
-            retry_hint(&tonic::Status::resource_exhausted("too large")),
+            retry_wait(&tonic::Status::resource_exhausted("too large"), 0),
             None
         );
         let mut s = tonic::Status::invalid_argument("bad");
         s.metadata_mut()
             .insert("retry-after-ms", "250".parse().unwrap());
-        assert_eq!(retry_hint(&s), None);
+        assert_eq!(retry_wait(&s, 0), None);
+        // Out of time: resent after 1, 2, 4, 8 s, then every 10 s.
+        let late = tonic::Status::deadline_exceeded("waiting for model worker");
+        let waits: Vec<u64> = (0..6)
+            .map(|a| retry_wait(&late, a).unwrap().as_secs())
+            .collect();
+        assert_eq!(waits, [1, 2, 4, 8, 10, 10]);
     }
 }
