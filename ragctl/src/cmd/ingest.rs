@@ -203,6 +203,8 @@ pub struct Totals {
     pub chunks: u64,
     /// Calls sent again after a load refusal or a deadline (`retry_wait`).
     pub retries: u64,
+    /// Of those, the ones resent because the call ran out of time.
+    pub late_resends: u64,
     pub chunk: Duration,
     pub embed: Duration,
     pub write: Duration,
@@ -277,7 +279,7 @@ async fn send(
     collection: &str,
     documents: Vec<Document>,
     progress: &Progress,
-) -> Result<(UpsertDocumentsResponse, u64)> {
+) -> Result<(UpsertDocumentsResponse, u64, u32)> {
     let (mut retries, mut late) = (0, 0);
     loop {
         let req = UpsertDocumentsRequest {
@@ -287,7 +289,7 @@ async fn send(
         match c.upsert_documents(req).await {
             Ok(r) => {
                 *progress.lock() = Instant::now();
-                return Ok((r.into_inner(), retries));
+                return Ok((r.into_inner(), retries, late));
             }
             Err(s) => match retry_wait(&s, late) {
                 Some(wait) if progress.lock().elapsed() + wait < RETRY_BUDGET => {
@@ -331,14 +333,15 @@ pub async fn upload(
         .map(|b| async move {
             let b = b?;
             let n = b.len() as u64;
-            let (r, retries) = send(client.clone(), collection, b, progress).await?;
-            Ok::<_, anyhow::Error>((n, r, retries))
+            let (r, retries, late) = send(client.clone(), collection, b, progress).await?;
+            Ok::<_, anyhow::Error>((n, r, retries, late))
         })
         .buffer_unordered(concurrency.max(1));
     let mut t = Totals::default();
-    while let Some((n, r, retries)) = calls.try_next().await? {
+    while let Some((n, r, retries, late)) = calls.try_next().await? {
         t.add(&r);
         t.retries += retries;
+        t.late_resends += u64::from(late);
         bar.inc(n);
         let rate = t.chunks as f64 / started.elapsed().as_secs_f64().max(1e-3);
         bar.set_message(format!("{} chunks, {rate:.0}/s, {}", t.chunks, t.split()));
@@ -439,6 +442,7 @@ pub async fn ingest(c: CoordinatorClient<KeyedChannel>, a: IngestArgs<'_>) -> Re
                 "embed_s": t.embed.as_secs_f64(),
                 "write_s": t.write.as_secs_f64(),
                 "retries": t.retries,
+                "late_resends": t.late_resends,
                 "skipped_without_text": empty,
             })
         );
@@ -465,8 +469,9 @@ pub async fn ingest(c: CoordinatorClient<KeyedChannel>, a: IngestArgs<'_>) -> Re
         },
         if t.retries > 0 {
             format!(
-                "; {} calls resent after load refusals or deadlines",
-                t.retries
+                "; {} calls resent after load refusals or deadlines ({} after running out of \
+                 time)",
+                t.retries, t.late_resends
             )
         } else {
             String::new()
