@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::Result;
+use futures::{StreamExt, TryStreamExt};
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
@@ -76,6 +77,16 @@ pub async fn write_retrying(sc: &mut ShardClient<Channel>, req: WriteBatchReques
 /// Writes chunks straight to the shard nodes through Shard.WriteBatch, by document, on the shard
 /// the coordinator's placement gives it (3 shards in parallel, 512 chunks per batch).
 pub async fn write_direct(info: &CollectionInfo, chunks: Vec<Chunk>) -> Result<()> {
+    write_direct_with(info, chunks, 1).await
+}
+
+/// `write_direct` with `in_flight` batches of 512 chunks sent to each shard at once (1: each
+/// batch waits for the previous one's acknowledgement).
+pub async fn write_direct_with(
+    info: &CollectionInfo,
+    chunks: Vec<Chunk>,
+    in_flight: usize,
+) -> Result<()> {
     let mut by_shard: HashMap<u32, Vec<DocumentWrite>> = HashMap::new();
     let mut by_doc: HashMap<String, Vec<Chunk>> = HashMap::new();
     for c in chunks {
@@ -94,37 +105,38 @@ pub async fn write_direct(info: &CollectionInfo, chunks: Vec<Chunk>) -> Result<(
         let node = info.shards[shard as usize].nodes[0].clone();
         let coll = info.name.clone();
         async move {
-            let mut sc = ShardClient::new(Channel::from_shared(node)?.connect().await?)
+            let sc = ShardClient::new(Channel::from_shared(node)?.connect().await?)
                 .max_encoding_message_size(256 << 20);
+            let mut batches = Vec::new();
             let mut batch = Vec::new();
             let mut n = 0;
             for w in writes {
                 n += w.chunks.len();
                 batch.push(w);
                 if n >= 512 {
+                    batches.push(std::mem::take(&mut batch));
+                    n = 0;
+                }
+            }
+            if !batch.is_empty() {
+                batches.push(batch);
+            }
+            futures::stream::iter(batches)
+                .map(|writes| {
+                    let mut sc = sc.clone();
                     let req = WriteBatchRequest {
                         shard: Some(ShardRef {
                             collection: coll.clone(),
                             shard,
                         }),
-                        writes: std::mem::take(&mut batch),
+                        writes,
                         request_id: String::new(),
                     };
-                    write_retrying(&mut sc, req).await?;
-                    n = 0;
-                }
-            }
-            if !batch.is_empty() {
-                let req = WriteBatchRequest {
-                    shard: Some(ShardRef {
-                        collection: coll.clone(),
-                        shard,
-                    }),
-                    writes: batch,
-                    request_id: String::new(),
-                };
-                write_retrying(&mut sc, req).await?;
-            }
+                    async move { write_retrying(&mut sc, req).await }
+                })
+                .buffer_unordered(in_flight.max(1))
+                .try_collect::<Vec<_>>()
+                .await?;
             anyhow::Ok(())
         }
     });

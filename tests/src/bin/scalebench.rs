@@ -31,7 +31,7 @@ use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::*;
 use ragcluster_tests::scale::{
-    QPS_SECONDS, create_collection, embed_queries, perturbed_copies, qps, req, write_direct,
+    QPS_SECONDS, create_collection, embed_queries, perturbed_copies, qps, req, write_direct_with,
 };
 use ragcluster_tests::{
     BeirQuery, Cluster, datasets_dir, engines, percentile, read_jsonl, read_qrels,
@@ -62,6 +62,10 @@ struct Args {
     /// The collection's HNSW ef_construction (0: the server's default).
     #[arg(long, default_value_t = 0)]
     ef_construction: u32,
+    /// Write batches (512 chunks) in flight per shard during the ingest; 1 waits for each
+    /// acknowledgement before the next batch, as every curve in docs/bench did.
+    #[arg(long, default_value_t = 1)]
+    writes_in_flight: usize,
     /// The collection's default search breadth (0: the server's default).
     #[arg(long, default_value_t = 0)]
     ef_search: u32,
@@ -186,7 +190,7 @@ async fn one_size(
         .map(|c| (c.chunk_id.clone(), c.embedding.clone()))
         .collect();
     let t = Instant::now();
-    write_direct(&info, chunks).await?;
+    write_direct_with(&info, chunks, args.writes_in_flight).await?;
     let ingest_s = t.elapsed().as_secs_f64();
     eprintln!(
         "{n}: ingested in {ingest_s:.1} s = {:.0} chunks/s",
@@ -197,7 +201,7 @@ async fn one_size(
     let mut out = Map::new();
     out.insert(
         "ingest".into(),
-        json!({"seconds": ingest_s, "chunks_per_s": n as f64 / ingest_s}),
+        json!({"seconds": ingest_s, "chunks_per_s": n as f64 / ingest_s, "writes_in_flight": args.writes_in_flight}),
     );
     let exact = exact_top10(&vectors, qvecs);
     drop(vectors);
