@@ -6,7 +6,7 @@
 //!
 //! The codes are copied too, into one array by slot: reading a neighbour's code through
 //! hnsw_rs's points is three dependent loads (the slot's `Arc`, the point, its vector) that
-//! miss the cache on a graph of any size, while a code at `slot * stride` is one load whose
+//! miss the cache once the graph outgrows it, while a code at `slot * stride` is one load whose
 //! address is known before the distance is needed, so the walk prefetches every unvisited
 //! neighbour's code before scoring the first (as hnswlib does). The copy costs one more code
 //! per point (388 bytes for MiniLM, about 7% of a chunk's resident memory at 1M chunks).
