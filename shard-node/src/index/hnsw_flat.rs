@@ -169,7 +169,9 @@ impl FlatGraph {
                             k += 1;
                         }
                     }
-                    // ... then scored while the later ones arrive.
+                    // ... then scored while the later ones arrive. The slot is looked up again
+                    // rather than its slice kept: a group of (slot, slice) pairs measured slower
+                    // (hnswbench, 100k points: ef 64 183-186 against 139-156 us).
                     for &nb in &group[..k] {
                         let Some(code) = self.code(nb) else { continue };
                         let dn = Sq8Cosine.eval(query, code);
