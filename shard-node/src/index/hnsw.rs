@@ -29,7 +29,7 @@ use parking_lot::RwLock;
 
 use super::Filter;
 pub use super::distance::{UnitCosine, dot, normalize};
-use super::hnsw_flat::FlatGraph;
+use super::hnsw_flat::{FlatGraph, prefetch_lines};
 use super::hnsw_vectors::{self, FetchVectors};
 use super::sq8::{self, Sq8Cosine};
 use crate::error::{Result, ShardError};
@@ -120,15 +120,11 @@ impl Graph {
     /// nearest first.
     fn walk(&self, query: &[i8], ef: usize) -> Vec<(usize, f32)> {
         if let Some(f) = self.fresh_flat() {
-            // hnsw_rs descends the upper layers (and takes one greedy step below); the flat
-            // copy does the layer-0 beam search.
-            if let Some(entry) = self.hnsw.search_filter(query, 1, 1, None).first() {
-                let found = f.search(query, entry.d_id, ef);
-                // Empty when the entry point is newer than the copy.
-                if !found.is_empty() {
-                    metrics::counter!("shard_hnsw_walks_total", "walk" => "flat").increment(1);
-                    return found;
-                }
+            let found = f.search(query, ef);
+            // Empty only when the copy holds no point.
+            if !found.is_empty() {
+                metrics::counter!("shard_hnsw_walks_total", "walk" => "flat").increment(1);
+                return found;
             }
         }
         metrics::counter!("shard_hnsw_walks_total", "walk" => "hnsw_rs").increment(1);
@@ -426,7 +422,13 @@ impl HnswIndex {
                     .collect();
             }
         }
-        // Every candidate rescored with its f32 vector: exact scores, exact order.
+        // Every candidate rescored with its f32 vector: exact scores, exact order. The vectors
+        // are separate allocations, so all their loads are started before the first is scored.
+        for (id, _) in &found {
+            if let Some(sl) = s.slots.get(*id) {
+                prefetch_lines(&sl.vector, 2);
+            }
+        }
         let mut scored: Vec<(usize, f32)> = found
             .into_iter()
             .filter_map(|(id, _)| Some((id, dot(query, &s.slots.get(id)?.vector).min(1.0))))

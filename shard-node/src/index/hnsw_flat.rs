@@ -1,8 +1,12 @@
-//! A read-optimised copy of an hnsw_rs graph's bottom layer, which is where a search spends
-//! its time. hnsw_rs's own walk allocates two `Arc`s per accepted candidate and keeps its
-//! visited set in a SipHash map (the profile in docs/bench shows that overhead next to the
-//! distance itself). This copy holds the layer-0 neighbour lists as one flat array indexed by
-//! slot, reuses a per-thread visited array, and walks it with the same beam search.
+//! A read-optimised copy of an hnsw_rs graph. hnsw_rs's own walk allocates two `Arc`s per
+//! accepted candidate and keeps its visited set in a SipHash map (the profile in docs/bench
+//! shows that overhead next to the distance itself). This copy holds the layer-0 neighbour
+//! lists, where a search spends its time, as one flat array indexed by slot, reuses a
+//! per-thread visited array, and walks it with the same beam search. The upper layers' lists
+//! (a few percent of the points) are copied too, so the descent to layer 0 takes no lock and
+//! no allocation either (through hnsw_rs it was 6% of a 100k-chunk dense soak's samples); it
+//! moves greedily while a neighbour is nearer, where hnsw_rs looks once per layer, so it
+//! reaches layer 0 at least as near the query.
 //!
 //! The codes are copied too, into one array by slot: reading a neighbour's code through
 //! hnsw_rs's points is three dependent loads (the slot's `Arc`, the point, its vector) that
@@ -18,7 +22,7 @@
 
 use std::cell::RefCell;
 use std::cmp::{Ordering, Reverse};
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 
 use hnsw_rs::anndists::dist::Distance;
 
@@ -41,6 +45,11 @@ pub struct FlatGraph {
     /// Neighbours of slot i: `adj[offsets[i]..offsets[i + 1]]`.
     offsets: Vec<u32>,
     adj: Vec<u32>,
+    /// Where a walk starts: a point of the top layer and that layer's number.
+    entry: Option<(u32, usize)>,
+    /// The upper layers' neighbour lists of the points above layer 0, `[layer - 1]`: a few
+    /// percent of the points, walked greedily down to layer 0's entry.
+    upper: HashMap<u32, Vec<Vec<u32>>>,
 }
 
 #[derive(PartialEq)]
@@ -73,26 +82,40 @@ impl FlatGraph {
         let mut codes = vec![0i8; slots * stride];
         let mut present = vec![false; slots];
         let mut lists: Vec<Vec<u32>> = vec![Vec::new(); slots];
-        // Layer by layer (hnsw_rs's all-points iterator unwraps the entry point, so it panics
-        // on an empty graph); every point is in exactly one layer list, its top one.
+        let mut entry = None;
+        let mut upper = HashMap::new();
+        let ids = |layer: &[hnsw_rs::hnsw::Neighbour]| -> Vec<u32> {
+            layer
+                .iter()
+                .filter(|n| n.d_id < slots)
+                .map(|n| n.d_id as u32)
+                .collect()
+        };
+        // Layer by layer from the top (hnsw_rs's all-points iterator unwraps the entry point,
+        // so it panics on an empty graph); every point is in exactly one layer list, its top
+        // one. hnsw_rs keeps its own entry point private: any point of the top layer serves.
         let layers = ix.get_max_level_observed() as usize;
-        for p in (0..=layers).flat_map(|l| ix.get_layer_iterator(l)) {
+        for (level, p) in (0..=layers)
+            .rev()
+            .flat_map(|l| ix.get_layer_iterator(l).map(move |p| (l, p)))
+        {
             let id = p.get_origin_id();
             if id >= slots {
                 continue;
             }
+            let v = p.get_v();
+            if v.len() != stride {
+                continue;
+            }
+            codes[id * stride..(id + 1) * stride].copy_from_slice(v);
+            present[id] = true;
+            entry.get_or_insert((id as u32, level));
             let hood = p.get_neighborhood_id();
             if let Some(l0) = hood.first() {
-                lists[id] = l0
-                    .iter()
-                    .filter(|n| n.d_id < slots)
-                    .map(|n| n.d_id as u32)
-                    .collect();
+                lists[id] = ids(l0);
             }
-            let v = p.get_v();
-            if v.len() == stride {
-                codes[id * stride..(id + 1) * stride].copy_from_slice(v);
-                present[id] = true;
+            if level > 0 {
+                upper.insert(id as u32, hood.iter().skip(1).map(|l| ids(l)).collect());
             }
         }
         let mut offsets = Vec::with_capacity(slots + 1);
@@ -109,6 +132,8 @@ impl FlatGraph {
             present,
             offsets,
             adj,
+            entry,
+            upper,
         }
     }
 
@@ -122,9 +147,39 @@ impl FlatGraph {
         self.codes.get(i * self.stride..(i + 1) * self.stride)
     }
 
-    /// Beam search of breadth `ef` from slot `entry` for the query's code: up to `ef` (slot,
-    /// code distance) pairs, nearest first.
-    pub fn search(&self, query: &[i8], entry: usize, ef: usize) -> Vec<(usize, f32)> {
+    /// Up to `ef` (slot, code distance) pairs nearest the query's code, nearest first: a
+    /// greedy descent through the upper layers from the entry point, then a beam search of
+    /// breadth `ef` in layer 0 (as hnsw_rs searches, without its allocations and locks).
+    pub fn search(&self, query: &[i8], ef: usize) -> Vec<(usize, f32)> {
+        let Some((mut at, top)) = self.entry else {
+            return Vec::new();
+        };
+        let Some(mut d) = self.code(at).map(|c| Sq8Cosine.eval(query, c)) else {
+            return Vec::new();
+        };
+        for layer in (1..=top).rev() {
+            // Move to the nearest neighbour while one is nearer than where the walk stands.
+            loop {
+                let mut moved = false;
+                let list = self.upper.get(&at).and_then(|l| l.get(layer - 1));
+                for &nb in list.map(Vec::as_slice).unwrap_or_default() {
+                    if let Some(dn) = self.code(nb).map(|c| Sq8Cosine.eval(query, c))
+                        && dn < d
+                    {
+                        (at, d, moved) = (nb, dn, true);
+                    }
+                }
+                if !moved {
+                    break;
+                }
+            }
+        }
+        self.beam(query, at as usize, ef)
+    }
+
+    /// Beam search of breadth `ef` in layer 0 from slot `entry`: up to `ef` (slot, code
+    /// distance) pairs, nearest first.
+    fn beam(&self, query: &[i8], entry: usize, ef: usize) -> Vec<(usize, f32)> {
         let Some(d0) = self.code(entry as u32).map(|c| Sq8Cosine.eval(query, c)) else {
             return Vec::new();
         };
@@ -198,19 +253,27 @@ impl FlatGraph {
 /// sequential read from there).
 #[inline]
 fn prefetch(code: &[i8]) {
+    prefetch_lines(code, PREFETCH_LINES);
+}
+
+/// Starts loading the first `lines` cache lines of `data` (fewer if it is shorter).
+#[inline]
+pub(super) fn prefetch_lines<T>(data: &[T], lines: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        // SAFETY: a prefetch is a hint that cannot fault; every address is inside `code`.
+        let bytes = std::mem::size_of_val(data);
+        let start = data.as_ptr() as *const i8;
+        // SAFETY: a prefetch is a hint that cannot fault; every address is inside `data`.
         #[allow(unsafe_code)]
         unsafe {
-            for off in (0..code.len()).step_by(64).take(PREFETCH_LINES) {
-                _mm_prefetch::<_MM_HINT_T0>(code.as_ptr().add(off));
+            for off in (0..bytes).step_by(64).take(lines) {
+                _mm_prefetch::<_MM_HINT_T0>(start.add(off));
             }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = code;
+    let _ = (data, lines);
 }
 
 /// Cache lines of a code prefetched up front (a MiniLM code spans 7).
@@ -240,7 +303,7 @@ mod tests {
     fn an_empty_graph_copies_to_nothing() {
         let hnsw: CodeGraph = Hnsw::new(8, 16, 16, 100, Sq8Cosine);
         let flat = FlatGraph::build(&hnsw, 0, 0);
-        assert!(flat.search(&sq8::encode(&unit(1, 24)), 0, 16).is_empty());
+        assert!(flat.search(&sq8::encode(&unit(1, 24)), 16).is_empty());
     }
 
     #[test]
@@ -256,8 +319,7 @@ mod tests {
         for q in 1000..1020 {
             let qv = unit(q, 24);
             let qc = sq8::encode(&qv);
-            let entry = hnsw.search_filter(&qc, 1, 1, None)[0].d_id;
-            let got = flat.search(&qc, entry, 64);
+            let got = flat.search(&qc, 64);
             assert!(got.len() <= 64 && got.windows(2).all(|w| w[0].1 <= w[1].1));
             assert!((got[0].1 - Sq8Cosine.eval(&qc, &codes[got[0].0])).abs() < 1e-6);
             // Rescored with the f32 vectors, a 600-point graph at ef 64 is exact.
@@ -269,11 +331,12 @@ mod tests {
             let top: Vec<usize> = rescored.iter().take(10).map(|x| x.1).collect();
             assert_eq!(top, exact(&points, &qv, 10), "query {q}");
         }
-        // An entry the copy does not hold gives nothing (the caller walks hnsw_rs instead).
-        assert!(
-            flat.search(&sq8::encode(&unit(1, 24)), 10_000, 16)
-                .is_empty()
-        );
+        // The descent starts at hnsw_rs's top layer and ends where hnsw_rs's does or nearer.
+        let (_, top) = flat.entry.unwrap();
+        assert_eq!(top, hnsw.get_max_level_observed() as usize);
+        assert!(top > 0 && !flat.upper.is_empty());
+        // An entry the copy does not hold gives nothing.
+        assert!(flat.beam(&sq8::encode(&unit(1, 24)), 10_000, 16).is_empty());
     }
 
     #[test]
@@ -289,9 +352,8 @@ mod tests {
         for q in 2000..2010 {
             let qv = unit(q, 16);
             let qc = sq8::encode(&qv);
-            let entry = hnsw.search_filter(&qc, 1, 1, None)[0].d_id;
             // ef above the point count: the walk reaches every point of the connected graph.
-            let got = flat.search(&qc, entry, 500);
+            let got = flat.search(&qc, 500);
             assert_eq!(got.len(), points.len(), "query {q}");
             let mut seen: Vec<usize> = got.iter().map(|g| g.0).collect();
             seen.sort_unstable();
