@@ -92,7 +92,7 @@ pub fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
         if std::arch::is_x86_feature_detected!("avxvnni") {
             // SAFETY: the CPU has AVX-VNNI (which implies AVX2), checked just above.
             #[allow(unsafe_code)]
-            return unsafe { vnni256::dot_i8(a, b) };
+            return unsafe { avx2::dot_i8_vnni(a, b) };
         }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2, checked just above.
@@ -128,30 +128,57 @@ mod avx2 {
 
     /// 32 bytes a step: |a| times b-with-a's-sign as unsigned x signed byte products summed
     /// in pairs (`maddubs`, exact for |values| <= 127), widened to 32 bits in pairs again.
-    /// Two accumulators; MiniLM's 384 components are 12 steps and no tail.
     #[target_feature(enable = "avx2")]
     pub unsafe fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
+        // SAFETY: the caller's CPU has AVX2.
+        unsafe {
+            let ones = _mm256_set1_epi16(1);
+            dot_by(a, b, |acc, x, y| {
+                let p = _mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(y, x));
+                _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones))
+            })
+        }
+    }
+
+    /// The same products in one instruction (`vpdpbusd`, four summed into each 32-bit lane,
+    /// no 16-bit step), for CPUs with AVX-VNNI but not AVX-512 (Intel since Alder Lake).
+    #[target_feature(enable = "avx2,avxvnni")]
+    pub unsafe fn dot_i8_vnni(a: &[i8], b: &[i8]) -> i32 {
+        // SAFETY: the caller's CPU has AVX2 and AVX-VNNI.
+        unsafe {
+            dot_by(a, b, |acc, x, y| {
+                _mm256_dpbusd_avx_epi32(acc, _mm256_abs_epi8(x), _mm256_sign_epi8(y, x))
+            })
+        }
+    }
+
+    /// The loop both kernels share: `step` adds the products of 32 bytes to an accumulator.
+    /// Two accumulators; MiniLM's 384 components are 12 steps and no tail. Inlined into each
+    /// kernel, so it is compiled with that kernel's features.
+    #[inline(always)]
+    unsafe fn dot_by(
+        a: &[i8],
+        b: &[i8],
+        step: impl Fn(__m256i, __m256i, __m256i) -> __m256i,
+    ) -> i32 {
         let n = a.len().min(b.len());
         let (pa, pb) = (a.as_ptr(), b.as_ptr());
         let mut i = 0;
         // SAFETY: every load reads 32 bytes at offset i < n - 31 of both slices.
         unsafe {
-            let ones = _mm256_set1_epi16(1);
             let mut acc = [_mm256_setzero_si256(); 2];
             while i + 64 <= n {
                 for (k, acc) in acc.iter_mut().enumerate() {
                     let x = _mm256_loadu_si256(pa.add(i + k * 32) as *const __m256i);
                     let y = _mm256_loadu_si256(pb.add(i + k * 32) as *const __m256i);
-                    let p = _mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(y, x));
-                    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, ones));
+                    *acc = step(*acc, x, y);
                 }
                 i += 64;
             }
-            while i + 32 <= n {
+            if i + 32 <= n {
                 let x = _mm256_loadu_si256(pa.add(i) as *const __m256i);
                 let y = _mm256_loadu_si256(pb.add(i) as *const __m256i);
-                let p = _mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(y, x));
-                acc[0] = _mm256_add_epi32(acc[0], _mm256_madd_epi16(p, ones));
+                acc[0] = step(acc[0], x, y);
                 i += 32;
             }
             let s = _mm256_add_epi32(acc[0], acc[1]);
@@ -216,51 +243,6 @@ mod vnni512 {
     }
 }
 
-/// The same as `vnni512` 32 bytes at a time, for CPUs with AVX-VNNI but not AVX-512 (Intel
-/// since Alder Lake); the sign goes over with `sign_epi8` as in the AVX2 kernel.
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-mod vnni256 {
-    use std::arch::x86_64::*;
-
-    #[target_feature(enable = "avx2,avxvnni")]
-    pub unsafe fn dot_i8(a: &[i8], b: &[i8]) -> i32 {
-        let n = a.len().min(b.len());
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        let mut i = 0;
-        // SAFETY: every load reads 32 bytes at offset i <= n - 32 of both slices.
-        unsafe {
-            let mut acc = [_mm256_setzero_si256(); 2];
-            while i + 64 <= n {
-                for (k, acc) in acc.iter_mut().enumerate() {
-                    let x = _mm256_loadu_si256(pa.add(i + k * 32) as *const __m256i);
-                    let y = _mm256_loadu_si256(pb.add(i + k * 32) as *const __m256i);
-                    *acc =
-                        _mm256_dpbusd_avx_epi32(*acc, _mm256_abs_epi8(x), _mm256_sign_epi8(y, x));
-                }
-                i += 64;
-            }
-            if i + 32 <= n {
-                let x = _mm256_loadu_si256(pa.add(i) as *const __m256i);
-                let y = _mm256_loadu_si256(pb.add(i) as *const __m256i);
-                acc[0] =
-                    _mm256_dpbusd_avx_epi32(acc[0], _mm256_abs_epi8(x), _mm256_sign_epi8(y, x));
-                i += 32;
-            }
-            let s = _mm256_add_epi32(acc[0], acc[1]);
-            let q = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-            let q = _mm_add_epi32(q, _mm_shuffle_epi32(q, 0b01_00_11_10));
-            let q = _mm_add_epi32(q, _mm_shuffle_epi32(q, 0b10_11_00_01));
-            let mut sum = _mm_cvtsi128_si32(q);
-            while i < n {
-                sum += *pa.add(i) as i32 * *pb.add(i) as i32;
-                i += 1;
-            }
-            sum
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -296,7 +278,7 @@ mod tests {
                 out.push(("avx2", |a, b| unsafe { avx2::dot_i8(a, b) }));
             }
             if has!("avxvnni") {
-                out.push(("vnni256", |a, b| unsafe { vnni256::dot_i8(a, b) }));
+                out.push(("vnni256", |a, b| unsafe { avx2::dot_i8_vnni(a, b) }));
             }
             if has!("avx512vnni") && has!("avx512bw") {
                 out.push(("vnni512", |a, b| unsafe { vnni512::dot_i8(a, b) }));
