@@ -68,6 +68,41 @@ pub async fn ask(cli: &Cli, a: &AskArgs) -> Result<()> {
     Ok(())
 }
 
+/// The cited sources, each once in order of first citation, with the distinct spans quoted
+/// from it under it (several answer sentences often cite the same chunk).
+fn sources(citations: &[Citation]) -> String {
+    let mut order: Vec<u32> = Vec::new();
+    for c in citations {
+        if !order.contains(&c.number) {
+            order.push(c.number);
+        }
+    }
+    let mut out = String::new();
+    for n in order {
+        let cited: Vec<&Citation> = citations.iter().filter(|c| c.number == n).collect();
+        let first = cited[0];
+        out.push_str(&format!("  [{n}] {} ({})\n", first.title, first.chunk_id));
+        let mut quoted: Vec<(&str, bool)> = Vec::new();
+        for c in cited {
+            if !quoted
+                .iter()
+                .any(|(s, a)| *s == c.span && *a == c.attributed)
+            {
+                quoted.push((&c.span, c.attributed));
+            }
+        }
+        for (span, attributed) in quoted {
+            let how = if attributed {
+                " (attributed by overlap)"
+            } else {
+                ""
+            };
+            out.push_str(&format!("      \"{span}\"{how}\n"));
+        }
+    }
+    out
+}
+
 /// The answer's sources, figures and (with `--trace`) trace, or all of it as JSON.
 fn print_result(a: &AskArgs, r: &AskResult) -> Result<()> {
     if a.json {
@@ -92,17 +127,7 @@ fn print_result(a: &AskArgs, r: &AskResult) -> Result<()> {
         }
         if !r.citations.is_empty() {
             println!("\nSources:");
-            for c in &r.citations {
-                let how = if c.attributed {
-                    " (attributed by overlap)"
-                } else {
-                    ""
-                };
-                println!(
-                    "  [{}] {} ({}){how}\n      \"{}\"",
-                    c.number, c.title, c.chunk_id, c.span
-                );
-            }
+            print!("{}", sources(&r.citations));
         } else if !r.contexts.is_empty() {
             println!("\nContexts (none cited):");
             for c in &r.contexts {
@@ -147,4 +172,34 @@ fn print_result(a: &AskArgs, r: &AskResult) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cite(number: u32, span: &str, attributed: bool) -> Citation {
+        Citation {
+            number,
+            chunk_id: format!("doc.md#{number}"),
+            title: format!("Doc {number}"),
+            span: span.into(),
+            attributed,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_source_cited_twice_is_listed_once_with_each_distinct_span() {
+        let out = sources(&[
+            cite(3, "Raft keeps a replicated log.", true),
+            cite(1, "A follower times out.", false),
+            cite(3, "It elects a leader.", true),
+            cite(3, "Raft keeps a replicated log.", true),
+        ]);
+        assert_eq!(
+            out,
+            "  [3] Doc 3 (doc.md#3)\n      \"Raft keeps a replicated log.\" (attributed by overlap)\n      \"It elects a leader.\" (attributed by overlap)\n  [1] Doc 1 (doc.md#1)\n      \"A follower times out.\"\n"
+        );
+    }
 }
