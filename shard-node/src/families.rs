@@ -66,6 +66,11 @@ pub fn all() -> Vec<Family> {
             "HNSW dumps refused at open (checksum, format or dimension)",
         ),
         (
+            "shard_hnsw_relinked_points_total",
+            Counter,
+            "points hnsw_rs's graph left out of every walk's reach, linked in the flat copy",
+        ),
+        (
             "shard_hnsw_rebuilds_total",
             Counter,
             "HNSW graphs rebuilt from RocksDB at open (no usable dump)",

@@ -29,7 +29,7 @@ use parking_lot::RwLock;
 
 use super::Filter;
 pub use super::distance::{UnitCosine, dot, normalize};
-use super::hnsw_flat::{FlatGraph, prefetch_lines};
+use super::hnsw_flat::{FlatGraph, Reach, prefetch_lines};
 use super::hnsw_vectors::{self, FetchVectors};
 use super::sq8::{self, Sq8Cosine};
 use crate::error::{Result, ShardError};
@@ -114,6 +114,26 @@ impl Graph {
     fn fresh_flat(&self) -> Option<Arc<FlatGraph>> {
         let f = self.flat.read().clone()?;
         (f.version == self.inserts.load(Ordering::Acquire)).then_some(f)
+    }
+
+    /// Takes the flat copy of the graph as it stands; false if hnsw_rs failed it.
+    fn copy_flat(&self) -> bool {
+        let version = self.inserts.load(Ordering::Acquire);
+        let slots = self.slots.read().slots.len();
+        // hnsw_rs asserts and unwraps inside; a failed copy leaves searches on its own walk.
+        let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            FlatGraph::build(&self.hnsw, slots, version)
+        }));
+        match built {
+            Ok(flat) => {
+                *self.flat.write() = Some(Arc::new(flat));
+                true
+            }
+            Err(_) => {
+                tracing::error!("copying the hnsw bottom layer failed; searches walk hnsw_rs");
+                false
+            }
+        }
     }
 
     /// Up to `ef` (slot, code distance) pairs of the unfiltered walk for the query's code,
@@ -208,25 +228,12 @@ impl HnswIndex {
     /// worker calls it when writes pause. Returns whether it copied.
     pub fn refresh_flat(&self) -> bool {
         let g = self.graph.read();
-        if g.fresh_flat().is_some() {
-            return false;
-        }
-        let version = g.inserts.load(Ordering::Acquire);
-        let slots = g.slots.read().slots.len();
-        // hnsw_rs asserts and unwraps inside; a failed copy leaves searches on its own walk.
-        let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            FlatGraph::build(&g.hnsw, slots, version)
-        }));
-        match built {
-            Ok(flat) => {
-                *g.flat.write() = Some(Arc::new(flat));
-                true
-            }
-            Err(_) => {
-                tracing::error!("copying the hnsw bottom layer failed; searches walk hnsw_rs");
-                false
-            }
-        }
+        g.fresh_flat().is_none() && g.copy_flat()
+    }
+
+    /// Reachability of the current flat copy's points (None while there is no fresh copy).
+    pub fn flat_reach(&self) -> Option<Reach> {
+        self.graph.read().fresh_flat().map(|f| f.reach())
     }
 
     /// Inserts points (in parallel inside hnsw_rs); a point whose chunk id is already present
@@ -468,6 +475,8 @@ impl HnswIndex {
         }
         let data: Vec<(&Vec<i8>, usize)> = codes.iter().enumerate().map(|(i, c)| (c, i)).collect();
         fresh.hnsw.parallel_insert(&data);
+        // Nothing changes a rebuilt graph before it is served: searches walk the copy at once.
+        fresh.copy_flat();
         *self.graph.write() = fresh;
         self.pending.write().clear();
     }

@@ -19,6 +19,9 @@
 //! insert, so the copy is taken when writes pause (the index worker does it) and used only
 //! while it matches the graph's insert count; otherwise searches take hnsw_rs's walk. Like the
 //! graph it walks on int8 codes (`sq8`); the caller rescores what it returns.
+//!
+//! The copy also mends links hnsw_rs's insert loses (`with_reverse_links`,
+//! `link_unreachable`): among near-duplicates whole crowds end up with no link leading in.
 
 use std::cell::RefCell;
 use std::cmp::{Ordering, Reverse};
@@ -50,6 +53,20 @@ pub struct FlatGraph {
     /// The upper layers' neighbour lists of the points above layer 0, `[layer - 1]`: a few
     /// percent of the points, walked greedily down to layer 0's entry.
     upper: HashMap<u32, Vec<Vec<u32>>>,
+    /// Points hnsw_rs's graph left out of every walk's reach, linked in this copy.
+    relinked: usize,
+}
+
+/// Points of a graph copy and how many of them no walk can reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Reach {
+    pub points: usize,
+    /// Points no neighbour list names (the entry point aside).
+    pub no_in_links: usize,
+    /// Points no path from the entry point leads to (includes `no_in_links`).
+    pub unreachable: usize,
+    /// Points hnsw_rs's graph left unreachable that the copy linked in (counted before).
+    pub relinked: usize,
 }
 
 #[derive(PartialEq)]
@@ -81,7 +98,8 @@ impl FlatGraph {
         let stride = ix.get_data_dimension();
         let mut codes = vec![0i8; slots * stride];
         let mut present = vec![false; slots];
-        let mut lists: Vec<Vec<u32>> = vec![Vec::new(); slots];
+        // Layer 0's lists with hnsw_rs's distances, nearest first.
+        let mut near: Vec<Vec<(u32, f32)>> = vec![Vec::new(); slots];
         let mut entry = None;
         let mut upper = HashMap::new();
         let ids = |layer: &[hnsw_rs::hnsw::Neighbour]| -> Vec<u32> {
@@ -112,11 +130,25 @@ impl FlatGraph {
             entry.get_or_insert((id as u32, level));
             let hood = p.get_neighborhood_id();
             if let Some(l0) = hood.first() {
-                lists[id] = ids(l0);
+                near[id] = l0
+                    .iter()
+                    .filter(|n| n.d_id < slots)
+                    .map(|n| (n.d_id as u32, n.distance))
+                    .collect();
             }
             if level > 0 {
                 upper.insert(id as u32, hood.iter().skip(1).map(|l| ids(l)).collect());
             }
+        }
+        let mut lists = with_reverse_links(&near, hnsw.get_max_nb_connection() as usize / 2);
+        drop(near);
+        let relinked = link_unreachable(&mut lists, &upper, entry, &present);
+        if relinked > 0 {
+            metrics::counter!("shard_hnsw_relinked_points_total").increment(relinked as u64);
+            tracing::debug!(
+                relinked,
+                "points no walk reached linked from a reached neighbour"
+            );
         }
         let mut offsets = Vec::with_capacity(slots + 1);
         let mut adj = Vec::with_capacity(lists.iter().map(Vec::len).sum());
@@ -134,6 +166,36 @@ impl FlatGraph {
             adj,
             entry,
             upper,
+            relinked,
+        }
+    }
+
+    /// How well the copy's points can be reached: a point no list names cannot be found by
+    /// any walk. hnsw_rs's insert can leave a point without in-links: a full list drops its
+    /// farthest entry for each closer newcomer (crowds of near-duplicates fill every list near
+    /// them), and a parallel insert can overwrite a list another insert had just added to.
+    pub fn reach(&self) -> Reach {
+        let n = self.present.len();
+        let list = |i: usize| &self.adj[self.offsets[i] as usize..self.offsets[i + 1] as usize];
+        let mut linked = vec![false; n];
+        for &nb in self
+            .adj
+            .iter()
+            .chain(self.upper.values().flatten().flatten())
+        {
+            linked[nb as usize] = true;
+        }
+        let mut seen = vec![false; n];
+        if let Some((e, _)) = self.entry {
+            spread(e, &list, &self.upper, &mut seen);
+        }
+        let entry = self.entry.map(|e| e.0 as usize);
+        let count = |f: &dyn Fn(usize) -> bool| (0..n).filter(|&i| self.present[i] && f(i)).count();
+        Reach {
+            points: count(&|_| true),
+            no_in_links: count(&|i| !linked[i] && entry != Some(i)),
+            unreachable: count(&|i| !seen[i]),
+            relinked: self.relinked,
         }
     }
 
@@ -249,6 +311,105 @@ impl FlatGraph {
     }
 }
 
+/// Marks every point reachable from `from` (layer-0 lists from `list`, upper layers from
+/// `upper`) in `seen`.
+fn spread<'a>(
+    from: u32,
+    list: &impl Fn(usize) -> &'a [u32],
+    upper: &'a HashMap<u32, Vec<Vec<u32>>>,
+    seen: &mut [bool],
+) {
+    if std::mem::replace(&mut seen[from as usize], true) {
+        return;
+    }
+    let mut stack = vec![from];
+    while let Some(p) = stack.pop() {
+        let up = upper.get(&p).into_iter().flatten().flatten();
+        for &nb in list(p as usize).iter().chain(up) {
+            if !std::mem::replace(&mut seen[nb as usize], true) {
+                stack.push(nb);
+            }
+        }
+    }
+}
+
+/// Layer 0's lists (ids, `near`'s order) each followed by up to `extra` of the points that
+/// name it but that it does not name, nearest first. hnsw_rs adds a new point to each
+/// neighbour's list and drops that list's farthest entry when it overflows, so a point's
+/// in-links go whenever a closer crowd arrives; hnswlib keeps links two-way by re-selecting
+/// instead. On 100k SciFact vectors the links add 0.005-0.015 recall@10 at ef 32-128 for the
+/// same walk time; on 1M with 89 near-copies of each chunk, where whole crowds end up with no
+/// in-link at all, 0.08-0.13 (docs/bench/2026-11-28-flat-reverse-links.json).
+fn with_reverse_links(near: &[Vec<(u32, f32)>], extra: usize) -> Vec<Vec<u32>> {
+    // best[q * extra..]: the nearest `extra` (distance, p) naming q, unordered.
+    let mut best = vec![(f32::INFINITY, u32::MAX); near.len() * extra];
+    if extra > 0 {
+        for (p, list) in near.iter().enumerate() {
+            for &(q, d) in list {
+                if near[q as usize].iter().any(|&(x, _)| x as usize == p) {
+                    continue;
+                }
+                let slots = &mut best[q as usize * extra..(q as usize + 1) * extra];
+                let worst = (0..extra)
+                    .max_by(|&a, &b| slots[a].0.total_cmp(&slots[b].0))
+                    .unwrap_or(0);
+                if d < slots[worst].0 {
+                    slots[worst] = (d, p as u32);
+                }
+            }
+        }
+    }
+    near.iter()
+        .enumerate()
+        .map(|(q, list)| {
+            let mut back: Vec<(f32, u32)> = best
+                .get(q * extra..(q + 1) * extra)
+                .unwrap_or_default()
+                .iter()
+                .copied()
+                .filter(|b| b.1 != u32::MAX)
+                .collect();
+            back.sort_by(|a, b| a.0.total_cmp(&b.0));
+            list.iter()
+                .map(|x| x.0)
+                .chain(back.into_iter().map(|b| b.1))
+                .collect()
+        })
+        .collect()
+}
+
+/// Links each point that no walk from the entry reaches into layer 0 from its nearest
+/// neighbour that one does (its own list is nearest first), until no more can be; returns
+/// how many it linked.
+fn link_unreachable(
+    lists: &mut [Vec<u32>],
+    upper: &HashMap<u32, Vec<Vec<u32>>>,
+    entry: Option<(u32, usize)>,
+    present: &[bool],
+) -> usize {
+    let Some((e, _)) = entry else { return 0 };
+    let mut seen = vec![false; lists.len()];
+    spread(e, &|i| lists[i].as_slice(), upper, &mut seen);
+    let mut linked = 0;
+    loop {
+        let before = linked;
+        for p in 0..lists.len() {
+            if seen[p] || !present[p] {
+                continue;
+            }
+            let Some(&q) = lists[p].iter().find(|&&q| seen[q as usize]) else {
+                continue;
+            };
+            lists[q as usize].push(p as u32);
+            linked += 1;
+            spread(p as u32, &|i| lists[i].as_slice(), upper, &mut seen);
+        }
+        if linked == before {
+            return linked;
+        }
+    }
+}
+
 /// Starts loading `code` into the cache (its first lines; the hardware prefetcher follows a
 /// sequential read from there).
 #[inline]
@@ -297,6 +458,24 @@ mod tests {
             .collect();
         s.sort_by(|a, b| b.0.total_cmp(&a.0));
         s.into_iter().take(k).map(|x| x.1).collect()
+    }
+
+    fn index(dim: usize, m: u32, ef_construction: u32, expected: usize) -> HnswIndex {
+        let params = HnswParams {
+            m,
+            ef_construction,
+            ef_search: 64,
+        };
+        HnswIndex::new(dim, params, expected)
+    }
+
+    fn point(i: u32, vector: Vec<f32>) -> IndexPoint {
+        IndexPoint {
+            chunk_id: format!("d{i}#0"),
+            doc_id: format!("d{i}"),
+            vector,
+            meta: vec![],
+        }
     }
 
     #[test]
@@ -363,24 +542,106 @@ mod tests {
     }
 
     #[test]
-    fn a_stale_copy_is_not_used_and_is_refreshed() {
-        let idx = HnswIndex::new(
-            24,
-            HnswParams {
-                m: 8,
-                ef_construction: 100,
-                ef_search: 64,
-            },
-            100,
+    fn points_no_walk_reaches_are_linked_from_their_nearest_reached_neighbour() {
+        // 0 <-> 1 hold the entry; 2 names 1 first and 0 second, 3 names only 2 (reached once 2
+        // is), 4 <-> 5 name only each other, 6 is not in the graph.
+        let mut lists: Vec<Vec<u32>> = vec![
+            vec![1],
+            vec![0],
+            vec![4, 1, 0],
+            vec![2],
+            vec![5],
+            vec![4],
+            vec![],
+        ];
+        let present = [true, true, true, true, true, true, false];
+        let upper = HashMap::from([(0, vec![vec![]])]);
+        assert_eq!(
+            link_unreachable(&mut lists, &upper, Some((0, 1)), &present),
+            2
         );
-        let point = |i: u32| IndexPoint {
-            chunk_id: format!("d{i}#0"),
-            doc_id: format!("d{i}"),
-            vector: unit(i, 24),
-            meta: vec![],
+        assert_eq!(
+            lists[1],
+            vec![0, 2],
+            "2 linked from 1, its nearest reached neighbour"
+        );
+        assert_eq!(lists[2], vec![4, 1, 0, 3]);
+        assert_eq!((lists[4].clone(), lists[5].clone()), (vec![5], vec![4]));
+        // An upper layer's list reaches a point as well.
+        let mut lists: Vec<Vec<u32>> = vec![vec![], vec![0]];
+        let upper = HashMap::from([(0, vec![vec![1]])]);
+        assert_eq!(
+            link_unreachable(&mut lists, &upper, Some((0, 1)), &[true; 2]),
+            0
+        );
+        assert_eq!(link_unreachable(&mut [], &HashMap::new(), None, &[]), 0);
+    }
+
+    #[test]
+    fn points_that_name_a_point_it_does_not_name_are_added_nearest_first() {
+        // 1, 2 and 3 name 0; 0 names 1 only; 3 also names 2, which names it back.
+        let near = vec![
+            vec![(1, 0.1)],
+            vec![(0, 0.1)],
+            vec![(0, 0.3), (3, 0.2)],
+            vec![(0, 0.2), (2, 0.2)],
+        ];
+        assert_eq!(
+            with_reverse_links(&near, 4),
+            vec![vec![1, 3, 2], vec![0], vec![0, 3], vec![0, 2]]
+        );
+        // At most `extra` are added: the nearest.
+        assert_eq!(with_reverse_links(&near, 1)[0], vec![1, 3]);
+        assert_eq!(with_reverse_links(&near, 0)[0], vec![1]);
+    }
+
+    /// Near-duplicates (here: points on a circle) leave hnsw_rs's neighbour selection few links
+    /// per point, so a parallel insert's lost reverse link can cut a point off; the copy
+    /// reaches every point however the inserts interleaved.
+    #[test]
+    fn every_point_of_a_crowded_graph_is_reached() {
+        let mut relinked = 0;
+        for round in 0..40 {
+            let idx = index(8, 16, 200, 256);
+            let circle = |i: u32| (0..8).map(move |k| (round as f32 * 0.37 + (i + k) as f32).sin());
+            idx.insert((0..200).map(|i| point(i, circle(i).collect())).collect());
+            assert!(idx.refresh_flat());
+            let r = idx.flat_reach().unwrap();
+            assert_eq!(
+                (r.points, r.unreachable, r.no_in_links),
+                (200, 0, 0),
+                "round {round}"
+            );
+            relinked += r.relinked;
+        }
+        eprintln!("relinked {relinked} points in 40 graphs");
+    }
+
+    /// A corpus repeats itself (boilerplate, copied documents): every copy of a repeated
+    /// vector is found. Exact duplicates are where hnsw_rs's selection keeps the fewest links.
+    #[test]
+    fn every_copy_of_a_repeated_vector_is_found() {
+        let idx = index(32, 16, 200, 2048);
+        let mut points: Vec<IndexPoint> = (0..1500).map(|i| point(i, unit(i, 32))).collect();
+        points.extend((1500..1560).map(|i| point(i, unit(7, 32))));
+        for group in points.chunks(300) {
+            idx.insert(group.to_vec());
+        }
+        assert!(idx.refresh_flat());
+        let r = idx.flat_reach().unwrap();
+        assert_eq!((r.points, r.unreachable), (1560, 0));
+        let SearchPlan::Hits(h) = idx.search(&unit(7, 32), 61, 128, &vec![]) else {
+            panic!()
         };
+        let copies = h.iter().filter(|(_, s)| *s > 0.9999).count();
+        assert_eq!(copies, 61, "d7 and its 60 copies; relinked {}", r.relinked);
+    }
+
+    #[test]
+    fn a_stale_copy_is_not_used_and_is_refreshed() {
+        let idx = index(24, 8, 100, 100);
         assert!(idx.refresh_flat(), "an empty graph copies too");
-        idx.insert((0..100).map(point).collect());
+        idx.insert((0..100).map(|i| point(i, unit(i, 24))).collect());
         assert!(idx.refresh_flat());
         assert!(!idx.refresh_flat(), "already current");
         let top = |seed| match idx.search(&unit(seed, 24), 1, 32, &vec![]) {
@@ -389,7 +650,7 @@ mod tests {
         };
         assert_eq!(top(42), "d42#0");
         // A point inserted after the copy is found (the copy is stale, hnsw_rs walks) ...
-        idx.insert(vec![point(500)]);
+        idx.insert(vec![point(500, unit(500, 24))]);
         assert_eq!(top(500), "d500#0");
         // ... and after the next copy.
         assert!(idx.refresh_flat());

@@ -15,7 +15,8 @@
 //! - `index`: the shard's own `HnswIndex` (fed in groups of 512 like the index worker; ids and
 //!   tombstones resolved through its slot table; int8 graph, f32 rescoring), i.e. what a shard
 //!   adds to raw hnsw_rs; `search` walks hnsw_rs's graph, `search_flat` the bottom-layer copy
-//!   the index worker takes when writes pause (`index/hnsw_flat.rs`).
+//!   the index worker takes when writes pause (`index/hnsw_flat.rs`), and `reach` how many of
+//!   the graph's points no walk could reach before the copy linked them in (`relinked`).
 //!
 //! Build figures (`build_s`, `points_per_s`) are the parallel insert of all points on every
 //! core, the shard's ingest cost at this size.
@@ -289,9 +290,10 @@ fn index_rows(args: &Args, points: &[Chunk], queries: &[Vec<f32>], exact: &[Vec<
     let t = Instant::now();
     idx.refresh_flat();
     let copy = t.elapsed().as_secs_f64();
+    let reach = idx.flat_reach();
     let flat = sweep(args, queries, exact, search);
     let out = json!({"build_s": build, "points_per_s": points.len() as f64 / build,
-                     "search": rows, "flat_copy_s": copy, "search_flat": flat});
+                     "search": rows, "flat_copy_s": copy, "reach": reach, "search_flat": flat});
     eprintln!("{}", serde_json::to_string(&out).unwrap_or_default());
     out
 }
