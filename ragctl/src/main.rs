@@ -82,8 +82,9 @@ enum Cmd {
         #[arg(long)]
         shards: Option<u32>,
         /// HNSW ef_construction of a collection ingest creates (default: the coordinator's,
-        /// 200). Graph building is most of a shard node's write CPU: 100 ingested 100k chunks
-        /// 1.72x as fast for ~0.005 less recall@10 (docs/bench/2026-11-25-ef-construction.json).
+        /// 200). Graph building is most of a shard node's write CPU: 100 ingests 100k chunks
+        /// 1.6-1.8x as fast, for ~0.004 less recall@10 at ef 64 in 3 shards but ~0.025 less
+        /// with all 100k in one shard's graph (docs/bench/2026-11-29-efc-default.json).
         #[arg(long)]
         ef_construction: Option<u32>,
         /// Print the summary as one JSON object (documents, chunks, seconds, chunks/s, the
