@@ -337,6 +337,7 @@ impl Collections {
                 stats.bm25_index_bytes = s.bm25_index_bytes;
                 stats.hnsw_points = s.hnsw_points;
                 stats.hnsw_tombstones = s.hnsw_tombstones;
+                stats.hnsw_pending = s.hnsw_pending;
                 stats.bytes_by_family = s.bytes_by_family;
                 stats.term = raft.term;
                 stats.commit_index = raft.commit_index;

@@ -30,9 +30,16 @@ pub struct ShardNodeConfig {
     /// themselves (the graph is built once per shard, not once per replica); points written
     /// since the dump a follower loaded are searched exactly beside its graph.
     pub hnsw_follow_leader_graph: bool,
-    /// ...with at most this many such points per shard: beyond it a follower inserts new
-    /// points itself. Bounds a follower's exact-search work and what a new leader inserts.
+    /// ...with at most this many such points per shard (plus `hnsw_write_behind_max`, by
+    /// which the leader's graph may lag): beyond it a follower inserts new points itself.
+    /// Bounds a follower's exact-search work and what a new leader inserts.
     pub hnsw_follower_pending_max: usize,
+    /// A leader acknowledges up to this many written points per shard before they are in its
+    /// HNSW graph (searched by brute force beside it meanwhile) and inserts them when writes
+    /// pause, or the oldest first to make room: ingest runs at the rest of the pipeline's
+    /// speed until the bound, then at the graph's. 0: every point is inserted before its
+    /// write is acknowledged. Bounds the exact-search work a query does beside the graph.
+    pub hnsw_write_behind_max: usize,
     /// Threads that insert points into HNSW graphs (one pool shared by the node's shards,
     /// threads named `hnsw-insert`). 0: one per core. Nodes that share a machine should
     /// split its cores: idle pool threads spin before they sleep, and three nodes' pools of
@@ -99,6 +106,7 @@ impl Default for ShardNodeConfig {
             hnsw_dump_interval: std::time::Duration::from_secs(60),
             hnsw_follow_leader_graph: true,
             hnsw_follower_pending_max: 20_000,
+            hnsw_write_behind_max: 20_000,
             index_threads: 0,
             bm25_writer_memory: 32 * 1024 * 1024,
             bm25_commit_interval: std::time::Duration::from_millis(50),

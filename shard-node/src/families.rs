@@ -49,6 +49,11 @@ pub fn all() -> Vec<Family> {
             Gauge,
             "deleted points still in the HNSW graph per shard",
         ),
+        (
+            "shard_hnsw_pending_points",
+            Gauge,
+            "acknowledged points not in the HNSW graph yet (searched by brute force) per shard",
+        ),
         ("shard_node_shards", Gauge, "replicas hosted by this node"),
         (
             "shard_hnsw_dump_seconds",

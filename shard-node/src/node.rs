@@ -183,6 +183,7 @@ impl Node {
             following: Following {
                 enabled: self.cfg.hnsw_follow_leader_graph,
                 pending_max: self.cfg.hnsw_follower_pending_max,
+                behind_max: self.cfg.hnsw_write_behind_max,
             },
             committing: Committing {
                 interval: self.cfg.bm25_commit_interval,
@@ -347,6 +348,7 @@ impl Node {
             g("shard_bm25_index_bytes", f.bm25_index_bytes as f64);
             g("shard_hnsw_points", f.hnsw_points as f64);
             g("shard_hnsw_tombstones", f.hnsw_tombstones as f64);
+            g("shard_hnsw_pending_points", f.hnsw_pending as f64);
         }
         for (name, prop) in [
             ("rocksdb_live_sst_bytes", "rocksdb.live-sst-files-size"),

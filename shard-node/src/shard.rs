@@ -104,6 +104,8 @@ pub struct Figures {
     pub bm25_index_bytes: u64,
     pub hnsw_points: u64,
     pub hnsw_tombstones: u64,
+    /// Of `hnsw_points`, those not in the graph yet (searched by brute force beside it).
+    pub hnsw_pending: u64,
     pub dimension: u32,
 }
 
@@ -538,6 +540,7 @@ impl Shard {
             bm25_index_bytes: self.indexes.bm25.size_bytes(),
             hnsw_points: live as u64,
             hnsw_tombstones: dead as u64,
+            hnsw_pending: self.indexes.hnsw.pending_len() as u64,
             dimension: self.dimension,
         }
     }

@@ -29,6 +29,8 @@ pub(crate) fn opts(compact_min: usize) -> ShardOptions {
         following: Following {
             enabled: true,
             pending_max: 20_000,
+            // Inserted before each write is acknowledged; write-behind has its own tests.
+            behind_max: 0,
         },
         // One commit per group: each applied batch is searchable before `apply` returns.
         committing: Committing {

@@ -74,6 +74,34 @@ pub async fn write_retrying(sc: &mut ShardClient<Channel>, req: WriteBatchReques
     anyhow::bail!("shard {:?} has no leader", req.shard)
 }
 
+/// Waits until every shard's HNSW graph holds all its points (`ShardInfo.hnsw_pending` 0 on
+/// each shard's first node, its leader in a fresh rf-1 collection: written-behind points
+/// inserted), polling every 50 ms for at most `limit`.
+pub async fn wait_graphs(info: &CollectionInfo, limit: Duration) -> Result<()> {
+    let until = std::time::Instant::now() + limit;
+    for (i, s) in info.shards.iter().enumerate() {
+        let mut sc = ShardClient::new(Channel::from_shared(s.nodes[0].clone())?.connect().await?);
+        let req = ShardInfoRequest {
+            shard: Some(ShardRef {
+                collection: info.name.clone(),
+                shard: i as u32,
+            }),
+        };
+        loop {
+            let pending = sc.shard_info(req.clone()).await?.into_inner().hnsw_pending;
+            if pending == 0 {
+                break;
+            }
+            anyhow::ensure!(
+                std::time::Instant::now() < until,
+                "shard {i}: {pending} points still outside the graph after {limit:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    Ok(())
+}
+
 /// Writes chunks straight to the shard nodes through Shard.WriteBatch, by document, on the shard
 /// the coordinator's placement gives it (3 shards in parallel, 512 chunks per batch).
 pub async fn write_direct(info: &CollectionInfo, chunks: Vec<Chunk>) -> Result<()> {

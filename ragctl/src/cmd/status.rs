@@ -46,7 +46,10 @@ pub fn print_shards(shards: &[ShardStats]) {
             s.chunks.to_string(),
             s.applied_seq.to_string(),
             s.bm25_index_bytes.to_string(),
-            s.hnsw_points.to_string(),
+            match s.hnsw_pending {
+                0 => s.hnsw_points.to_string(),
+                p => format!("{} ({p} outside the graph)", s.hnsw_points),
+            },
             s.hnsw_tombstones.to_string(),
             per_chunk(s),
             s.error.clone(),

@@ -30,6 +30,7 @@ use parking_lot::RwLock;
 use super::Filter;
 pub use super::distance::{UnitCosine, dot, normalize};
 use super::hnsw_flat::{FlatGraph, Reach, prefetch_lines};
+use super::hnsw_pending::Pending;
 use super::hnsw_vectors::{self, FetchVectors};
 use super::sq8::{self, Sq8Cosine};
 use crate::error::{Result, ShardError};
@@ -75,7 +76,7 @@ fn codes(points: &[Point]) -> Vec<Vec<i8>> {
     points.iter().map(|p| sq8::encode(&p.vector)).collect()
 }
 
-fn meta_matches(meta: &[(String, String)], filter: &Filter) -> bool {
+pub(super) fn meta_matches(meta: &[(String, String)], filter: &Filter) -> bool {
     filter
         .iter()
         .all(|(k, v)| meta.iter().any(|(mk, mv)| mk == k && mv == v))
@@ -160,11 +161,12 @@ pub struct HnswIndex {
     dim: usize,
     params: HnswParams,
     graph: RwLock<Graph>,
-    /// Points that belong in the index but are not in the graph yet (a dump caught up at open,
-    /// or a follower's writes since the leader's dump it loaded): scored exactly and merged
-    /// with the graph's hits until the index worker has inserted them (`absorb_pending`) or a
-    /// newer dump holds them, so a replica serves before that work is done.
-    pending: RwLock<Vec<Point>>,
+    /// Points that belong in the index but are not in the graph yet (`hnsw_pending`: a dump
+    /// caught up at open, a follower's writes since the leader's dump it loaded, a leader's
+    /// write-behind): scored by brute force and merged with the graph's hits until the index
+    /// worker has inserted them (`absorb_some`) or a newer dump holds them, so a replica
+    /// serves, and acknowledges writes, before that work is done.
+    pending: RwLock<Pending>,
 }
 
 /// One point to insert.
@@ -246,16 +248,16 @@ impl HnswIndex {
         self.insert_graph(points);
     }
 
-    /// Holds written points beside the graph instead of inserting them (a follower that will
-    /// load its leader's dump of them, `index::worker`): an older copy of a chunk leaves the
-    /// graph and the pending points, so each chunk is searched once, exactly.
-    pub fn defer(&self, points: Vec<Point>) {
+    /// Holds points written by the entry at `seq` beside the graph instead of inserting them
+    /// (`hnsw_pending`): an older copy of a chunk leaves the graph and the pending points, so
+    /// each chunk is searched once, exactly.
+    pub fn defer(&self, points: Vec<Point>, seq: u64) {
         if points.is_empty() {
             return;
         }
         let ids: Vec<String> = points.iter().map(|p| p.chunk_id.clone()).collect();
         self.remove(&ids);
-        self.pending.write().extend(points);
+        self.pending.write().push(points, seq);
     }
 
     /// Points searched beside the graph, not in it yet.
@@ -263,36 +265,35 @@ impl HnswIndex {
         self.pending.read().len()
     }
 
-    /// Holds `points` beside the graph until `absorb_pending` (see `pending`).
-    pub fn set_pending(&self, points: Vec<Point>) {
-        *self.pending.write() = points;
+    /// The seq through which the graph holds every point written, for an index at `at`
+    /// (`Pending::graph_through`): what a dump of the graph alone is labelled with.
+    pub fn graph_through(&self, at: u64) -> u64 {
+        self.pending.read().graph_through(at)
+    }
+
+    /// Holds `points` beside the graph (see `pending`), as written by entries after `seq`.
+    pub fn set_pending(&self, points: Vec<Point>, seq: u64) {
+        let mut p = self.pending.write();
+        p.clear();
+        p.push(points, seq + 1);
     }
 
     /// Moves the pending points into the graph; returns how many. Searches see each point
     /// throughout (for a moment twice, which the merge removes).
     pub fn absorb_pending(&self) -> usize {
-        let points = self.pending.read().clone();
-        let n = points.len();
-        if n > 0 {
-            self.insert_graph(points);
-            self.pending.write().clear();
-        }
-        n
+        self.absorb_some(usize::MAX)
     }
 
-    /// Moves up to `max` pending points into the graph (oldest first); returns how many.
+    /// Moves at least `max` pending points into the graph, oldest first and whole entries at
+    /// a time (fewer if fewer are pending); returns how many. The index worker is the only
+    /// writer, so the points are still the oldest when they are dropped.
     pub fn absorb_some(&self, max: usize) -> usize {
-        let batch: Vec<Point> = {
-            let p = self.pending.read();
-            p[..p.len().min(max)].to_vec()
-        };
-        if batch.is_empty() {
-            return 0;
-        }
-        let ids: Vec<String> = batch.iter().map(|p| p.chunk_id.clone()).collect();
+        let batch = self.pending.read().front(max);
         let n = batch.len();
-        self.insert_graph(batch);
-        self.drop_pending(ids.iter().map(String::as_str));
+        if n > 0 {
+            self.insert_graph(batch);
+            self.pending.write().drop_front(n);
+        }
         n
     }
 
@@ -301,9 +302,7 @@ impl HnswIndex {
             return;
         }
         let ids: HashSet<&str> = ids.collect();
-        self.pending
-            .write()
-            .retain(|p| !ids.contains(p.chunk_id.as_str()));
+        self.pending.write().drop_chunks(&ids);
     }
 
     fn insert_graph(&self, points: Vec<Point>) {
@@ -382,6 +381,7 @@ impl HnswIndex {
                 .collect();
             matching.extend(
                 pending
+                    .points()
                     .iter()
                     .filter(|p| meta_matches(&p.meta, filter))
                     .map(|p| p.chunk_id.clone()),
@@ -447,11 +447,12 @@ impl HnswIndex {
             .map(|(id, score)| (s.slots[id].chunk_id.clone(), score))
             .collect();
         if !pending.is_empty() {
+            let points = pending.points();
             hits.extend(
                 pending
-                    .iter()
-                    .filter(|p| meta_matches(&p.meta, filter))
-                    .map(|p| (p.chunk_id.clone(), dot(query, &p.vector).min(1.0))),
+                    .search(query, &code, top_k, ef, filter)
+                    .into_iter()
+                    .map(|(i, score)| (points[i].chunk_id.clone(), score)),
             );
             hits.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
             let mut seen = HashSet::new();
@@ -510,12 +511,9 @@ impl HnswIndex {
     /// Writes the graph (hnsw_rs's own format) and the slot table into the existing, empty
     /// directory `dir`. Holds the read locks throughout, so the files describe one state; the
     /// caller keeps writers away (the index worker is the only one). Returns the point count.
+    /// Pending points are not written: the dump stands for `graph_through`, and the op log
+    /// after it brings them back.
     pub fn write_parts(&self, dir: &Path) -> Result<usize> {
-        if !self.pending.read().is_empty() {
-            return Err(ShardError::Unavailable(
-                "pending points are not in the graph yet".into(),
-            ));
-        }
         let g = self.graph.read();
         let s = g.slots.read();
         let points = g.hnsw.get_nb_point();

@@ -10,6 +10,7 @@ pub mod hnsw;
 pub mod hnsw_dump;
 pub mod hnsw_flat;
 mod hnsw_links;
+pub mod hnsw_pending;
 pub mod hnsw_vectors;
 pub mod recovery;
 pub mod sq8;

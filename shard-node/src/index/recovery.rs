@@ -86,7 +86,7 @@ pub fn caught_up_dump(
             }
             // Searched exactly beside the graph until the index worker has inserted them.
             let inserted = points.len();
-            idx.set_pending(points);
+            idx.set_pending(points, seq);
             tracing::info!(shard = %key, dump = seq, applied, entries = log.len(), removed,
                 pending = inserted, ms = started.elapsed().as_millis() as u64,
                 "hnsw dump caught up");

@@ -32,6 +32,7 @@ use super::hnsw_dump::Dumps;
 use super::{Indexes, point, recovery};
 use crate::error::{Result, ShardError};
 use crate::storage::{ShardKey, ShardMeta, Store};
+pub use holding::Following;
 
 /// What the Raft thread hands over, in log order.
 pub enum Job {
@@ -81,21 +82,6 @@ pub struct Dumping {
     pub interval: Duration,
 }
 
-/// How a follower builds its graph: it holds written points pending (searched exactly) and
-/// loads its leader's dumps of them (`Job::Adopt`) instead of inserting each point itself,
-/// so a shard's graph is built once, not once per replica. Beyond `pending_max` pending points
-/// it inserts new points itself.
-#[derive(Debug, Clone, Copy)]
-pub struct Following {
-    pub enabled: bool,
-    pub pending_max: usize,
-}
-
-/// Pending points a leader inserts per group of jobs (and per idle moment) after it took
-/// over from a follower's role, so a write after a failover waits for a slice of that work,
-/// not all of it.
-const ABSORB_SLICE: usize = 1024;
-
 /// When tantivy commits (see the module doc).
 #[derive(Debug, Clone, Copy)]
 pub struct Committing {
@@ -143,8 +129,6 @@ struct Worker {
     following: Arc<AtomicBool>,
     follow: Following,
     dumped: Arc<AtomicU64>,
-    /// Set while points are pending: the seq after which the graph lacks them.
-    deferred_after: Option<u64>,
     last_dump: Instant,
     /// Write silence before the next flat copy: ten times the last copy's duration (at
     /// least `FLAT_AFTER_QUIET`), so copying takes at most about a tenth of the worker's
@@ -247,7 +231,6 @@ impl IndexWorker {
             following: following.clone(),
             follow,
             dumped: dumped.clone(),
-            deferred_after: None,
             last_dump: Instant::now(),
             flat_quiet: FLAT_AFTER_QUIET,
             at: visible,
@@ -356,8 +339,13 @@ impl Worker {
     fn run(mut self, rx: Receiver<Job>, failed: &AtomicBool, dump_on_stop: &AtomicBool) {
         // Points caught up at open go into the graph first (searches merge them meanwhile);
         // then a graph rebuilt at open is dumped at once, so the next restart loads it.
+        // A write-behind replica leaves them to its idle moments and serves writes at once.
         let started = Instant::now();
-        let n = self.indexes.hnsw.absorb_pending();
+        let n = if self.follow.absorbs_at_start() {
+            self.indexes.hnsw.absorb_pending()
+        } else {
+            0
+        };
         if n > 0 {
             tracing::info!(shard = %self.key, points = n, ms = started.elapsed().as_millis() as u64,
                 "points caught up at open inserted into the hnsw graph");
@@ -385,6 +373,10 @@ impl Worker {
             if let Some(at) = self.commit_at() {
                 wait = wait.min(at.saturating_duration_since(Instant::now()));
             }
+            // Points to insert once writes pause (a leftover backlog at once).
+            if !self.defers() && self.indexes.hnsw.pending_len() > 0 {
+                wait = wait.min(self.follow.quiet().saturating_sub(last_write.elapsed()));
+            }
             let first = match rx.recv_timeout(wait) {
                 Ok(j) => j,
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
@@ -394,7 +386,7 @@ impl Worker {
                         }
                         continue;
                     }
-                    if self.absorb_slice() {
+                    if last_write.elapsed() >= self.follow.quiet() && self.absorb_slice() {
                         flat_due = true;
                         continue;
                     }
@@ -470,9 +462,9 @@ impl Worker {
                 "last bm25 commit failed; the op log replays it at restart");
         }
         // Pending points are not in the graph: a restart catches them up from the op log
-        // after the last dump instead.
-        if dump && self.state.changes > 0 && self.indexes.hnsw.pending_len() == 0 {
-            self.dump();
+        // after the dump instead.
+        if dump {
+            self.dump_graph(true);
         }
     }
 
@@ -506,7 +498,7 @@ impl Worker {
             .state
             .dumped
             .map_or(seq, |d| d.min(seq))
-            .min(self.deferred_after.unwrap_or(seq));
+            .min(self.indexes.hnsw.graph_through(seq));
         self.store.truncate_oplog(&self.key, keep_after)?;
         self.visible.send_replace(seq);
         if let Some(w) = self.wake.get() {
@@ -541,15 +533,7 @@ impl Worker {
                         .flat_map(|w| w.chunks.iter().map(point))
                         .collect();
                     self.state.changes += points.len() + removed.len();
-                    let pending = ix.hnsw.pending_len();
-                    if self.defers() && pending + points.len() <= self.follow.pending_max {
-                        if pending == 0 && !points.is_empty() {
-                            self.deferred_after.get_or_insert(seq - 1);
-                        }
-                        ix.hnsw.defer(points);
-                    } else {
-                        ix.hnsw.insert(points);
-                    }
+                    self.follow.place(&ix.hnsw, self.defers(), points, seq);
                     ix.hnsw.remove(&removed);
                     ix.bm25.stage(&writes)?;
                     self.tally.chunks += writes.iter().map(|w| w.chunks.len()).sum::<usize>();
@@ -559,13 +543,10 @@ impl Worker {
                 Job::Rebuild { seq, dump } => self.restore(seq, dump)?,
             }
         }
-        if !self.defers() {
-            ix.hnsw.absorb_some(ABSORB_SLICE);
+        if !self.defers() && self.follow.per_group() > 0 {
+            ix.hnsw.absorb_some(self.follow.per_group());
         }
         self.staged = Some(last);
-        if ix.hnsw.pending_len() == 0 {
-            self.deferred_after = None;
-        }
         self.maybe_compact()?;
         self.undumped.store(self.state.changes, Ordering::Release);
         metrics::histogram!("shard_index_group_seconds").record(started.elapsed().as_secs_f64());
@@ -617,14 +598,14 @@ impl Worker {
         self.follow.enabled && self.following.load(Ordering::Acquire)
     }
 
-    /// A leader with points left pending from its follower days inserts a slice of them;
-    /// true when it did.
+    /// A leader with points pending (written behind, or left from its follower days) inserts
+    /// a slice of them; true when it did.
     fn absorb_slice(&mut self) -> bool {
         if self.defers() || self.indexes.hnsw.pending_len() == 0 {
             return false;
         }
         let _g = self.indexes.update.lock();
-        self.indexes.hnsw.absorb_some(ABSORB_SLICE) > 0
+        self.indexes.hnsw.absorb_some(self.follow.idle_slice()) > 0
     }
 
     /// Loads the leader's dump of `seq` (received beside this replica's dumps) caught up to
@@ -652,7 +633,6 @@ impl Worker {
                     hnsw.replace(graph);
                 }
                 self.dumps.remove_except(Some(seq));
-                self.deferred_after = (hnsw.pending_len() > 0).then_some(seq);
                 self.dumped.store(seq, Ordering::Release);
                 self.state = state;
                 self.undumped.store(self.state.changes, Ordering::Release);
@@ -688,42 +668,59 @@ impl Worker {
 
     /// Dumps the graph when enough changed, or the interval passed with changes.
     fn maybe_dump(&mut self) {
+        self.dump_graph(false);
+    }
+
+    /// Dumps the graph as of `graph_through` when it holds changes the last dump lacks and
+    /// enough changed, the interval passed, or `force`. A follower's pending points wait for
+    /// its leader's dump instead (as do a leftover backlog's without write-behind).
+    fn dump_graph(&mut self, force: bool) {
         let changes = self.state.changes;
-        // A dump holds only the graph; pending points wait for a leader's dump (followers) or
-        // for the slices a leader absorbs.
-        if changes == 0 || self.indexes.hnsw.pending_len() > 0 {
+        let pending = self.indexes.hnsw.pending_len();
+        if changes == 0 || (pending > 0 && !self.follow.dumps_while_holding(self.defers())) {
+            return;
+        }
+        let through = self.indexes.hnsw.graph_through(self.at);
+        if self.state.dumped.is_some_and(|d| d >= through) {
             return;
         }
         let (live, dead) = self.indexes.hnsw.counts();
-        let enough = changes >= self.dumping.min_changes.max((live + dead) / 10);
+        let enough =
+            changes.saturating_sub(pending) >= self.dumping.min_changes.max((live + dead) / 10);
         let due = self.last_dump.elapsed() >= self.dumping.interval;
-        if enough || due {
-            self.dump();
+        if force || enough || due {
+            self.write_dump(through);
         }
     }
 
-    /// Writes a dump of the graph as of `self.at`. A failure is logged and retried later: the
-    /// op log is kept back to the last good dump meanwhile.
+    /// Writes a dump of the graph as of `self.at`, its pending points inserted first (a
+    /// snapshot waits for it).
     fn dump(&mut self) {
-        // Asked for (a snapshot waits): the pending points go into the graph first.
         if self.indexes.hnsw.pending_len() > 0 {
             let _g = self.indexes.update.lock();
             self.indexes.hnsw.absorb_pending();
         }
+        self.write_dump(self.at);
+    }
+
+    /// Writes a dump of the graph, which holds every point up to `seq`. A failure is logged and
+    /// retried later: the op log is kept back to the last good dump meanwhile.
+    fn write_dump(&mut self, seq: u64) {
         let started = Instant::now();
         self.last_dump = started;
-        match self.dumps.write(&self.indexes.hnsw, self.at) {
+        match self.dumps.write(&self.indexes.hnsw, seq) {
             Ok(bytes) => {
                 let secs = started.elapsed().as_secs_f64();
                 metrics::histogram!("shard_hnsw_dump_seconds").record(secs);
-                tracing::info!(shard = %self.key, seq = self.at, bytes, ms = (secs * 1e3) as u64,
-                    "hnsw graph dumped");
+                let pending = self.indexes.hnsw.pending_len();
+                tracing::info!(shard = %self.key, seq, applied = self.at, pending, bytes,
+                    ms = (secs * 1e3) as u64, "hnsw graph dumped");
                 self.state = DumpState {
-                    dumped: Some(self.at),
-                    changes: 0,
+                    dumped: Some(seq),
+                    changes: pending,
                 };
-                self.dumped.store(self.at, Ordering::Release);
-                self.undumped.store(0, Ordering::Release);
+                self.dumped.store(seq, Ordering::Release);
+                self.undumped.store(pending, Ordering::Release);
             }
             Err(e) => {
                 metrics::counter!("shard_hnsw_dump_failures_total").increment(1);
@@ -753,5 +750,6 @@ impl Worker {
     }
 }
 
+mod holding;
 #[cfg(test)]
 mod tests;

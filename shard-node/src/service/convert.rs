@@ -113,6 +113,7 @@ pub fn shard_info(
         bm25_index_bytes: f.bm25_index_bytes,
         hnsw_points: f.hnsw_points,
         hnsw_tombstones: f.hnsw_tombstones,
+        hnsw_pending: f.hnsw_pending,
         dimension: f.dimension,
         shard: Some(shard_ref(key)),
         raft,

@@ -355,3 +355,148 @@ fn staged_writes_stay_in_the_op_log_until_committed() {
         .unwrap();
     assert_eq!(hits.len(), 6);
 }
+
+fn normalized(mut b: WriteBatchRequest) -> WriteBatchRequest {
+    for w in &mut b.writes {
+        for c in &mut w.chunks {
+            hnsw::normalize(&mut c.embedding);
+        }
+    }
+    b
+}
+
+/// A dump written while points are held beside the graph stands for the graph through the
+/// entry before the oldest held point; opening catches it up from the op log after that
+/// entry, so the held points (and a later replacement of a graph point) come back.
+#[test]
+fn dump_taken_while_points_are_held_is_caught_up_at_open() {
+    use crate::index::{hnsw_dump::Dumps, point, recovery};
+    let dir = tempfile::tempdir().unwrap();
+    let key = ShardKey::new("c", 5);
+    let store = Store::open(&dir.path().join("db"), false).unwrap();
+    let m = meta();
+    let entries = [
+        normalized(batch(
+            (0..10)
+                .map(|i| doc(&format!("d{i}"), "w", i as f32))
+                .collect(),
+        )),
+        normalized(batch(
+            (10..20)
+                .map(|i| doc(&format!("d{i}"), "w", i as f32))
+                .collect(),
+        )),
+        // Replaces d3, which the graph holds, by a new vector.
+        normalized(batch(vec![doc("d3", "w", 300.0), doc("n0", "w", 400.0)])),
+    ];
+    let idx = hnsw::HnswIndex::new(DIM, m.hnsw, 100);
+    for (i, b) in entries.iter().enumerate() {
+        let seq = i as u64 + 1;
+        store.commit_batch(&key, seq, b, None).unwrap();
+        let points = b
+            .writes
+            .iter()
+            .flat_map(|w| w.chunks.iter().map(point))
+            .collect();
+        if seq == 1 {
+            idx.insert(points);
+        } else {
+            idx.defer(points, seq);
+        }
+    }
+    assert_eq!(idx.pending_len(), 12);
+    assert_eq!(idx.graph_through(3), 1);
+    // Inserting the oldest held entry moves the graph on by whole entries.
+    assert_eq!(idx.absorb_some(1), 10);
+    assert_eq!(idx.graph_through(3), 2);
+    let dumps = Dumps::new(dir.path().join("hnsw"));
+    dumps.write(&idx, idx.graph_through(3)).unwrap();
+    let (back, state) = recovery::open_hnsw(&key, &m, &store, &dumps, 3).unwrap();
+    assert_eq!(state.dumped, Some(2), "loaded, not rebuilt");
+    assert_eq!(back.counts().0, 21);
+    assert_eq!(back.pending_len(), 2, "entry 3's chunks are held again");
+    let hit = |i: &hnsw::HnswIndex, seed: f32| match i.search(&normalized_vec(seed), 1, 16, &vec![])
+    {
+        hnsw::SearchPlan::Hits(h) => h[0].0.clone(),
+        hnsw::SearchPlan::Exact(_) => unreachable!("no filter"),
+    };
+    for seed in [0.0, 7.0, 15.0, 300.0, 400.0] {
+        assert_eq!(hit(&back, seed), hit(&idx, seed), "seed {seed}");
+    }
+    assert_eq!(hit(&back, 300.0), "d3#0");
+    assert_ne!(hit(&back, 3.0), "d3#0", "d3's old vector is gone");
+}
+
+fn normalized_vec(seed: f32) -> Vec<f32> {
+    let mut v = vec_of(seed);
+    hnsw::normalize(&mut v);
+    v
+}
+
+/// A write-behind leader acknowledges writes whose points are not in the graph yet: each is
+/// searchable the moment it is acknowledged, the graph takes them in when writes pause, and
+/// a restart (clean, or with the graph behind) answers the same.
+#[test]
+fn written_behind_points_are_searchable_then_inserted() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = ShardKey::new("c", 6);
+    let store = Arc::new(Store::open(&dir.path().join("db"), false).unwrap());
+    let mut o = opts(1000);
+    o.following.behind_max = 15;
+    o.dumping.min_changes = 5;
+    let shard = open_with(dir.path(), key.clone(), store.clone(), &o);
+    for b in 0..6 {
+        let docs = (b * 10..b * 10 + 10)
+            .map(|i| doc(&format!("d{i}"), "w", i as f32))
+            .collect();
+        apply(&shard, batch(docs)).unwrap();
+        for i in b * 10..b * 10 + 10 {
+            assert_eq!(
+                top(&shard, i as f32),
+                format!("d{i}#0"),
+                "acknowledged d{i}"
+            );
+        }
+        assert!(shard.pending_points() <= 15);
+    }
+    let until = Instant::now() + std::time::Duration::from_secs(10);
+    while shard.pending_points() > 0 && Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(shard.pending_points(), 0, "inserted once writes paused");
+    assert_eq!(shard.figures().hnsw_points, 60);
+    // A burst left unsettled, then a restart without a clean stop.
+    for i in 60..90 {
+        let seq = shard.applied_seq() + 1;
+        shard
+            .apply_entry(
+                seq,
+                batch(vec![doc(&format!("d{i}"), "w", i as f32)]),
+                1_000,
+            )
+            .unwrap()
+            .unwrap();
+    }
+    settle(&shard);
+    drop(shard);
+    let shard = open_with(dir.path(), key.clone(), store.clone(), &o);
+    settle(&shard);
+    for i in 0..90 {
+        assert_eq!(
+            top(&shard, i as f32),
+            format!("d{i}#0"),
+            "after restart d{i}"
+        );
+    }
+    shard.flush().unwrap();
+    drop(shard);
+    let shard = open_with(dir.path(), key, store, &o);
+    assert_eq!(shard.figures().hnsw_points, 90);
+    for i in (0..90).step_by(7) {
+        assert_eq!(
+            top(&shard, i as f32),
+            format!("d{i}#0"),
+            "after a clean stop d{i}"
+        );
+    }
+}

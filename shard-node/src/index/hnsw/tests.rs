@@ -115,7 +115,7 @@ fn pending_points_are_searched_beside_the_graph() {
         meta: vec![("parity".into(), (i % 2).to_string())],
     };
     idx.insert((0..100).map(point).collect());
-    idx.set_pending((100..110).map(point).collect());
+    idx.set_pending((100..110).map(point).collect(), 0);
     assert_eq!(idx.counts(), (110, 0));
     let top = |idx: &HnswIndex| match idx.search(&unit(105, 32), 3, 64, &vec![]) {
         SearchPlan::Hits(h) => h,
