@@ -350,7 +350,7 @@ impl Worker {
             tracing::info!(shard = %self.key, points = n, ms = started.elapsed().as_millis() as u64,
                 "points caught up at open inserted into the hnsw graph");
         }
-        self.maybe_dump();
+        self.dump_graph(false);
         // The flat copy of the graph's bottom layer is taken once writes pause this long,
         // BM25's segments are merged after a longer pause.
         let mut flat_due = true;
@@ -400,7 +400,7 @@ impl Worker {
                             tracing::warn!(shard = %self.key, error = %e, "bm25 merge not started");
                         }
                     }
-                    self.maybe_dump();
+                    self.dump_graph(false);
                     continue;
                 }
                 Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
@@ -438,7 +438,7 @@ impl Worker {
                     if asked && self.state.changes > 0 {
                         self.dump();
                     } else {
-                        self.maybe_dump();
+                        self.dump_graph(false);
                     }
                 }
                 Err(e) => return self.fail(failed, e),
@@ -664,11 +664,6 @@ impl Worker {
             tracing::debug!(shard = %self.key, ms = (secs * 1e3) as u64,
                 "hnsw bottom layer copied for fast walks");
         }
-    }
-
-    /// Dumps the graph when enough changed, or the interval passed with changes.
-    fn maybe_dump(&mut self) {
-        self.dump_graph(false);
     }
 
     /// Dumps the graph as of `graph_through` when it holds changes the last dump lacks and
