@@ -102,6 +102,22 @@ pub async fn wait_graphs(info: &CollectionInfo, limit: Duration) -> Result<()> {
     Ok(())
 }
 
+/// Points the shards' first replicas hold outside their graphs (written behind) right now.
+pub async fn held_points(info: &CollectionInfo) -> Result<u64> {
+    let mut held = 0;
+    for (i, s) in info.shards.iter().enumerate() {
+        let mut sc = ShardClient::new(Channel::from_shared(s.nodes[0].clone())?.connect().await?);
+        let req = ShardInfoRequest {
+            shard: Some(ShardRef {
+                collection: info.name.clone(),
+                shard: i as u32,
+            }),
+        };
+        held += sc.shard_info(req).await?.into_inner().hnsw_pending;
+    }
+    Ok(held)
+}
+
 /// Writes chunks straight to the shard nodes through Shard.WriteBatch, by document, on the shard
 /// the coordinator's placement gives it (3 shards in parallel, 512 chunks per batch).
 pub async fn write_direct(info: &CollectionInfo, chunks: Vec<Chunk>) -> Result<()> {

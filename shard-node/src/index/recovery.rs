@@ -2,6 +2,7 @@
 //! HNSW graph from its newest dump caught up from the op log (or rebuilt), BM25 by replaying
 //! the op log after its committed seq (or rebuilt).
 
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use crate::error::Result;
@@ -66,22 +67,28 @@ pub fn caught_up_dump(
         let reaches = seq == applied
             || (log.first().is_some_and(|(s, _)| *s == seq + 1)
                 && log.last().is_some_and(|(s, _)| *s >= applied));
-        // The final state of every document an entry after the dump wrote is in RocksDB: its
-        // old points go, its current chunks come back (as pending points).
-        let touched: std::collections::HashSet<String> = log
-            .iter()
-            .flat_map(|(_, r)| r.writes.iter().map(|w| w.doc_id.clone()))
-            .collect();
+        // The final state of every document an entry after the dump wrote is its last write
+        // in the log: entries hold each chunk with its vector exactly as it was applied, so
+        // the points come from the log already read, not from RocksDB document by document
+        // (about 0.1 ms a point after a burst held back tens of thousands).
+        let mut last: HashMap<&str, (usize, usize)> = HashMap::new();
+        for (e, (_, r)) in log.iter().enumerate() {
+            for (i, w) in r.writes.iter().enumerate() {
+                last.insert(&w.doc_id, (e, i));
+            }
+        }
+        let touched: HashSet<String> = last.keys().map(|d| (*d).to_owned()).collect();
         // A vector that changed without an entry after the dump means the dump and RocksDB
         // disagree: never serve such a graph.
         let unexplained = loaded.stale_docs.difference(&touched).count();
         if reaches && unexplained == 0 {
             let removed = idx.tombstone_docs(&touched);
             let mut points = Vec::new();
-            for doc in &touched {
-                if let Some(ids) = store.doc_chunk_ids(key, doc)? {
-                    let chunks = store.get_chunks(key, &ids, true)?;
-                    points.extend(chunks.into_iter().flatten().map(|c| point(&c)));
+            for (e, (_, r)) in log.iter().enumerate() {
+                for (i, w) in r.writes.iter().enumerate() {
+                    if !w.delete && last.get(w.doc_id.as_str()) == Some(&(e, i)) {
+                        points.extend(w.chunks.iter().map(point));
+                    }
                 }
             }
             // Searched exactly beside the graph until the index worker has inserted them.

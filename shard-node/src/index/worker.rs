@@ -491,15 +491,7 @@ impl Worker {
             last_commit: Some(Instant::now()),
             last_commit_batches: self.tally.batches,
         };
-        // Entries after the HNSW dump stay: a restart catches the dump up from them.
-        // So do the entries after the last one whose points are all in the graph: a leader's
-        // dump is caught up from them.
-        let keep_after = self
-            .state
-            .dumped
-            .map_or(seq, |d| d.min(seq))
-            .min(self.indexes.hnsw.graph_through(seq));
-        self.store.truncate_oplog(&self.key, keep_after)?;
+        self.trim_oplog(seq)?;
         self.visible.send_replace(seq);
         if let Some(w) = self.wake.get() {
             w();
@@ -698,6 +690,19 @@ impl Worker {
         self.write_dump(self.at);
     }
 
+    /// Drops the op-log entries no restart needs, BM25 having committed through `committed`.
+    /// Entries after the HNSW dump stay: a restart catches the dump up from them. So do the
+    /// entries after the last one whose points are all in the graph: a leader's dump is
+    /// caught up from them.
+    fn trim_oplog(&self, committed: u64) -> Result<()> {
+        let keep_after = self
+            .state
+            .dumped
+            .map_or(committed, |d| d.min(committed))
+            .min(self.indexes.hnsw.graph_through(committed));
+        self.store.truncate_oplog(&self.key, keep_after)
+    }
+
     /// Writes a dump of the graph, which holds every point up to `seq`. A failure is logged and
     /// retried later: the op log is kept back to the last good dump meanwhile.
     fn write_dump(&mut self, seq: u64) {
@@ -716,6 +721,12 @@ impl Worker {
                 };
                 self.dumped.store(seq, Ordering::Release);
                 self.undumped.store(pending, Ordering::Release);
+                // Held points inserted while writes pause are dumped without a BM25 commit
+                // after them: the entries they kept are let go here.
+                let committed = *self.visible.borrow();
+                if let Err(e) = self.trim_oplog(committed) {
+                    tracing::warn!(shard = %self.key, error = %e, "op log not trimmed after a dump");
+                }
             }
             Err(e) => {
                 metrics::counter!("shard_hnsw_dump_failures_total").increment(1);

@@ -253,12 +253,45 @@ fn hnsw_dump_is_loaded_and_caught_up_from_the_op_log() {
     assert_eq!(top(&shard, 200.0), "n0#0");
     assert_ne!(top(&shard, 1.0), "d1#0");
     assert_eq!(top(&shard, 7.0), "d7#0");
+    drop(shard);
+    // Two entries after the dump touch the same documents: each one's last write counts
+    // (n0 rewritten, d0 replaced then deleted, n1 new).
+    let mut b = batch(vec![
+        doc("n0", "w", 300.0),
+        DocumentWrite {
+            doc_id: "d0".into(),
+            chunks: vec![],
+            delete: true,
+        },
+        doc("n1", "w", 400.0),
+    ]);
+    for w in &mut b.writes {
+        for c in &mut w.chunks {
+            hnsw::normalize(&mut c.embedding);
+        }
+    }
+    store.commit_batch(&key, 3, &b, None).unwrap();
+    let shard = open(dir.path(), key.clone(), store.clone(), 1000);
+    let f = shard.figures();
+    assert_eq!((f.hnsw_points, f.hnsw_tombstones), (50, 2));
+    assert_eq!(top(&shard, 300.0), "n0#0");
+    assert_eq!(top(&shard, 400.0), "n1#0");
+    assert_ne!(top(&shard, 100.0), "d0#0");
+    let v = normalized_vec(300.0);
+    let ids: Vec<String> = shard
+        .vector_search(&v, 60, 64, &vec![], HitForm::Chunk)
+        .unwrap()
+        .into_iter()
+        .map(|h| h.chunk.unwrap().chunk_id)
+        .collect();
+    assert_eq!(ids.len(), 50, "every live chunk once");
+    assert_eq!(ids.iter().filter(|i| *i == "n0#0").count(), 1);
     shard.flush().unwrap();
     drop(shard);
     // The dump holds no second copy of the live vectors (RocksDB has them).
-    assert!(!dir.path().join("hnsw/dump-2/graph.hnsw.data").exists());
+    assert!(!dir.path().join("hnsw/dump-3/graph.hnsw.data").exists());
     // A damaged dump is refused and the graph rebuilt: same answers, no tombstones.
-    let data = dir.path().join("hnsw/dump-2/graph.hnsw.graph");
+    let data = dir.path().join("hnsw/dump-3/graph.hnsw.graph");
     let mut bytes = std::fs::read(&data).unwrap();
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0xff;
@@ -266,7 +299,7 @@ fn hnsw_dump_is_loaded_and_caught_up_from_the_op_log() {
     let shard = open(dir.path(), key, store, 1000);
     let f = shard.figures();
     assert_eq!((f.hnsw_points, f.hnsw_tombstones), (50, 0));
-    assert_eq!(top(&shard, 100.0), "d0#0");
+    assert_eq!(top(&shard, 300.0), "n0#0");
     assert_eq!(top(&shard, 7.0), "d7#0");
 }
 
@@ -465,6 +498,16 @@ fn written_behind_points_are_searchable_then_inserted() {
     }
     assert_eq!(shard.pending_points(), 0, "inserted once writes paused");
     assert_eq!(shard.figures().hnsw_points, 60);
+    // The dump that follows lets go of the op-log entries the held points kept, without a
+    // further write (no BM25 commit comes after them).
+    while !store.oplog_after(&key, 0).unwrap().is_empty() && Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(
+        store.oplog_after(&key, 0).unwrap().len(),
+        0,
+        "op log trimmed"
+    );
     // A burst left unsettled, then a restart without a clean stop.
     for i in 60..90 {
         let seq = shard.applied_seq() + 1;

@@ -52,6 +52,9 @@ const PEERS_KEY: &[u8] = b"~node/peers";
 /// Request ids are remembered this long (by the proposal timestamp in the log, so every
 /// replica forgets the same ids at the same log position).
 pub const DEDUPE_WINDOW_MS: u64 = 3_600_000;
+/// Dropped op-log bytes left on disk (in files shared with other entries) worth a compaction
+/// once a shard's op log is empty: about 400 chunks with their vectors.
+const OPLOG_COMPACT_BYTES: u64 = 1 << 20;
 
 /// Identifies a shard on a node.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -580,6 +583,29 @@ impl Store {
         let mut wo = WriteOptions::default();
         wo.set_sync(false);
         self.db.write_opt(b, &wo)?;
+        // A range delete frees nothing until a compaction reaches the files under it; after
+        // a burst that is the whole burst again on disk. Files holding only dropped entries
+        // (of this shard: the range ends at its last dropped key, inclusive) go at once. What
+        // is left in files shared with other entries (level 0's above all) is compacted away
+        // once the shard keeps no entry (writes paused, or a dump caught up with them), so
+        // ingest is not slowed by compactions of a log it is still writing.
+        let cf = self.cf(CF_OPLOG);
+        let (start, last) = (key.prefix(), key.key(&upto.to_be_bytes()));
+        self.db.delete_file_in_range_cf(cf, &start, &last)?;
+        let end = key.key(&(upto + 1).to_be_bytes());
+        let kept = self
+            .db
+            .iterator_cf(cf, IteratorMode::From(&end, Direction::Forward))
+            .next()
+            .transpose()?
+            .is_some_and(|(k, _)| k.starts_with(&start));
+        let left = self
+            .db
+            .get_approximate_sizes_cf(cf, &[rocksdb::Range::new(&start, &end)]);
+        if !kept && left.first().is_some_and(|&b| b >= OPLOG_COMPACT_BYTES) {
+            self.db
+                .compact_range_cf(cf, Some(&start[..]), Some(&end[..]));
+        }
         Ok(())
     }
 

@@ -31,8 +31,8 @@ use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::*;
 use ragcluster_tests::scale::{
-    QPS_SECONDS, create_collection, embed_queries, perturbed_copies, qps, req, wait_graphs,
-    write_direct_with,
+    QPS_SECONDS, create_collection, embed_queries, held_points, perturbed_copies, qps, req,
+    wait_graphs, write_direct_with,
 };
 use ragcluster_tests::{
     BeirQuery, Cluster, datasets_dir, engines, percentile, read_jsonl, read_qrels,
@@ -194,7 +194,24 @@ async fn one_size(
     write_direct_with(&info, chunks, args.writes_in_flight).await?;
     let ingest_s = t.elapsed().as_secs_f64();
     // Acknowledged is durable and searchable; written-behind points may still be outside the
-    // graphs (searched by brute force): queries are timed once the graphs hold everything.
+    // graphs (searched by brute force). What a user querying right after the burst sees:
+    // one client's dense queries while the graphs take the held points in (this also slows
+    // that work a little).
+    let held = held_points(&info).await?;
+    let mut while_held = json!({"held_points": held});
+    if held > 0 {
+        let mut lat = Vec::with_capacity(queries.len());
+        for (q, v) in queries.iter().zip(qvecs.iter()) {
+            let t = Instant::now();
+            c.search(req("scale", q, v, SearchMode::Dense, "", 10))
+                .await?;
+            lat.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        while_held["dense_p50_ms"] = json!(percentile(&mut lat, 50.0));
+        while_held["dense_p99_ms"] = json!(percentile(&mut lat, 99.0));
+        while_held["held_points_after"] = json!(held_points(&info).await?);
+    }
+    // The rest is timed once the graphs hold everything.
     wait_graphs(&info, Duration::from_secs(3600)).await?;
     let indexed_s = t.elapsed().as_secs_f64();
     eprintln!(
@@ -210,6 +227,7 @@ async fn one_size(
         json!({"seconds": ingest_s, "chunks_per_s": n as f64 / ingest_s, "writes_in_flight": args.writes_in_flight,
             "graph_complete_seconds": indexed_s, "graph_complete_chunks_per_s": n as f64 / indexed_s}),
     );
+    out.insert("right_after_ingest".into(), while_held);
     let exact = exact_top10(&vectors, qvecs);
     drop(vectors);
     let modes: Vec<_> = MODES
