@@ -26,6 +26,11 @@ use crate::status::{Role, Status};
 use crate::storage::{LogStore, RaftLog};
 use crate::transport::Outbox;
 
+/// With `compact_applied`, applied entries are also dropped once the log holds about this
+/// many bytes: bulk writes carry hundreds of chunks per entry (1.4 MB for 512 MiniLM
+/// chunks), so a step counted in entries alone kept hundreds of megabytes.
+const COMPACT_APPLIED_BYTES: u64 = 16 << 20;
+
 #[derive(Debug, Clone)]
 pub struct Options {
     pub id: u64,
@@ -35,8 +40,8 @@ pub struct Options {
     /// Compact the log once it holds this many entries, keeping the newest half. Members
     /// further behind catch up from a snapshot.
     pub log_gc_threshold: u64,
-    /// Also drop applied entries eagerly (in steps of `log_gc_threshold / 64`, at least 16),
-    /// as far as every member has them: only for a state machine whose writes go through the
+    /// Also drop applied entries eagerly (in steps of `log_gc_threshold / 64`, at least 16,
+    /// or of `COMPACT_APPLIED_BYTES`), as far as every member has them: only for a state machine whose writes go through the
     /// same RocksDB WAL as the log, so that a recovered log deletion implies the applied
     /// state it relied on was recovered too (RocksDB recovers a prefix of its WAL).
     pub compact_applied: bool,
@@ -534,9 +539,10 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
         let store = self.raw.store();
         let applied = self.sm.applied_index();
         let mut to = 0;
+        let applied_kept = applied.saturating_sub(store.truncated_index);
         if self.opts.compact_applied
-            && applied.saturating_sub(store.truncated_index)
-                >= (self.opts.log_gc_threshold / 64).max(16)
+            && (applied_kept >= (self.opts.log_gc_threshold / 64).max(16)
+                || (applied_kept > 0 && store.entry_bytes() >= COMPACT_APPLIED_BYTES))
         {
             to = applied;
             if self.raw.raft.state == StateRole::Leader {

@@ -79,14 +79,7 @@ pub async fn write_retrying(sc: &mut ShardClient<Channel>, req: WriteBatchReques
 /// inserted), polling every 50 ms for at most `limit`.
 pub async fn wait_graphs(info: &CollectionInfo, limit: Duration) -> Result<()> {
     let until = std::time::Instant::now() + limit;
-    for (i, s) in info.shards.iter().enumerate() {
-        let mut sc = ShardClient::new(Channel::from_shared(s.nodes[0].clone())?.connect().await?);
-        let req = ShardInfoRequest {
-            shard: Some(ShardRef {
-                collection: info.name.clone(),
-                shard: i as u32,
-            }),
-        };
+    for (i, (mut sc, req)) in first_replicas(info).await?.into_iter().enumerate() {
         loop {
             let pending = sc.shard_info(req.clone()).await?.into_inner().hnsw_pending;
             if pending == 0 {
@@ -105,17 +98,28 @@ pub async fn wait_graphs(info: &CollectionInfo, limit: Duration) -> Result<()> {
 /// Points the shards' first replicas hold outside their graphs (written behind) right now.
 pub async fn held_points(info: &CollectionInfo) -> Result<u64> {
     let mut held = 0;
+    for (mut sc, req) in first_replicas(info).await? {
+        held += sc.shard_info(req).await?.into_inner().hnsw_pending;
+    }
+    Ok(held)
+}
+
+/// A client of each shard's first replica with the request for that shard's figures.
+async fn first_replicas(
+    info: &CollectionInfo,
+) -> Result<Vec<(ShardClient<Channel>, ShardInfoRequest)>> {
+    let mut out = Vec::new();
     for (i, s) in info.shards.iter().enumerate() {
-        let mut sc = ShardClient::new(Channel::from_shared(s.nodes[0].clone())?.connect().await?);
+        let sc = ShardClient::new(Channel::from_shared(s.nodes[0].clone())?.connect().await?);
         let req = ShardInfoRequest {
             shard: Some(ShardRef {
                 collection: info.name.clone(),
                 shard: i as u32,
             }),
         };
-        held += sc.shard_info(req).await?.into_inner().hnsw_pending;
+        out.push((sc, req));
     }
-    Ok(held)
+    Ok(out)
 }
 
 /// Writes chunks straight to the shard nodes through Shard.WriteBatch, by document, on the shard

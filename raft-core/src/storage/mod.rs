@@ -67,6 +67,9 @@ pub struct RaftLog<L, M> {
     pub truncated_index: u64,
     pub truncated_term: u64,
     pub last_index: u64,
+    /// About how many bytes the entries after the truncation point hold (counted since
+    /// this process opened the log; older entries are not counted).
+    entry_bytes: u64,
 }
 
 fn store_err(e: Fatal) -> raft::Error {
@@ -88,11 +91,16 @@ impl<L: LogStore, M: StateMachine> RaftLog<L, M> {
             truncated_index: p.truncated_index,
             truncated_term: p.truncated_term,
             last_index: p.last_index,
+            entry_bytes: 0,
         })
     }
 
     pub fn append(&mut self, entries: &[Entry], hs: Option<&HardState>) -> Result<(), Fatal> {
         self.store.append(entries, self.last_index, hs)?;
+        self.entry_bytes += entries
+            .iter()
+            .map(|e| (e.data.len() + e.context.len()) as u64)
+            .sum::<u64>();
         if let Some(last) = entries.last() {
             self.last_index = last.index;
         }
@@ -114,6 +122,13 @@ impl<L: LogStore, M: StateMachine> RaftLog<L, M> {
         }
         let term = raft::Storage::term(self, index).map_err(Fatal::from)?;
         self.store.compact(index, term)?;
+        // Entries are taken to be alike in size: the share that stays keeps its share.
+        let (kept, all) = (
+            self.last_index.saturating_sub(index),
+            self.entry_count().max(1),
+        );
+        self.entry_bytes =
+            (u128::from(self.entry_bytes) * u128::from(kept.min(all)) / u128::from(all)) as u64;
         self.truncated_index = index;
         self.truncated_term = term;
         Ok(())
@@ -127,6 +142,7 @@ impl<L: LogStore, M: StateMachine> RaftLog<L, M> {
         hs: HardState,
     ) -> Result<(), Fatal> {
         self.store.reset(index, term, &cs, &hs)?;
+        self.entry_bytes = 0;
         self.truncated_index = index;
         self.truncated_term = term;
         self.last_index = index;
@@ -137,6 +153,10 @@ impl<L: LogStore, M: StateMachine> RaftLog<L, M> {
 
     pub fn entry_count(&self) -> u64 {
         self.last_index.saturating_sub(self.truncated_index)
+    }
+
+    pub fn entry_bytes(&self) -> u64 {
+        self.entry_bytes
     }
 }
 

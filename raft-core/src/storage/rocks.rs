@@ -253,13 +253,18 @@ impl LogStore for RocksLog {
         self.write(b, false)
     }
 
-    /// Synced, so the applied state it relies on is durable first (same WAL).
+    /// Synced, so the applied state it relies on is durable first (same WAL). Files that hold
+    /// only dropped entries go at once (a range delete alone frees nothing until a compaction
+    /// reaches them).
     fn compact(&mut self, index: u64, term: u64) -> Result<(), Fatal> {
         let cf = self.cf()?;
         let mut b = WriteBatch::default();
         b.delete_range_cf(cf, self.keys.entry(0), self.keys.entry(index + 1));
         b.put_cf(cf, self.keys.truncated(), truncated_value(index, term));
-        self.write(b, true)
+        self.write(b, true)?;
+        self.db
+            .delete_file_in_range_cf(cf, self.keys.entry(0), self.keys.entry(index))?;
+        Ok(())
     }
 
     fn reset(
@@ -280,6 +285,15 @@ impl LogStore for RocksLog {
 mod tests {
     use super::*;
 
+    fn open_db(dir: &std::path::Path) -> Arc<DB> {
+        let mut o = rocksdb::Options::default();
+        o.create_if_missing(true);
+        o.create_missing_column_families(true);
+        o.set_target_file_size_base(256 << 10);
+        let cf = rocksdb::ColumnFamilyDescriptor::new("raft", o.clone());
+        Arc::new(DB::open_cf_descriptors(&o, dir, [cf]).unwrap())
+    }
+
     fn entry(index: u64, term: u64) -> Entry {
         Entry {
             index,
@@ -292,10 +306,7 @@ mod tests {
     #[test]
     fn groups_share_a_database_without_seeing_each_other() {
         let dir = tempfile::tempdir().unwrap();
-        let mut o = rocksdb::Options::default();
-        o.create_if_missing(true);
-        o.create_missing_column_families(true);
-        let db = Arc::new(DB::open_cf(&o, dir.path(), ["raft"]).unwrap());
+        let db = open_db(dir.path());
         let mut a = RocksLog::new(db.clone(), "raft", b"a\0".to_vec(), false);
         let mut b = RocksLog::new(db, "raft", b"ab\0".to_vec(), false);
         let cs = ConfState {
@@ -325,5 +336,51 @@ mod tests {
         let p = a.load().unwrap();
         assert_eq!((p.truncated_index, p.last_index), (10, 10));
         assert_eq!(b.term(1).unwrap(), Some(5), "the other group is untouched");
+    }
+
+    /// Compacting gives the disk of dropped entries back at once where whole files hold
+    /// nothing else, and leaves the other groups' entries in place.
+    #[test]
+    fn compaction_deletes_files_of_dropped_entries() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open_db(dir.path());
+        let mut a = RocksLog::new(db.clone(), "raft", b"a\0".to_vec(), false);
+        let mut b = RocksLog::new(db.clone(), "raft", b"b\0".to_vec(), false);
+        a.init(&ConfState::default()).unwrap();
+        b.init(&ConfState::default()).unwrap();
+        let big = |index| Entry {
+            index,
+            term: 1,
+            // Incompressible, like vectors (xorshift).
+            data: (0..64 << 10)
+                .scan(index | 1, |x, _| {
+                    *x ^= *x << 13;
+                    *x ^= *x >> 7;
+                    *x ^= *x << 17;
+                    Some(*x as u8)
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let cf = db.cf_handle("raft").unwrap();
+        let live = || {
+            db.property_int_value_cf(cf, "rocksdb.live-sst-files-size")
+                .unwrap()
+                .unwrap()
+        };
+        b.append(&[big(1)], 0, None).unwrap();
+        let entries: Vec<Entry> = (1..=64).map(big).collect();
+        a.append(&entries, 0, None).unwrap();
+        // Out of level 0 (whose files are never deleted this way), rewritten into files of
+        // 256 KB.
+        db.flush_cf(cf).unwrap();
+        let mut c = rocksdb::CompactOptions::default();
+        c.set_bottommost_level_compaction(rocksdb::BottommostLevelCompaction::Force);
+        db.compact_range_cf_opt(cf, None::<&[u8]>, None::<&[u8]>, &c);
+        let before = live();
+        a.compact(64, 1).unwrap();
+        assert!(live() < before / 4, "{} of {before} bytes left", live());
+        assert_eq!(b.entries(1, 2, None).unwrap()[0].data.len(), 64 << 10);
+        assert_eq!(a.load().unwrap().truncated_index, 64);
     }
 }

@@ -256,7 +256,7 @@ fn hnsw_dump_is_loaded_and_caught_up_from_the_op_log() {
     drop(shard);
     // Two entries after the dump touch the same documents: each one's last write counts
     // (n0 rewritten, d0 replaced then deleted, n1 new).
-    let mut b = batch(vec![
+    let b = normalized(batch(vec![
         doc("n0", "w", 300.0),
         DocumentWrite {
             doc_id: "d0".into(),
@@ -264,12 +264,7 @@ fn hnsw_dump_is_loaded_and_caught_up_from_the_op_log() {
             delete: true,
         },
         doc("n1", "w", 400.0),
-    ]);
-    for w in &mut b.writes {
-        for c in &mut w.chunks {
-            hnsw::normalize(&mut c.embedding);
-        }
-    }
+    ]));
     store.commit_batch(&key, 3, &b, None).unwrap();
     let shard = open(dir.path(), key.clone(), store.clone(), 1000);
     let f = shard.figures();
