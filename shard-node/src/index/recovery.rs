@@ -60,6 +60,7 @@ pub fn caught_up_dump(
     let fetch = |ids: &[String]| store.get_vectors(key, ids);
     if let Some(loaded) = dumps.load(dim, meta.hnsw, applied, &fetch) {
         let (idx, seq) = (loaded.index, loaded.seq);
+        let load_ms = started.elapsed().as_millis() as u64;
         let log = store.oplog_after(key, seq)?;
         // Entries past `applied` (a snapshot's receiver applies on while its worker catches
         // the shipped dump up) only make the catch-up read newer states of their documents;
@@ -95,7 +96,7 @@ pub fn caught_up_dump(
             let inserted = points.len();
             idx.set_pending(points, seq);
             tracing::info!(shard = %key, dump = seq, applied, entries = log.len(), removed,
-                pending = inserted, ms = started.elapsed().as_millis() as u64,
+                pending = inserted, load_ms, ms = started.elapsed().as_millis() as u64,
                 "hnsw dump caught up");
             let state = DumpState {
                 dumped: Some(seq),
