@@ -41,9 +41,10 @@ pub struct Options {
     /// further behind catch up from a snapshot.
     pub log_gc_threshold: u64,
     /// Also drop applied entries eagerly (in steps of `log_gc_threshold / 64`, at least 16,
-    /// or of `COMPACT_APPLIED_BYTES`), as far as every member has them: only for a state machine whose writes go through the
-    /// same RocksDB WAL as the log, so that a recovered log deletion implies the applied
-    /// state it relied on was recovered too (RocksDB recovers a prefix of its WAL).
+    /// or of `COMPACT_APPLIED_BYTES`), as far as every member has them: only for a state
+    /// machine whose writes go through the same RocksDB WAL as the log, so that a recovered
+    /// log deletion implies the applied state it relied on was recovered too (RocksDB
+    /// recovers a prefix of its WAL).
     pub compact_applied: bool,
     /// Start an election at once (a fresh group's preferred leader, a lone member) instead of
     /// waiting out a timeout.

@@ -79,6 +79,15 @@ pub(crate) fn doc(id: &str, words: &str, seed: f32) -> DocumentWrite {
     }
 }
 
+/// A write that deletes document `id`.
+pub(crate) fn deleted(id: &str) -> DocumentWrite {
+    DocumentWrite {
+        doc_id: id.into(),
+        chunks: vec![],
+        delete: true,
+    }
+}
+
 pub(crate) fn batch(writes: Vec<DocumentWrite>) -> WriteBatchRequest {
     WriteBatchRequest {
         shard: None,

@@ -136,6 +136,8 @@ struct Worker {
     flat_quiet: Duration,
     /// The seq the indexes reflect (the last group applied; tantivy once committed).
     at: u64,
+    /// The op log is trimmed through here (a trim that would drop nothing new is skipped).
+    trimmed: u64,
     committing: Committing,
     /// The last seq staged in tantivy but not committed (searches do not see it yet).
     staged: Option<u64>,
@@ -234,6 +236,7 @@ impl IndexWorker {
             last_dump: Instant::now(),
             flat_quiet: FLAT_AFTER_QUIET,
             at: visible,
+            trimmed: 0,
             committing,
             staged: None,
             tally: Staged::default(),
@@ -694,13 +697,17 @@ impl Worker {
     /// Entries after the HNSW dump stay: a restart catches the dump up from them. So do the
     /// entries after the last one whose points are all in the graph: a leader's dump is
     /// caught up from them.
-    fn trim_oplog(&self, committed: u64) -> Result<()> {
+    fn trim_oplog(&mut self, committed: u64) -> Result<()> {
         let keep_after = self
             .state
             .dumped
             .map_or(committed, |d| d.min(committed))
             .min(self.indexes.hnsw.graph_through(committed));
-        self.store.truncate_oplog(&self.key, keep_after)
+        if keep_after > self.trimmed {
+            self.store.truncate_oplog(&self.key, keep_after)?;
+            self.trimmed = keep_after;
+        }
+        Ok(())
     }
 
     /// Writes a dump of the graph, which holds every point up to `seq`. A failure is logged and

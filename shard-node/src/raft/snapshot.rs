@@ -196,7 +196,6 @@ pub fn verify(path: &Path, desc: &Descriptor) -> Result<()> {
 mod tests {
     use std::sync::Arc;
 
-    use ragcluster_proto::v1::DocumentWrite;
     use ragcluster_raft::StateMachine;
     use ragcluster_raft::eraftpb::{ConfState, HardState, SnapshotMetadata};
 
@@ -218,11 +217,7 @@ mod tests {
             .collect();
         apply(&shard, batch(docs)).unwrap();
         apply(&shard, batch(vec![doc("d0", "replaced", 1000.0)])).unwrap();
-        let gone = DocumentWrite {
-            doc_id: "d1".into(),
-            chunks: vec![],
-            delete: true,
-        };
+        let gone = deleted("d1");
         apply(&shard, batch(vec![gone])).unwrap();
         apply(&shard, batch(vec![doc("n0", "newcomer", 2000.0)])).unwrap();
         shard

@@ -1,6 +1,5 @@
 use super::*;
 use crate::testutil::*;
-use ragcluster_proto::v1::DocumentWrite;
 
 /// The crash window of the write path: the batch is in RocksDB (and the op log) but the
 /// process died before tantivy committed. Reopening must make it searchable by both indexes.
@@ -104,11 +103,7 @@ fn follower_adopts_the_leaders_graph() {
             .map(|i| doc(&format!("d{i}"), "words", i as f32))
             .collect(),
     );
-    let delete = DocumentWrite {
-        doc_id: "d4".into(),
-        chunks: vec![],
-        delete: true,
-    };
+    let delete = deleted("d4");
     let second = batch(vec![doc("d3", "words", 30.0), delete]);
     for b in [first, second] {
         apply(&leader, b.clone()).unwrap();
@@ -176,11 +171,7 @@ fn replacements_leave_tombstones_until_compaction() {
     assert_eq!(f.documents, 8);
     assert_eq!(f.chunks, 8);
     // Deleting and bad batches.
-    let mut del = batch(vec![DocumentWrite {
-        doc_id: "d2".into(),
-        chunks: vec![],
-        delete: true,
-    }]);
+    let mut del = batch(vec![deleted("d2")]);
     let applied = apply(&shard, del.clone()).unwrap();
     assert_eq!(applied.existed, 1);
     assert_eq!(shard.figures().documents, 7);
@@ -232,11 +223,7 @@ fn hnsw_dump_is_loaded_and_caught_up_from_the_op_log() {
     // After the dump: d0 gets a new vector, d1 is deleted, n0 is new.
     let mut b = batch(vec![
         doc("d0", "w", 100.0),
-        DocumentWrite {
-            doc_id: "d1".into(),
-            chunks: vec![],
-            delete: true,
-        },
+        deleted("d1"),
         doc("n0", "w", 200.0),
     ]);
     for w in &mut b.writes {
@@ -258,11 +245,7 @@ fn hnsw_dump_is_loaded_and_caught_up_from_the_op_log() {
     // (n0 rewritten, d0 replaced then deleted, n1 new).
     let b = normalized(batch(vec![
         doc("n0", "w", 300.0),
-        DocumentWrite {
-            doc_id: "d0".into(),
-            chunks: vec![],
-            delete: true,
-        },
+        deleted("d0"),
         doc("n1", "w", 400.0),
     ]));
     store.commit_batch(&key, 3, &b, None).unwrap();

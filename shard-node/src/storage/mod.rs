@@ -593,16 +593,19 @@ impl Store {
         let (start, last) = (key.prefix(), key.key(&upto.to_be_bytes()));
         self.db.delete_file_in_range_cf(cf, &start, &last)?;
         let end = key.key(&(upto + 1).to_be_bytes());
+        let left = self
+            .db
+            .get_approximate_sizes_cf(cf, &[rocksdb::Range::new(&start, &end)]);
+        if left.first().is_none_or(|&b| b < OPLOG_COMPACT_BYTES) {
+            return Ok(());
+        }
         let kept = self
             .db
             .iterator_cf(cf, IteratorMode::From(&end, Direction::Forward))
             .next()
             .transpose()?
             .is_some_and(|(k, _)| k.starts_with(&start));
-        let left = self
-            .db
-            .get_approximate_sizes_cf(cf, &[rocksdb::Range::new(&start, &end)]);
-        if !kept && left.first().is_some_and(|&b| b >= OPLOG_COMPACT_BYTES) {
+        if !kept {
             self.db
                 .compact_range_cf(cf, Some(&start[..]), Some(&end[..]));
         }
