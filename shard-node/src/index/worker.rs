@@ -594,13 +594,21 @@ impl Worker {
     }
 
     /// A leader with points pending (written behind, or left from its follower days) inserts
-    /// a slice of them; true when it did.
+    /// a slice of them; true when it did. The slice that empties the backlog is dumped at
+    /// once: the burst is over, and the dump lets go of the op log it kept (and with it the
+    /// write-ahead log) instead of keeping both until `hnsw_dump_interval`.
     fn absorb_slice(&mut self) -> bool {
         if self.defers() || self.indexes.hnsw.pending_len() == 0 {
             return false;
         }
-        let _g = self.indexes.update.lock();
-        self.indexes.hnsw.absorb_some(self.follow.idle_slice()) > 0
+        let n = {
+            let _g = self.indexes.update.lock();
+            self.indexes.hnsw.absorb_some(self.follow.idle_slice())
+        };
+        if n > 0 && self.indexes.hnsw.pending_len() == 0 {
+            self.dump_graph(true);
+        }
+        n > 0
     }
 
     /// Loads the leader's dump of `seq` (received beside this replica's dumps) caught up to

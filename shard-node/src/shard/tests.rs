@@ -521,3 +521,69 @@ fn written_behind_points_are_searchable_then_inserted() {
         );
     }
 }
+
+/// Bytes of the write-ahead-log files in a RocksDB directory.
+fn wal_bytes(db: &std::path::Path) -> u64 {
+    std::fs::read_dir(db)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "log"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
+}
+
+/// A burst of writes sits in RocksDB's write-ahead log (each chunk several times over) until
+/// the memtables behind it are flushed. Once a write-behind burst is in the graph, the graph is
+/// dumped, the burst's op log dropped and the memtables flushed, so that log leaves the disk
+/// without waiting for more writes, the dump interval or a restart.
+#[test]
+fn write_ahead_log_is_released_at_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("db");
+    let key = ShardKey::new("c", 7);
+    let store = Arc::new(Store::open(&db, false).unwrap());
+    let mut o = opts(1000);
+    // Written behind, and fewer points than a dump waits for (`dumping.min_changes`): the
+    // dump that lets the op log go comes once the graph holds the burst.
+    o.following.behind_max = 1000;
+    let shard = open_with(dir.path(), key.clone(), store.clone(), &o);
+    let text: String = (0..3000).map(|j| format!("w{j} ")).collect();
+    for b in 0..20 {
+        let docs = (b * 10..b * 10 + 10)
+            .map(|i| doc(&format!("d{i}"), &text, i as f32))
+            .collect();
+        apply(&shard, batch(docs)).unwrap();
+    }
+    let written = wal_bytes(&db);
+    assert!(
+        written > 6 << 20,
+        "the burst is in the log: {written} bytes"
+    );
+    let until = Instant::now() + std::time::Duration::from_secs(20);
+    while (wal_bytes(&db) > 1 << 20 || !store.oplog_after(&key, 0).unwrap().is_empty())
+        && Instant::now() < until
+    {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(
+        store.oplog_after(&key, 0).unwrap().is_empty(),
+        "op log dropped"
+    );
+    let left = wal_bytes(&db);
+    assert!(
+        left <= 1 << 20,
+        "log released: {left} of {written} bytes left"
+    );
+    shard.flush().unwrap();
+    drop(shard);
+    let shard = open_with(dir.path(), key, store, &o);
+    assert_eq!(shard.figures().hnsw_points, 200);
+    for i in (0..200).step_by(13) {
+        assert_eq!(
+            top(&shard, i as f32),
+            format!("d{i}#0"),
+            "after reopening d{i}"
+        );
+    }
+}

@@ -55,6 +55,14 @@ pub const DEDUPE_WINDOW_MS: u64 = 3_600_000;
 /// Dropped op-log bytes left on disk (in files shared with other entries) worth a compaction
 /// once a shard's op log is empty: about 400 chunks with their vectors.
 const OPLOG_COMPACT_BYTES: u64 = 1 << 20;
+/// Memtable bytes worth a flush once a shard's op log is empty (writes paused): below it
+/// the write-ahead log they keep is a few MiB at most.
+const FLUSH_AT_REST_BYTES: u64 = 4 << 20;
+/// The write-ahead log's bound: past it RocksDB flushes the memtables that keep its oldest
+/// file. Every chunk is in it three times (Raft entry, op-log entry, the chunk), and with
+/// RocksDB's default (four times all memtables, gigabytes) a node that took a burst of
+/// writes kept ~7 KB per chunk of log on disk until its memtables filled or it restarted.
+const WAL_MAX_BYTES: u64 = 128 << 20;
 
 /// Identifies a shard on a node.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -181,6 +189,7 @@ impl Store {
         opts.create_missing_column_families(true);
         opts.set_compression_type(rocksdb::DBCompressionType::Lz4);
         opts.enable_statistics();
+        opts.set_max_total_wal_size(WAL_MAX_BYTES);
         let cfs = ALL_CFS
             .into_iter()
             .map(|n| ColumnFamilyDescriptor::new(n, opts.clone()));
@@ -595,8 +604,12 @@ impl Store {
         let end = key.key(&(upto + 1).to_be_bytes());
         let left = self
             .db
-            .get_approximate_sizes_cf(cf, &[rocksdb::Range::new(&start, &end)]);
-        if left.first().is_none_or(|&b| b < OPLOG_COMPACT_BYTES) {
+            .get_approximate_sizes_cf(cf, &[rocksdb::Range::new(&start, &end)])
+            .first()
+            .copied()
+            .unwrap_or(0);
+        let unflushed = self.property("rocksdb.cur-size-all-mem-tables");
+        if left < OPLOG_COMPACT_BYTES && unflushed < FLUSH_AT_REST_BYTES {
             return Ok(());
         }
         let kept = self
@@ -605,10 +618,29 @@ impl Store {
             .next()
             .transpose()?
             .is_some_and(|(k, _)| k.starts_with(&start));
-        if !kept {
+        if kept {
+            return Ok(());
+        }
+        // At rest the memtables are flushed, so the write-ahead log behind them (every
+        // chunk of the burst written three times: Raft entry, op-log entry, the chunk
+        // itself) can be deleted; until a memtable fills, nothing else would release it.
+        if unflushed >= FLUSH_AT_REST_BYTES {
+            self.flush_memtables()?;
+        }
+        if left >= OPLOG_COMPACT_BYTES {
             self.db
                 .compact_range_cf(cf, Some(&start[..]), Some(&end[..]));
         }
+        Ok(())
+    }
+
+    /// Starts flushing every column family's memtable (without waiting), after which
+    /// RocksDB deletes the write-ahead-log files no memtable needs any more.
+    pub fn flush_memtables(&self) -> Result<()> {
+        let mut fo = rocksdb::FlushOptions::default();
+        fo.set_wait(false);
+        let cfs: Vec<_> = ALL_CFS.iter().map(|n| self.cf(n)).collect();
+        self.db.flush_cfs_opt(&cfs, &fo)?;
         Ok(())
     }
 
