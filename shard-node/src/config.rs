@@ -106,7 +106,7 @@ impl Default for ShardNodeConfig {
             hnsw_dump_interval: std::time::Duration::from_secs(60),
             hnsw_follow_leader_graph: true,
             hnsw_follower_pending_max: 20_000,
-            hnsw_write_behind_max: 20_000,
+            hnsw_write_behind_max: 40_000,
             index_threads: 0,
             bm25_writer_memory: 32 * 1024 * 1024,
             bm25_commit_interval: std::time::Duration::from_millis(50),

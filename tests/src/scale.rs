@@ -95,6 +95,49 @@ pub async fn wait_graphs(info: &CollectionInfo, limit: Duration) -> Result<()> {
     Ok(())
 }
 
+/// Waits until the shards' first replicas have settled after a load: no point held outside
+/// the graph, at most 100 bytes of op log per chunk (the graph dumped and the log behind it
+/// dropped) and the data directories (`disk`) steady within 1% over 2 s (memtables flushed,
+/// write-ahead log deleted), polling every 500 ms for at most `limit`. Returns the seconds
+/// waited, the directories' bytes, and the shards' bytes per chunk by place
+/// (`ShardInfo.bytes_by_family`, summed over the shards), what `ragctl status` shows.
+pub async fn settled_bytes(
+    info: &CollectionInfo,
+    disk: impl Fn() -> u64,
+    limit: Duration,
+) -> Result<(f64, u64, std::collections::BTreeMap<String, f64>)> {
+    let t = std::time::Instant::now();
+    let replicas = first_replicas(info).await?;
+    let mut sizes: Vec<u64> = Vec::new();
+    loop {
+        let mut infos = Vec::with_capacity(replicas.len());
+        for (sc, req) in &replicas {
+            infos.push(sc.clone().shard_info(req.clone()).await?.into_inner());
+        }
+        sizes.push(disk());
+        let recent = &sizes[sizes.len().saturating_sub(5)..];
+        let (lo, hi) = (recent.iter().min(), recent.iter().max());
+        let steady = recent.len() == 5 && lo.zip(hi).is_some_and(|(l, h)| h - l <= h / 100);
+        let settled = steady
+            && infos.iter().all(|i| {
+                let oplog = i.bytes_by_family.get("oplog").copied().unwrap_or(0);
+                i.hnsw_pending == 0 && oplog <= 100 * i.chunks
+            });
+        if settled || t.elapsed() >= limit {
+            let chunks = infos.iter().map(|i| i.chunks).sum::<u64>().max(1) as f64;
+            let mut by_place = std::collections::BTreeMap::new();
+            for i in &infos {
+                for (k, v) in &i.bytes_by_family {
+                    *by_place.entry(k.clone()).or_insert(0.0) += *v as f64 / chunks;
+                }
+            }
+            let bytes = *sizes.last().unwrap_or(&0);
+            return Ok((t.elapsed().as_secs_f64(), bytes, by_place));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// Points the shards' first replicas hold outside their graphs (written behind) right now.
 pub async fn held_points(info: &CollectionInfo) -> Result<u64> {
     let mut held = 0;

@@ -11,7 +11,8 @@
 //!   hybrid rrf);
 //! - dense recall@10 against brute force over all vectors, at the collection's ef_search and
 //!   at each `--dense-ef`;
-//! - RAM (resident set of the shard nodes) and disk (their data directories) per chunk.
+//! - RAM (resident set of the shard nodes) and disk (their data directories) per chunk, disk
+//!   also once the shards have settled (`settled`: graphs dumped, op logs dropped).
 //!
 //! With `--engines PYTHON` (a Python with qdrant-edge-py and tantivy: `bash
 //! scripts/setup-bench-python.sh --engines`), each size's corpus, queries and exact top 10 are
@@ -32,7 +33,7 @@ use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::*;
 use ragcluster_tests::scale::{
     QPS_SECONDS, create_collection, embed_queries, held_points, perturbed_copies, qps, req,
-    wait_graphs, write_direct_with,
+    settled_bytes, wait_graphs, write_direct_with,
 };
 use ragcluster_tests::{
     BeirQuery, Cluster, datasets_dir, engines, percentile, read_jsonl, read_qrels,
@@ -275,6 +276,20 @@ async fn one_size(
         json!(rss.saturating_sub(idle_rss) as f64 / n as f64),
     );
     out.insert("disk_bytes_per_chunk".into(), json!(disk as f64 / n as f64));
+    // The disk figure above is taken while the load's logs may still be trimmed; this one
+    // once the shards have settled (graphs dumped, op logs dropped).
+    let dirs = || {
+        cluster
+            .shard_processes()
+            .map(|s| s.data_bytes())
+            .sum::<u64>()
+    };
+    let (after_s, disk, by_place) = settled_bytes(&info, dirs, Duration::from_secs(300)).await?;
+    out.insert(
+        "settled".into(),
+        json!({"after_s": after_s, "disk_bytes_per_chunk": disk as f64 / n as f64,
+               "bytes_per_chunk_by_place": by_place}),
+    );
     out.insert(
         "shard_nodes_rss_bytes".into(),
         json!({"idle": idle_rss, "loaded": rss}),
