@@ -32,8 +32,8 @@ use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::*;
 use ragcluster_tests::scale::{
-    QPS_SECONDS, create_collection, embed_queries, held_points, perturbed_copies, qps, req,
-    settled_bytes, wait_graphs, write_direct_with,
+    QPS_SECONDS, create_collection, embed_queries, held_points, perturbed_copies, qps, quiet_cpu,
+    req, settled_bytes, wait_graphs, write_direct_with,
 };
 use ragcluster_tests::{
     BeirQuery, Cluster, datasets_dir, engines, percentile, read_jsonl, read_qrels,
@@ -221,12 +221,18 @@ async fn one_size(
         n as f64 / indexed_s
     );
     // Background merges and dumps of the load settle before timing.
-    tokio::time::sleep(Duration::from_secs(10)).await;
+    let quiet_after_s = quiet_cpu(
+        || cluster.data_path_cpu_seconds(),
+        Duration::from_secs(5),
+        Duration::from_secs(180),
+    )
+    .await;
     let mut out = Map::new();
     out.insert(
         "ingest".into(),
         json!({"seconds": ingest_s, "chunks_per_s": n as f64 / ingest_s, "writes_in_flight": args.writes_in_flight,
-            "graph_complete_seconds": indexed_s, "graph_complete_chunks_per_s": n as f64 / indexed_s}),
+            "graph_complete_seconds": indexed_s, "graph_complete_chunks_per_s": n as f64 / indexed_s,
+            "quiet_after_s": quiet_after_s}),
     );
     out.insert("right_after_ingest".into(), while_held);
     let exact = exact_top10(&vectors, qvecs);
