@@ -141,9 +141,8 @@ pub async fn settled_bytes(
 /// Waits until the processes behind `cpu_seconds` (summed CPU seconds) go quiet: under
 /// `QUIET_CORES` busy over each of 3 consecutive seconds, at least `min` and at most `limit`
 /// in all. A load's background work (tantivy merges, the flat HNSW copy, dumps, RocksDB
-/// flushes) runs for seconds after the last write, up to tens of seconds at 1M chunks, and a
-/// latency figure taken during it measures that work, not the query path. Returns the
-/// seconds waited.
+/// flushes) runs for seconds after the graphs are complete, and a latency figure taken during
+/// it measures that work, not the query path. Returns the seconds waited.
 pub async fn quiet_cpu(cpu_seconds: impl Fn() -> f64, min: Duration, limit: Duration) -> f64 {
     const QUIET_CORES: f64 = 0.05;
     let t = std::time::Instant::now();
