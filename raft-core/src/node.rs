@@ -31,6 +31,12 @@ use crate::transport::Outbox;
 /// chunks), so a step counted in entries alone kept hundreds of megabytes.
 const COMPACT_APPLIED_BYTES: u64 = 16 << 20;
 
+/// With `compact_applied`, a log that took no new entry for this long drops every applied
+/// entry all members have, whatever the steps above, and has its store give their disk back:
+/// a collection loaded and then left (SciFact: 2 KB per chunk in 3 shards) would otherwise
+/// keep its whole log, under both steps, for as long as it sees no further write.
+const COMPACT_IDLE: Duration = Duration::from_secs(10);
+
 #[derive(Debug, Clone)]
 pub struct Options {
     pub id: u64,
@@ -96,6 +102,10 @@ pub struct RaftNode<L: LogStore, M: StateMachine> {
     status: watch::Sender<Status>,
     last_leader: u64,
     removed: bool,
+    /// The last log index at the previous tick, and for how many ticks it has not moved
+    /// (see `COMPACT_IDLE`).
+    idle_last_index: u64,
+    idle_ticks: u64,
 }
 
 fn metric(prefix: &str, what: &str) -> String {
@@ -151,6 +161,8 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
             status,
             last_leader: 0,
             removed: false,
+            idle_last_index: 0,
+            idle_ticks: 0,
         };
         node.publish();
         Ok((node, rx))
@@ -185,6 +197,13 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
 
     pub fn tick(&mut self) {
         self.raw.tick();
+        let last = self.raw.raft.raft_log.last_index();
+        if last == self.idle_last_index {
+            self.idle_ticks += 1;
+        } else {
+            self.idle_last_index = last;
+            self.idle_ticks = 0;
+        }
         self.reads.retain(|_, r| !r.is_closed());
         // raft-rs drops a read index it cannot serve yet (a new leader that has not committed
         // in its term, a request forwarded while there was no leader, a lost message): ask
@@ -347,7 +366,12 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
     /// stops the member.
     pub fn on_ready(&mut self) -> Result<(), Fatal> {
         if !self.raw.has_ready() {
-            return Ok(());
+            // A lone member's idle log sees no ready at all (no heartbeats to send).
+            return if self.idle() {
+                self.maybe_compact()
+            } else {
+                Ok(())
+            };
         }
         let mut rd = self.raw.ready();
         if let Some(ss) = rd.ss()
@@ -533,16 +557,26 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
         Ok(())
     }
 
+    /// Whether the log has taken no new entry for `COMPACT_IDLE`.
+    fn idle(&self) -> bool {
+        let tick_ms = self.opts.tick.as_millis().max(1);
+        let ticks = COMPACT_IDLE.as_millis().div_ceil(tick_ms);
+        u128::from(self.idle_ticks) >= ticks
+    }
+
     /// Keeps the log under `log_gc_threshold` entries: drops the older half once it is reached.
-    /// With `compact_applied`, drops applied entries before that too, but on a leader only
-    /// those every member has (a member behind the log's start needs a whole snapshot).
+    /// With `compact_applied`, drops applied entries before that too (in steps, or all of them
+    /// once the log is idle), but on a leader only those every member has (a member behind
+    /// the log's start needs a whole snapshot).
     fn maybe_compact(&mut self) -> Result<(), Fatal> {
         let store = self.raw.store();
         let applied = self.sm.applied_index();
         let mut to = 0;
         let applied_kept = applied.saturating_sub(store.truncated_index);
+        let idle = self.opts.compact_applied && applied_kept > 0 && self.idle();
         if self.opts.compact_applied
-            && (applied_kept >= (self.opts.log_gc_threshold / 64).max(16)
+            && (idle
+                || applied_kept >= (self.opts.log_gc_threshold / 64).max(16)
                 || (applied_kept > 0 && store.entry_bytes() >= COMPACT_APPLIED_BYTES))
         {
             to = applied;
@@ -564,6 +598,9 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
         }
         if to > store.truncated_index {
             self.raw.mut_store().compact(to)?;
+            if idle {
+                self.raw.mut_store().reclaim(to);
+            }
             metrics::counter!(metric(self.opts.metrics_prefix, "log_compactions_total"))
                 .increment(1);
         }

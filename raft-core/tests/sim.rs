@@ -790,3 +790,38 @@ fn a_seed_replays_exactly() {
         );
     }
 }
+
+/// Once a group has converged and then takes no entry for `COMPACT_IDLE` (10 s of 100 ms
+/// ticks), members that compact applied entries keep none: a loaded-then-left group holds no
+/// log on disk (the steps by count and bytes alone leave a small group's whole log).
+#[test]
+fn an_idle_log_keeps_no_applied_entry() {
+    let mut checked = 0;
+    for seed in 0..40 {
+        let mut sim = Sim::new(seed);
+        if !sim.gc_threshold.is_multiple_of(2) {
+            continue;
+        }
+        sim.run(TICKS);
+        for _ in 0..150 {
+            sim.step();
+        }
+        for id in sim.current() {
+            let (truncated, applied) = {
+                let d = sim.members[&id].disk.lock();
+                (d.log.load().expect("log").truncated_index, d.sm.applied)
+            };
+            assert_eq!(
+                truncated,
+                applied,
+                "seed {seed}: member {id} kept applied entries after idling:{}",
+                sim.describe()
+            );
+        }
+        checked += 1;
+    }
+    assert!(
+        checked >= 10,
+        "only {checked} seeds compact applied entries"
+    );
+}

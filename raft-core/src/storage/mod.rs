@@ -50,6 +50,11 @@ pub trait LogStore: Send + 'static {
     /// Drops entries up to and including `index` (applied), remembering its `term`.
     fn compact(&mut self, index: u64, term: u64) -> Result<(), Fatal>;
 
+    /// Gives back now, in the background, the disk still held by entries up to `index`
+    /// (compacted already), where dropping them alone frees it only later: called once a
+    /// group's log has gone idle.
+    fn reclaim(&mut self, _index: u64) {}
+
     /// After the state machine restored a snapshot: the log restarts at (`index`, `term`).
     /// Stores that share the state machine's database were reset by `restore` already; this
     /// must then be idempotent.
@@ -132,6 +137,11 @@ impl<L: LogStore, M: StateMachine> RaftLog<L, M> {
         self.truncated_index = index;
         self.truncated_term = term;
         Ok(())
+    }
+
+    /// See `LogStore::reclaim`.
+    pub fn reclaim(&mut self, index: u64) {
+        self.store.reclaim(index.min(self.truncated_index));
     }
 
     pub fn reset(

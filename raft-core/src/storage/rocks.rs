@@ -11,7 +11,7 @@
 //! State machines sharing the database write `c` (and, on snapshot restore, the whole group)
 //! in their own atomic writes through `Keys`.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock, Weak, mpsc};
 
 use protobuf::Message as _;
 use raft::eraftpb::{ConfState, Entry, HardState};
@@ -267,6 +267,18 @@ impl LogStore for RocksLog {
         Ok(())
     }
 
+    /// A manual compaction of the dropped range: the entries of a small group sit in level-0
+    /// files and memtables, which `compact` cannot delete, until enough other writes push a
+    /// compaction through them.
+    fn reclaim(&mut self, index: u64) {
+        reclaim_in_background(Reclaim {
+            db: Arc::downgrade(&self.db),
+            cf: self.cf,
+            start: self.keys.entry(0),
+            end: self.keys.entry(index.saturating_add(1)),
+        });
+    }
+
     fn reset(
         &mut self,
         index: u64,
@@ -281,6 +293,44 @@ impl LogStore for RocksLog {
     }
 }
 
+/// One range to compact (`RocksLog::reclaim`).
+struct Reclaim {
+    /// Weak: a node closing its database is not held open by a pending reclaim.
+    db: Weak<DB>,
+    cf: &'static str,
+    start: Vec<u8>,
+    end: Vec<u8>,
+}
+
+/// Runs `job` on the process's reclaim thread, one compaction at a time: a manual compaction
+/// can outlast an election timeout, and a member's own thread must keep heartbeating.
+fn reclaim_in_background(job: Reclaim) {
+    static QUEUE: OnceLock<Option<mpsc::Sender<Reclaim>>> = OnceLock::new();
+    let queue = QUEUE.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<Reclaim>();
+        let spawned = std::thread::Builder::new()
+            .name("raft-log-reclaim".into())
+            .spawn(move || {
+                for job in rx {
+                    let Some(db) = job.db.upgrade() else { continue };
+                    if let Some(cf) = db.cf_handle(job.cf) {
+                        db.compact_range_cf(cf, Some(&job.start[..]), Some(&job.end[..]));
+                    }
+                }
+            });
+        match spawned {
+            Ok(_) => Some(tx),
+            Err(e) => {
+                tracing::warn!(error = %e, "no raft log reclaim thread; idle logs keep their disk until RocksDB compacts them");
+                None
+            }
+        }
+    });
+    if let Some(tx) = queue {
+        let _ = tx.send(job);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -292,6 +342,40 @@ mod tests {
         o.set_target_file_size_base(256 << 10);
         let cf = rocksdb::ColumnFamilyDescriptor::new("raft", o.clone());
         Arc::new(DB::open_cf_descriptors(&o, dir, [cf]).unwrap())
+    }
+
+    /// An entry of `len` incompressible bytes (xorshift), like vectors.
+    fn big(index: u64, len: usize) -> Entry {
+        Entry {
+            index,
+            term: 1,
+            data: (0..len)
+                .scan(index | 1, |x, _| {
+                    *x ^= *x << 13;
+                    *x ^= *x >> 7;
+                    *x ^= *x << 17;
+                    Some(*x as u8)
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    /// A database holding groups `a` and `b`, both initialised.
+    fn two_groups(dir: &std::path::Path) -> (Arc<DB>, RocksLog, RocksLog) {
+        let db = open_db(dir);
+        let mut a = RocksLog::new(db.clone(), "raft", b"a\0".to_vec(), false);
+        let mut b = RocksLog::new(db.clone(), "raft", b"b\0".to_vec(), false);
+        a.init(&ConfState::default()).unwrap();
+        b.init(&ConfState::default()).unwrap();
+        (db, a, b)
+    }
+
+    fn live_sst_bytes(db: &DB) -> u64 {
+        let cf = db.cf_handle("raft").unwrap();
+        db.property_int_value_cf(cf, "rocksdb.live-sst-files-size")
+            .unwrap()
+            .unwrap()
     }
 
     fn entry(index: u64, term: u64) -> Entry {
@@ -343,31 +427,10 @@ mod tests {
     #[test]
     fn compaction_deletes_files_of_dropped_entries() {
         let dir = tempfile::tempdir().unwrap();
-        let db = open_db(dir.path());
-        let mut a = RocksLog::new(db.clone(), "raft", b"a\0".to_vec(), false);
-        let mut b = RocksLog::new(db.clone(), "raft", b"b\0".to_vec(), false);
-        a.init(&ConfState::default()).unwrap();
-        b.init(&ConfState::default()).unwrap();
-        let big = |index| Entry {
-            index,
-            term: 1,
-            // Incompressible, like vectors (xorshift).
-            data: (0..64 << 10)
-                .scan(index | 1, |x, _| {
-                    *x ^= *x << 13;
-                    *x ^= *x >> 7;
-                    *x ^= *x << 17;
-                    Some(*x as u8)
-                })
-                .collect(),
-            ..Default::default()
-        };
+        let (db, mut a, mut b) = two_groups(dir.path());
+        let big = |index| big(index, 64 << 10);
         let cf = db.cf_handle("raft").unwrap();
-        let live = || {
-            db.property_int_value_cf(cf, "rocksdb.live-sst-files-size")
-                .unwrap()
-                .unwrap()
-        };
+        let live = || live_sst_bytes(&db);
         b.append(&[big(1)], 0, None).unwrap();
         let entries: Vec<Entry> = (1..=64).map(big).collect();
         a.append(&entries, 0, None).unwrap();
@@ -382,5 +445,35 @@ mod tests {
         assert!(live() < before / 4, "{} of {before} bytes left", live());
         assert_eq!(b.entries(1, 2, None).unwrap()[0].data.len(), 64 << 10);
         assert_eq!(a.load().unwrap().truncated_index, 64);
+    }
+
+    /// Entries still in level 0 (a small group's whole log) stay on disk after `compact`
+    /// until `reclaim`'s compaction, which leaves the other groups' entries in place.
+    #[test]
+    fn reclaim_gives_back_level_zero_entries() {
+        let dir = tempfile::tempdir().unwrap();
+        let (db, mut a, mut b) = two_groups(dir.path());
+        let big = |index| big(index, 32 << 10);
+        let cf = db.cf_handle("raft").unwrap();
+        let live = || live_sst_bytes(&db);
+        let entries: Vec<Entry> = (1..=32).map(big).collect();
+        a.append(&entries, 0, None).unwrap();
+        b.append(&[big(1)], 0, None).unwrap();
+        db.flush_cf(cf).unwrap();
+        let before = live();
+        a.compact(32, 1).unwrap();
+        assert!(live() >= before, "level-0 files are not deleted by compact");
+        a.reclaim(32);
+        let t = std::time::Instant::now();
+        while live() > before / 8 {
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(20),
+                "{} of {before} bytes left",
+                live()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert_eq!(b.entries(1, 2, None).unwrap()[0].data.len(), 32 << 10);
+        assert_eq!(a.load().unwrap().truncated_index, 32);
     }
 }

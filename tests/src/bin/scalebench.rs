@@ -220,10 +220,11 @@ async fn one_size(
         n as f64 / ingest_s,
         n as f64 / indexed_s
     );
-    // Background merges and dumps of the load settle before timing.
+    // Background merges and dumps of the load settle before timing, and the Raft logs' idle
+    // compaction (10 s after the last write) is over.
     let quiet_after_s = quiet_cpu(
         || cluster.data_path_cpu_seconds(),
-        Duration::from_secs(5),
+        Duration::from_secs(12),
         Duration::from_secs(180),
     )
     .await;
