@@ -364,8 +364,8 @@ mod tests {
     /// A database holding groups `a` and `b`, both initialised.
     fn two_groups(dir: &std::path::Path) -> (Arc<DB>, RocksLog, RocksLog) {
         let db = open_db(dir);
-        let mut a = RocksLog::new(db.clone(), "raft", b"a\0".to_vec(), false);
-        let mut b = RocksLog::new(db.clone(), "raft", b"b\0".to_vec(), false);
+        let a = RocksLog::new(db.clone(), "raft", b"a\0".to_vec(), false);
+        let b = RocksLog::new(db.clone(), "raft", b"b\0".to_vec(), false);
         a.init(&ConfState::default()).unwrap();
         b.init(&ConfState::default()).unwrap();
         (db, a, b)
