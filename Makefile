@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: images compose-up compose-down setup build demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-engines bench-bm25 bench-tokenize bench-ingest bench-chunking bench-sampling
+.PHONY: images compose-up compose-down setup build build-demo demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-engines bench-bm25 bench-tokenize bench-ingest bench-chunking bench-sampling
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -11,13 +11,17 @@ setup:            ## system packages + models
 build:
 	cargo build --release --workspace
 
-demo: build       ## the main job: local cluster, ingest the sample docs, answer a query
+# Only the four binaries the demo runs (a cold build skips the benchmarks and tests).
+build-demo:
+	cargo build --release -p coordinator -p shard-node -p model-worker -p ragctl --bins
+
+demo: build-demo  ## the main job: local cluster, ingest the sample docs, answer a query
 	$(BIN)/ragctl local up
 	$(BIN)/ragctl ingest docs/sample
 	$(BIN)/ragctl search "how does raft elect a leader?"
 	$(BIN)/ragctl ask "How does Raft elect a leader?"
 
-up: build
+up: build-demo
 	$(BIN)/ragctl local up
 
 down:
@@ -30,13 +34,13 @@ TEST_FEATURES := --features shard-node/failpoints
 # NVRTC from scripts/setup.sh: the unit tests compile every CUDA kernel with it (no GPU needed).
 NVRTC_LIB := $(HOME)/.cache/ragcluster-nvrtc/lib
 
-test:             ## every test: unit, model reference, black-box cluster tests
-	cargo build --release --workspace $(TEST_FEATURES)
-	LD_LIBRARY_PATH="$(NVRTC_LIB)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" cargo test --release --workspace $(TEST_FEATURES)
+test:             ## every test, layer by layer (scripts/test.sh): time per layer and skips at the end
+	bash scripts/test.sh
 
-test-faults:       ## Raft fault schedules: 200 random seeds (CI runs 20)
+test-faults:       ## Raft fault schedules: 200 random seeds (CI runs 20); index-task crash points: 45 seeds (CI runs 9)
 	cargo build --release --workspace $(TEST_FEATURES)
 	RAGCLUSTER_FAULT_SEEDS=200 cargo test --release --workspace $(TEST_FEATURES) --test raft -- --nocapture
+	RAGCLUSTER_CRASH_SEEDS=45 cargo test --release --workspace $(TEST_FEATURES) --test crash_recovery -- --nocapture
 
 test-sim:          ## deterministic Raft simulation: 5000 seeds (CI runs 500); SEED=N reruns one seed with a trace
 	RAFT_SIM_SEEDS=$(or $(SEEDS),5000) RAFT_SIM_SEED=$(SEED) cargo test --release --workspace $(TEST_FEATURES) --test sim -- --nocapture

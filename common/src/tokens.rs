@@ -266,7 +266,11 @@ mod tests {
             .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../models"));
         let path = dir.join("all-MiniLM-L6-v2/tokenizer.json");
         if !path.exists() {
-            eprintln!("skipped: no {} (scripts/fetch-models.sh)", path.display());
+            crate::skip::skipped(
+                crate::skip::SkipReason::NotSetUp,
+                "tokens::tests",
+                &format!("no {} (scripts/fetch-models.sh)", path.display()),
+            );
             return None;
         }
         Some(Tokenizer::from_file(&path).expect("tokenizer loads"))

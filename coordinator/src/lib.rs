@@ -37,6 +37,8 @@ pub mod search;
 pub mod server;
 pub mod service;
 pub mod shards;
+#[cfg(test)]
+pub(crate) mod testing;
 
 pub use config::CoordinatorConfig;
 pub use server::{run, run_colocated, run_with};

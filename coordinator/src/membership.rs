@@ -509,3 +509,6 @@ pub fn holding(collections: &[ragcluster_proto::v1::CollectionInfo], id: u64) ->
 fn holds(p: &ShardPlacement, id: u64) -> bool {
     p.node_ids.contains(&id)
 }
+
+#[cfg(test)]
+mod tests;

@@ -397,3 +397,6 @@ impl Rebalancer {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,7 +1,7 @@
 //! A ragcluster model worker: loads the models named in config (`registry`) and serves them
 //! over gRPC (`service`) and, optionally, an OpenAI-compatible HTTP API (`http`).
-//! Encoder models (embeddings, cross-encoder and MaxSim reranking; `backend::bert`) run on
-//! a thread per model fed by a dynamic batcher (`batcher`). Generation (`backend::llama`, a
+//! Encoder models (embeddings, cross-encoder and MaxSim reranking; `backend::encoder`) run on
+//! a thread per model fed by a dynamic batcher (`batcher`). Generation (`backend::decoder`, a
 //! llama GGUF on candle's quantized llama, or `remote`, an OpenAI-compatible server) streams
 //! tokens with log-probabilities from a bounded set of decoding slots. This crate must not
 //! depend on the coordinator or shard nodes.

@@ -11,9 +11,9 @@ use ragcluster_proto::v1::{GenerateRequest, GenerateResponse, ModelInfo};
 use tokio::sync::{Semaphore, mpsc};
 
 use crate::backend::Seq;
-use crate::backend::bert::{self, BertEncoder, HeadKind};
+use crate::backend::decoder::llama::{CONTEXT, GenParams, LlamaGenerator};
 use crate::backend::device::{self, Placement};
-use crate::backend::llama::{CONTEXT, GenParams, LlamaGenerator};
+use crate::backend::encoder::bert::{self, BertEncoder, HeadKind};
 use crate::batcher::{BatchConfig, Batcher};
 use crate::config::{ModelSpec, ModelWorkerConfig};
 use crate::error::ModelError;

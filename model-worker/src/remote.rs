@@ -18,7 +18,7 @@ use ragcluster_proto::v1::{GenerateRequest, GenerateResponse};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::backend::llama::GenParams;
+use crate::backend::decoder::llama::GenParams;
 use crate::config::ModelSpec;
 use crate::error::ModelError;
 

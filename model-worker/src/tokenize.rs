@@ -24,7 +24,7 @@ use tokenizers::{PostProcessor, Tokenizer, TruncationDirection, TruncationStrate
 use tokio::sync::oneshot;
 
 use crate::backend::Seq;
-use crate::backend::bert;
+use crate::backend::encoder::bert;
 use crate::error::ModelError;
 
 /// A call of at most this many bytes is one piece, and goes before the pieces of larger calls.
@@ -490,7 +490,11 @@ mod tests {
             .unwrap_or_else(|_| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models"));
         let path = dir.join("all-MiniLM-L6-v2");
         if !path.join("model.safetensors").exists() {
-            eprintln!("skipped: no {} (scripts/fetch-models.sh)", path.display());
+            ragcluster_common::skip::skipped(
+                ragcluster_common::skip::SkipReason::NotSetUp,
+                "tokenize::word_cached_sequences_equal_the_hf_tokenizer",
+                &format!("no {} (scripts/fetch-models.sh)", path.display()),
+            );
             return;
         }
         let enc = bert::BertEncoder::load("minilm", &path, 0, bert::HeadKind::MeanPool).unwrap();

@@ -4,8 +4,8 @@
 
 use std::path::PathBuf;
 
-use model_worker::backend::bert::{self, BertEncoder, HeadKind};
 use model_worker::backend::device::Placement;
+use model_worker::backend::encoder::bert::{self, BertEncoder, HeadKind};
 use model_worker::backend::{Encoder, Seq};
 
 fn model_dir() -> PathBuf {
@@ -104,7 +104,11 @@ fn missing_model_names_the_path() {
 #[test]
 fn cuda_embeddings_match_the_cpu_in_every_batch_shape() {
     if !model_worker::backend::cuda::available() {
-        eprintln!("skipped: no usable CUDA device");
+        ragcluster_common::skip::skipped(
+            ragcluster_common::skip::SkipReason::NoGpu,
+            "reference::cuda_embeddings_match_the_cpu_in_every_batch_shape",
+            "no usable CUDA device",
+        );
         return;
     }
     let dir = model_dir();

@@ -219,6 +219,9 @@ enum LocalCmd {
     },
     /// Stop the processes: SIGTERM, then SIGKILL (named) for any still running after 15 s.
     Down,
+    /// Print the local cluster's coordinator address as host:port, for clients
+    /// (`export RAGCLUSTER=$(ragctl local address)`).
+    Address,
     /// Restart one process (coordinator, model-worker, shard-N) on its data; shard nodes and
     /// the model worker rejoin at whatever port they get.
     Restart {
@@ -375,6 +378,14 @@ async fn main() -> Result<()> {
         Cmd::Local {
             cmd: LocalCmd::Down,
         } => local::local_down(&cli.dir),
+        Cmd::Local {
+            cmd: LocalCmd::Address,
+        } => {
+            let addr = coordinator_addr(&cli);
+            let bare = addr.split_once("://").map_or(addr.as_str(), |(_, a)| a);
+            println!("{bare}");
+            Ok(())
+        }
         Cmd::Local {
             cmd: LocalCmd::Restart { name, models },
         } => local::local_restart(&cli.dir, name, models).await,

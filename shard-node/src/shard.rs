@@ -9,7 +9,7 @@
 //!      tantivy off the Raft thread, committing tantivy once per group of batches.
 //!   3. The proposer is answered once the batch is visible to searches.
 //!
-//! Recovery (`index::recovery`): the HNSW graph is loaded from its newest dump (`index::hnsw_dump`) and caught up
+//! Recovery (`index::recovery`): the HNSW graph is loaded from its newest dump (`index::hnsw::dump`) and caught up
 //! by re-reading from RocksDB the documents that op-log entries after the dump touched; the
 //! BM25 index is caught up by replaying op-log entries newer than its committed seq. Either is
 //! rebuilt from RocksDB when its dump or the log does not reach back far enough.
@@ -25,10 +25,10 @@ use ragcluster_proto::v1::{
 
 use crate::error::{Result, ShardError};
 use crate::index::bm25::Bm25Index;
+use crate::index::hnsw::dump::Dumps;
 use crate::index::hnsw::{self, HnswParams, SearchPlan};
-use crate::index::hnsw_dump::Dumps;
 use crate::index::recovery;
-use crate::index::worker::{Committing, Compaction, Dumping, Following, IndexWorker, Job};
+use crate::index::worker::{Committing, Compaction, Dumping, Following, IndexWorker, Job, Policy};
 use crate::index::{Filter, Indexes};
 use crate::storage::{ShardKey, ShardMeta, Store};
 
@@ -138,12 +138,14 @@ impl Shard {
             store.clone(),
             indexes.clone(),
             applied,
-            opts.compaction,
             dumps.clone(),
-            opts.dumping,
             dump_state,
-            opts.following,
-            opts.committing,
+            Policy {
+                compaction: opts.compaction,
+                dumping: opts.dumping,
+                following: opts.following,
+                committing: opts.committing,
+            },
         )?;
         Ok(Self {
             key,

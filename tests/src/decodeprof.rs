@@ -11,8 +11,8 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use model_worker::backend::llama_batch::{Row, Want};
-use model_worker::backend::llama_cuda::{CudaLlama, PagedCache};
+use model_worker::backend::decoder::cuda::{CudaLlama, PagedCache};
+use model_worker::backend::decoder::{Row, Want};
 use serde_json::{Value, json};
 
 /// Prompt tokens per sequence.
@@ -161,8 +161,8 @@ pub fn decoder_profile(path: &std::path::Path) -> Result<Value> {
 /// mean per-stream decode rate and the time to first token (p50). Against the served
 /// figures it says what the serving process adds.
 fn engine(path: &std::path::Path, streams: usize) -> Result<Value> {
+    use model_worker::backend::decoder::llama::{CONTEXT, GenParams, LlamaGenerator};
     use model_worker::backend::device::Placement;
-    use model_worker::backend::llama::{CONTEXT, GenParams, LlamaGenerator};
     let g = LlamaGenerator::load_on("smollm2", path, Placement::Cuda, (streams + 4) * CONTEXT)?;
     let params = GenParams {
         max_tokens: 64,

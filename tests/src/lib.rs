@@ -15,6 +15,7 @@ pub mod load;
 pub mod metrics;
 pub mod pipeline;
 mod proc;
+pub mod replicas;
 pub mod scale;
 pub mod threads;
 pub mod workerload;

@@ -275,6 +275,15 @@ impl Proc {
         }
     }
 
+    /// Whether the process has ended by itself (a crash or an abort); true when it was
+    /// never started or was killed.
+    pub fn exited(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(c) => c.try_wait().ok().flatten().is_some(),
+            None => true,
+        }
+    }
+
     /// SIGKILL: no chance to flush anything.
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {

@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng};
 use tonic::transport::Channel;
 
 use crate::BeirQuery;
-use shard_node::index::distance::normalize;
+use shard_node::index::hnsw::distance::normalize;
 
 /// Noise added per coordinate (sum of 4 uniforms, scaled); about 0.07 in cosine distance.
 const NOISE: f32 = 0.035;

@@ -264,14 +264,75 @@ fn module_of(rel: &Path) -> Vec<String> {
     parts
 }
 
-/// Module paths this file refers to (`crate::a::b`, `super::x`, `self::y`), resolved against
-/// the crate's modules.
-fn references(
-    code: &str,
-    me: &[String],
-    is_mod_file: bool,
-    modules: &BTreeSet<Vec<String>>,
-) -> BTreeSet<Vec<String>> {
+/// The paths a use tree or an expression path spells from `rest` on (the text after its
+/// `crate::`, `super::` or `self::`): `a::b::{c, d::{e, self}}` gives `a::b::c`, `a::b::d::e`
+/// and `a::b::d`. A path ends at the first token that is neither a name nor `::`, so an
+/// expression path (`super::x::f(..)`) and a glob (`a::*`) both give their names.
+fn path_tree(rest: &str) -> Vec<Vec<String>> {
+    fn name(s: &str) -> (&str, &str) {
+        let end = s
+            .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .unwrap_or(s.len());
+        (&s[..end], &s[end..])
+    }
+    /// Parses one tree at `s`, with `prefix` before it; returns the rest of the text.
+    fn tree<'a>(mut s: &'a str, prefix: Vec<String>, out: &mut Vec<Vec<String>>) -> &'a str {
+        let mut path = prefix;
+        loop {
+            s = s.trim_start();
+            if let Some(group) = s.strip_prefix('{') {
+                s = group;
+                loop {
+                    s = s.trim_start();
+                    if let Some(after) = s.strip_prefix('}') {
+                        return after;
+                    }
+                    if s.is_empty() {
+                        return s;
+                    }
+                    let before = s.len();
+                    s = tree(s, path.clone(), out);
+                    s = s.trim_start();
+                    s = s.strip_prefix(',').unwrap_or(s);
+                    if s.len() == before {
+                        // Not a tree (a stray token): step over it.
+                        s = &s[s.chars().next().map_or(0, char::len_utf8)..];
+                    }
+                }
+            }
+            let (n, after) = name(s);
+            if n.is_empty() {
+                out.push(path);
+                return s.strip_prefix('*').unwrap_or(s);
+            }
+            s = after;
+            if n != "self" {
+                path.push(n.to_owned());
+            }
+            match s.trim_start().strip_prefix("::") {
+                Some(more) => s = more,
+                None => {
+                    // `as alias` ends the tree; so does anything else.
+                    let t = s.trim_start();
+                    if let Some(alias) = t.strip_prefix("as ") {
+                        s = name(alias.trim_start()).1;
+                    }
+                    out.push(path);
+                    return s;
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    tree(rest, Vec::new(), &mut out);
+    out
+}
+
+/// Module paths this file refers to (`crate::a::b`, `super::x`, `self::y`, grouped imports
+/// included), resolved against the crate's modules. `me` is the module the file is (a
+/// `mod.rs` and a `name.rs` alike: `module_of` already names both by their module), so
+/// `super::` is `me`'s parent and `self::` is `me`.
+fn references(code: &str, me: &[String], modules: &BTreeSet<Vec<String>>) -> BTreeSet<Vec<String>> {
     let mut out = BTreeSet::new();
     let bytes = code.as_bytes();
     for (start, kw) in ["crate::", "super::", "self::"]
@@ -285,53 +346,46 @@ fn references(
         {
             continue;
         }
-        // The module a bare name in this file lives in: for `mod.rs` files, their own path.
-        let here: Vec<String> = if is_mod_file || me.is_empty() {
-            me.to_vec()
-        } else {
-            me[..me.len() - 1].to_vec()
-        };
         let mut base = match kw {
             "crate::" => Vec::new(),
-            "super::" => here[..here.len().saturating_sub(1)].to_vec(),
-            _ => here.clone(),
+            "super::" => me[..me.len().saturating_sub(1)].to_vec(),
+            _ => me.to_vec(),
         };
-        let rest = &code[start + kw.len()..];
-        let mut segs = rest.split("::").map(|s| {
-            s.chars()
-                .take_while(|c| c.is_alphanumeric() || *c == '_')
-                .collect::<String>()
-        });
-        // Also `super::super::`.
-        let mut first = segs.next().unwrap_or_default();
-        while first == "super" {
-            base.pop();
-            first = segs.next().unwrap_or_default();
-        }
-        let mut path = base;
-        let mut best = None;
-        for seg in std::iter::once(first).chain(segs) {
-            if seg.is_empty() {
-                break;
+        for mut path in path_tree(&code[start + kw.len()..]) {
+            // `super::super::`.
+            let mut ups = 0;
+            while path.first().is_some_and(|s| s == "super") {
+                path.remove(0);
+                ups += 1;
             }
-            path.push(seg);
-            if modules.contains(&path) {
-                best = Some(path.clone());
-            } else {
-                break;
+            let mut at = base.clone();
+            at.truncate(at.len().saturating_sub(ups));
+            // `super::{self, ..}` or `super::*`: the module itself.
+            let mut best = (path.is_empty() && modules.contains(&at)).then(|| at.clone());
+            for seg in path {
+                at.push(seg);
+                if modules.contains(&at) {
+                    best = Some(at.clone());
+                } else {
+                    break;
+                }
+            }
+            if let Some(b) = best {
+                out.insert(b);
             }
         }
-        if let Some(b) = best {
-            out.insert(b);
-        }
+        base.clear();
     }
     out
 }
 
-/// Cycles among the children of each module: each edge between two modules is lifted to the
-/// children of their deepest common ancestor.
+/// Import circles among the children of each module: each edge between two modules is
+/// lifted to the children of their deepest common ancestor, and every strongly connected
+/// group of two or more children is one circle, reported with its members and one cycle
+/// through them.
 fn cycles(edges: &BTreeSet<(Vec<String>, Vec<String>)>) -> Vec<String> {
-    let mut graphs: BTreeMap<Vec<String>, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+    type Graph = BTreeMap<String, BTreeSet<String>>;
+    let mut graphs: BTreeMap<Vec<String>, Graph> = BTreeMap::new();
     for (a, b) in edges {
         let common = a.iter().zip(b).take_while(|(x, y)| x == y).count();
         if common == a.len() || common == b.len() {
@@ -344,47 +398,72 @@ fn cycles(edges: &BTreeSet<(Vec<String>, Vec<String>)>) -> Vec<String> {
             .or_default()
             .insert(b[common].clone());
     }
-    let mut found = Vec::new();
-    for (parent, g) in &graphs {
-        // Depth-first search for a back edge.
-        fn visit(
-            n: &str,
-            g: &BTreeMap<String, BTreeSet<String>>,
-            stack: &mut Vec<String>,
-            done: &mut BTreeSet<String>,
-        ) -> Option<Vec<String>> {
-            if let Some(i) = stack.iter().position(|s| s == n) {
-                let mut c = stack[i..].to_vec();
-                c.push(n.to_owned());
-                return Some(c);
-            }
-            if done.contains(n) {
-                return None;
-            }
-            stack.push(n.to_owned());
-            for m in g.get(n).into_iter().flatten() {
-                if let Some(c) = visit(m, g, stack, done) {
-                    return Some(c);
+    /// Nodes reachable from `n` (itself included).
+    fn reach(n: &str, g: &Graph) -> BTreeSet<String> {
+        let mut seen = BTreeSet::from([n.to_owned()]);
+        let mut stack = vec![n.to_owned()];
+        while let Some(x) = stack.pop() {
+            for m in g.get(&x).into_iter().flatten() {
+                if seen.insert(m.clone()) {
+                    stack.push(m.clone());
                 }
             }
-            stack.pop();
-            done.insert(n.to_owned());
-            None
         }
-        let mut done = BTreeSet::new();
-        for n in g.keys() {
-            if let Some(c) = visit(n, g, &mut Vec::new(), &mut done) {
-                found.push(format!(
-                    "in {}: {}",
-                    if parent.is_empty() {
-                        "crate root".into()
-                    } else {
-                        parent.join("::")
-                    },
-                    c.join(" -> ")
-                ));
-                break;
+        seen
+    }
+    /// A shortest path from `from` back to itself inside `group`.
+    fn cycle_through(from: &str, g: &Graph, group: &BTreeSet<String>) -> Vec<String> {
+        let mut prev: BTreeMap<String, String> = BTreeMap::new();
+        let mut queue = std::collections::VecDeque::from([from.to_owned()]);
+        while let Some(x) = queue.pop_front() {
+            for m in g.get(&x).into_iter().flatten() {
+                if m == from {
+                    let mut path = vec![x.clone()];
+                    while let Some(p) = prev.get(path.last().map_or("", |s| s.as_str())) {
+                        path.push(p.clone());
+                    }
+                    path.reverse();
+                    path.push(from.to_owned());
+                    return path;
+                }
+                if group.contains(m) && m != from && !prev.contains_key(m) {
+                    prev.insert(m.clone(), x.clone());
+                    queue.push_back(m.clone());
+                }
             }
+        }
+        Vec::new()
+    }
+    let mut found = Vec::new();
+    for (parent, g) in &graphs {
+        let reaches: BTreeMap<&String, BTreeSet<String>> =
+            g.keys().map(|n| (n, reach(n, g))).collect();
+        let mut placed = BTreeSet::new();
+        for n in g.keys() {
+            if placed.contains(n) {
+                continue;
+            }
+            // n's group: the nodes n reaches that reach n back.
+            let group: BTreeSet<String> = reaches[n]
+                .iter()
+                .filter(|m| reaches.get(m).is_some_and(|r| r.contains(n)))
+                .cloned()
+                .collect();
+            placed.extend(group.iter().cloned());
+            if group.len() < 2 {
+                continue;
+            }
+            let members: Vec<&str> = group.iter().map(String::as_str).collect();
+            found.push(format!(
+                "in {}: {{{}}}, e.g. {}",
+                if parent.is_empty() {
+                    "crate root".into()
+                } else {
+                    parent.join("::")
+                },
+                members.join(", "),
+                cycle_through(n, g, &group).join(" -> ")
+            ));
         }
     }
     found
@@ -471,14 +550,11 @@ fn no_import_cycles_and_no_oversized_code() -> Result<()> {
             if text.contains("impl State {") || text.contains("impl crate::State") {
                 problems.push(format!("{}: impl State", f.display()));
             }
-            let is_mod_file = rel
-                .file_name()
-                .is_some_and(|n| n == "mod.rs" || n == "lib.rs" || n == "main.rs");
-            parsed.push((m, is_mod_file, product));
+            parsed.push((m, product));
         }
         let mut edges = BTreeSet::new();
-        for (m, is_mod_file, code) in &parsed {
-            for r in references(code, m, *is_mod_file, &modules) {
+        for (m, code) in &parsed {
+            for r in references(code, m, &modules) {
                 if &r != m {
                     edges.insert((m.clone(), r));
                 }
@@ -510,7 +586,7 @@ fn the_checker_sees_cycles_and_long_functions() {
     .collect();
     let c = cycles(&edges);
     assert_eq!(c.len(), 1, "{c:?}");
-    assert!(c[0].contains("a -> b -> a"), "{c:?}");
+    assert!(c[0].contains("{a, b}, e.g. a -> b -> a"), "{c:?}");
     let body = format!(
         "fn long() {{\n{}}}\nfn short() {{ let s = \"}}\"; }}\n",
         "    x();\n".repeat(130)
@@ -518,4 +594,79 @@ fn the_checker_sees_cycles_and_long_functions() {
     let long = long_functions(&code_only(&body));
     assert_eq!(long.len(), 1);
     assert_eq!(long[0].0, "long");
+}
+
+/// The modules of a small crate: `a` (a folder: `a/mod.rs`) with children `x` and `y`, and
+/// `b`, `c` beside it.
+fn toy_modules() -> BTreeSet<Vec<String>> {
+    ["", "a", "a::x", "a::y", "a::y::z", "b", "c"]
+        .iter()
+        .map(|m| {
+            m.split("::")
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+                .collect()
+        })
+        .collect()
+}
+
+fn refs(code: &str, me: &str) -> Vec<String> {
+    let me: Vec<String> = me.split("::").map(str::to_owned).collect();
+    references(code, &me, &toy_modules())
+        .into_iter()
+        .map(|p| p.join("::"))
+        .collect()
+}
+
+#[test]
+fn resolver_super_from_mod_rs_and_from_named_files() {
+    // `a/mod.rs` is module `a`: its `super::` is the crate root.
+    assert_eq!(refs("use super::b::Thing;", "a"), ["b"]);
+    assert_eq!(refs("use self::x::Thing;", "a"), ["a::x"]);
+    // `a/x.rs` is module `a::x`: its `super::` is `a`, not the crate root.
+    assert_eq!(refs("use super::y::Thing;", "a::x"), ["a::y"]);
+    assert_eq!(refs("let v = super::y::make();", "a::x"), ["a::y"]);
+    assert_eq!(refs("use super::super::b::T;", "a::x"), ["b"]);
+    // `a/y/z.rs`: two levels up is `a`, three the root.
+    assert_eq!(refs("use super::super::x::T;", "a::y::z"), ["a::x"]);
+    assert_eq!(refs("use super::super::super::c;", "a::y::z"), ["c"]);
+    assert_eq!(refs("use crate::a::y::z::T;", "b"), ["a::y::z"]);
+}
+
+#[test]
+fn resolver_reads_grouped_imports() {
+    assert_eq!(refs("use super::{x::T, y};", "a::x"), ["a::x", "a::y"]);
+    assert_eq!(
+        refs(
+            "use crate::{\n    a::{self, x::{T, U}},\n    b::V as W,\n    c,\n};",
+            "a::y"
+        ),
+        ["a", "a::x", "b", "c"]
+    );
+    assert_eq!(
+        refs("use crate::a::{x, y::{z::*}};", "b"),
+        ["a::x", "a::y::z"]
+    );
+    assert_eq!(refs("use super::{self, y};", "a::x"), ["a", "a::y"]);
+}
+
+#[test]
+fn a_circle_through_grouped_imports_and_super_is_caught() {
+    let modules = toy_modules();
+    let m = |s: &str| s.split("::").map(str::to_owned).collect::<Vec<_>>();
+    // a/x.rs and a/y.rs import each other, one through a group and one through `super::`.
+    let mut edges = BTreeSet::new();
+    for (me, code) in [
+        ("a::x", "use super::{y::Thing, Other};"),
+        ("a::y", "use super::x::Thing;"),
+    ] {
+        for r in references(code, &m(me), &modules) {
+            if r != m(me) {
+                edges.insert((m(me), r));
+            }
+        }
+    }
+    let c = cycles(&edges);
+    assert_eq!(c.len(), 1, "{c:?}");
+    assert!(c[0].starts_with("in a: {x, y}"), "{c:?}");
 }

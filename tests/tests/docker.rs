@@ -116,7 +116,11 @@ async fn progress(load: &Load, more: usize, what: &str) -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compose_cluster_survives_partition_and_kill() -> Result<()> {
     if let Some(why) = docker_available() {
-        println!("SKIPPED the Docker cluster test: {why}");
+        ragcluster_common::skip::skipped(
+            ragcluster_common::skip::SkipReason::NoDocker,
+            "docker::compose_cluster_survives_partition_and_kill",
+            &why,
+        );
         return Ok(());
     }
     let target = bin_dir()

@@ -160,8 +160,10 @@ fn eval_retrieval_matches_trec_eval() -> Result<()> {
     ensure!(String::from_utf8_lossy(&winner.stdout).contains("inline:"));
 
     let Some(python) = python_with("pytrec_eval") else {
-        println!(
-            "SKIPPED the pytrec_eval cross-check: no Python with pytrec_eval (set RAGCLUSTER_PYTHON)"
+        ragcluster_common::skip::skipped(
+            ragcluster_common::skip::SkipReason::NotSetUp,
+            "eval::pytrec_eval_cross_check",
+            "no Python with pytrec_eval (bash scripts/setup.sh installs it; or set RAGCLUSTER_PYTHON)",
         );
         return Ok(());
     };

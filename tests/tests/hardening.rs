@@ -474,9 +474,16 @@ async fn listed(addr: &str, alpha: bool) -> Result<BTreeSet<String>> {
     })
 }
 
-/// Every documented metric name (README), by the process that exports it.
+/// Every documented metric name (the README and the pages of `docs/`, where
+/// `docs/configuration.md` lists them all), by the process that exports it.
 fn documented_metrics() -> Result<Vec<String>> {
-    let readme = std::fs::read_to_string(workspace().join("README.md"))?;
+    let mut readme = std::fs::read_to_string(workspace().join("README.md"))?;
+    for e in std::fs::read_dir(workspace().join("docs"))? {
+        let p = e?.path();
+        if p.extension().is_some_and(|x| x == "md") {
+            readme.push_str(&std::fs::read_to_string(&p)?);
+        }
+    }
     let mut names = BTreeSet::new();
     for (i, tok) in readme.split('`').enumerate() {
         if i % 2 == 0 {

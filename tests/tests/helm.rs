@@ -48,8 +48,10 @@ fn chart_renders_valid_objects_and_configs() -> Result<()> {
     ensure!(compose_shard.coordinators == ["http://coordinator:7000"]);
 
     let Some(python) = python_with("helm_python, kubernetes_validate, yaml") else {
-        println!(
-            "SKIPPED the Helm chart check: no Python with helm-python-sdk and kubernetes-validate (bash scripts/setup.sh installs them)"
+        ragcluster_common::skip::skipped(
+            ragcluster_common::skip::SkipReason::NotSetUp,
+            "helm::chart",
+            "no Python with helm-python-sdk and kubernetes-validate (bash scripts/setup.sh installs them)",
         );
         return Ok(());
     };

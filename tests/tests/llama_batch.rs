@@ -1,4 +1,4 @@
-//! The batched llama decoder (`model_worker::backend::llama_batch`) against candle's
+//! The batched llama decoder (`model_worker::backend::decoder::batch`) against candle's
 //! quantized llama on SmolLM2-135M-Instruct, with weights dequantized to f32 so that both do
 //! exact f32 arithmetic: the same logits for a prompt (up to summation order), the same greedy
 //! tokens, the same tokens whether a sequence decodes alone or beside others, and the same
@@ -14,8 +14,8 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use model_worker::backend::decoder::Decoder;
-use model_worker::backend::llama::{GenParams, LlamaGenerator};
-use model_worker::backend::llama_batch::{KvCache, LlamaModel, Row, Sampled, Want, logprob};
+use model_worker::backend::decoder::llama::{GenParams, LlamaGenerator};
+use model_worker::backend::decoder::{KvCache, LlamaModel, Row, Sampled, Want, logprob};
 use model_worker::error::ModelError;
 use ragcluster_tests::generate_model;
 use ragcluster_tests::llama::{PROMPTS, TOKENS, argmax};
@@ -79,7 +79,7 @@ fn batched_decoder_matches_candle_quantized_llama() -> Result<()> {
     };
     let path = generate_model()?;
     let generator = LlamaGenerator::load("smollm2", &path)?;
-    let model = model_worker::backend::llama_batch::load(&path, 4096)?;
+    let model = model_worker::backend::decoder::load(&path, 4096)?;
     assert!(
         !model.quantized(),
         "CANDLE_DEQUANTIZE_ALL leaves f32 weights"
@@ -93,7 +93,7 @@ fn batched_decoder_matches_candle_quantized_llama() -> Result<()> {
             unsafe {
                 std::env::remove_var("CANDLE_DEQUANTIZE_ALL")
             };
-            let q = model_worker::backend::llama_batch::load(&path, 4096).map(|m| m.quantized());
+            let q = model_worker::backend::decoder::load(&path, 4096).map(|m| m.quantized());
             #[allow(unsafe_code)]
             // SAFETY: as above.
             unsafe {
@@ -196,7 +196,7 @@ fn batched_decoder_matches_candle_quantized_llama() -> Result<()> {
 
     // The decoder's answers per wanted row (what the engine and the scoring calls ask for):
     // on the CPU, computed from the same logits `forward` returns.
-    let decoder = Decoder::Cpu(model_worker::backend::llama_batch::load(&path, 4096)?);
+    let decoder = Decoder::Cpu(model_worker::backend::decoder::load(&path, 4096)?);
     let p = &prompts[0];
     let rows: Vec<Row> = p.iter().map(|&token| Row { seq: 0, token }).collect();
     let want: Vec<usize> = vec![rows.len() - 3, rows.len() - 2, rows.len() - 1];

@@ -1,4 +1,4 @@
-//! The CUDA llama decoder (`model_worker::backend::llama_cuda`) against the CPU one
+//! The CUDA llama decoder (`model_worker::backend::decoder::cuda`) against the CPU one
 //! (`llama_batch`, weights dequantized to f32) on SmolLM2-135M-Instruct, on a machine with an
 //! NVIDIA GPU (skipped with a message elsewhere; the decoder's unit test still compiles its
 //! kernels with NVRTC there).
@@ -12,11 +12,11 @@
 //! must produce their tokens.
 
 use anyhow::Result;
+use model_worker::backend::decoder::cuda::{CudaLlama, PagedCache};
+use model_worker::backend::decoder::llama::{GenParams, LlamaGenerator};
+use model_worker::backend::decoder::sampling::{Draw, picks_near};
+use model_worker::backend::decoder::{Row, Sampled, Want, logprob};
 use model_worker::backend::device::Placement;
-use model_worker::backend::llama::{GenParams, LlamaGenerator};
-use model_worker::backend::llama_batch::{Row, Sampled, Want, logprob};
-use model_worker::backend::llama_cuda::{CudaLlama, PagedCache};
-use model_worker::backend::sampling::{Draw, picks_near};
 use ragcluster_tests::generate_model;
 use ragcluster_tests::llama::{PROMPTS, TOKENS, argmax};
 
@@ -99,7 +99,11 @@ fn gpu_greedy_sampled(m: &CudaLlama, prompts: &[Vec<u32>]) -> Result<Vec<Vec<u32
 #[test]
 fn cuda_decoder_matches_the_cpu_decoder() -> Result<()> {
     if !model_worker::backend::cuda::available() {
-        eprintln!("skipped: no usable CUDA device");
+        ragcluster_common::skip::skipped(
+            ragcluster_common::skip::SkipReason::NoGpu,
+            "llama_cuda::cuda_decoder_matches_the_cpu_decoder",
+            "no usable CUDA device",
+        );
         return Ok(());
     }
     // SAFETY: the only test in this binary, before any other thread reads the environment;
@@ -110,7 +114,7 @@ fn cuda_decoder_matches_the_cpu_decoder() -> Result<()> {
     };
     let path = generate_model()?;
     let generator = LlamaGenerator::load("smollm2", &path)?;
-    let cpu = model_worker::backend::llama_batch::load(&path, 4096)?;
+    let cpu = model_worker::backend::decoder::load(&path, 4096)?;
     let mut f = std::fs::File::open(&path)?;
     let content = candle_core::quantized::gguf_file::Content::read(&mut f)?;
     let gpu = CudaLlama::from_gguf(&content, &mut f, 4096, 8 * 4096, 0)?;

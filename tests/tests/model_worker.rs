@@ -220,11 +220,11 @@ async fn encoders_batching_and_rerank() -> Result<()> {
         .await?
         .into_inner();
     ensure!(all.scores.len() == 4 && all.model == "tiny-cross");
-    let tok = model_worker::backend::bert::BertEncoder::load(
+    let tok = model_worker::backend::encoder::bert::BertEncoder::load(
         "reference",
         &cross_dir,
         0,
-        model_worker::backend::bert::HeadKind::Classifier,
+        model_worker::backend::encoder::bert::HeadKind::Classifier,
     )?
     .tokenizer();
     for (i, p) in passages.iter().enumerate() {
@@ -243,8 +243,11 @@ async fn encoders_batching_and_rerank() -> Result<()> {
             all.scores[i],
             one.scores[0]
         );
-        let seq =
-            model_worker::backend::bert::tokenize_pairs(&tok, query, std::slice::from_ref(p))?;
+        let seq = model_worker::backend::encoder::bert::tokenize_pairs(
+            &tok,
+            query,
+            std::slice::from_ref(p),
+        )?;
         let want = reference_score(&vars, &config, &seq[0].ids, &seq[0].type_ids)?;
         ensure!(
             (want - all.scores[i]).abs() < 1e-4,

@@ -15,6 +15,10 @@ pub mod local;
 pub mod node;
 pub mod reads;
 pub mod routing;
+#[cfg(test)]
+pub(crate) mod scripted;
+#[cfg(test)]
+mod tests;
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -2,8 +2,8 @@
 //! cuBLAS libraries plus a device) and fails at start without one; `auto` takes the GPU when
 //! there is one and otherwise falls back to the CPU with a log line, so one config serves both
 //! kinds of machines. Encoder models (embed, cross-encoder, maxsim) have a CUDA path
-//! (`backend::cuda_half`, `backend::cuda`), and so do local GGUF generators
-//! (`backend::llama_cuda`).
+//! (`backend::encoder::cuda_f16`, `backend::encoder::cuda_f32`), and so do local GGUF generators
+//! (`backend::decoder::cuda`).
 
 use crate::error::ModelError;
 

@@ -1,19 +1,14 @@
-//! Inference backends behind synchronous traits, run on their own threads.
+//! Inference backends behind synchronous traits, run on their own threads: `encoder`
+//! (BERT-family embeddings, token vectors and cross-encoder scores), `decoder` (llama GGUF
+//! generation with continuous batching), and what both share: `device` (where a model runs),
+//! `cuda` (the GPU runtime, kernels' common code) and `simd` (vectorised CPU helpers). The
+//! encoders' input, packed token sequences, is defined here.
 
-pub mod bert;
-mod cpu_gemm;
-mod cpu_ops;
 pub mod cuda;
-pub mod cuda_half;
 pub mod decoder;
 pub mod device;
-pub mod llama;
-pub mod llama_batch;
-pub mod llama_cuda;
-pub mod llama_engine;
-pub mod sampling;
-pub mod skinny;
-pub mod transformer;
+pub mod encoder;
+mod simd;
 
 /// One tokenised input: token ids (with special tokens), segment ids, and whether the text
 /// was cut to the model's maximum sequence length.

@@ -1,19 +1,14 @@
-//! The two derived indexes of a shard. Both are rebuilt or caught up from RocksDB, never the
-//! other way round; `worker` applies committed batches to them off the Raft thread and dumps
-//! the HNSW graph now and then (`hnsw_dump`) so that a restart need not rebuild it.
+//! The two derived indexes of a shard, each a folder with its own vocabulary: `bm25`
+//! (tantivy) and `hnsw` (hnsw_rs over int8 codes, with its dumps). Both are rebuilt or caught
+//! up from RocksDB, never the other way round: `recovery` brings them to the applied seq when a
+//! shard opens, and `worker` applies committed batches to them off the Raft thread (its apply
+//! pipeline) and runs their upkeep between batches (its maintenance scheduler: HNSW dumps so
+//! that a restart need not rebuild the graph, flat copies, segment merges, op-log trims).
+//! This module holds only what both share: the filter, the pair, and a chunk as a point.
 
 pub mod bm25;
-pub mod bm25_ids;
-pub mod bm25_terms;
-pub mod distance;
 pub mod hnsw;
-pub mod hnsw_dump;
-pub mod hnsw_flat;
-mod hnsw_links;
-pub mod hnsw_pending;
-pub mod hnsw_vectors;
 pub mod recovery;
-pub mod sq8;
 pub mod worker;
 
 use parking_lot::Mutex;

@@ -5,12 +5,11 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
+use super::bm25::Bm25Index;
+use super::hnsw::HnswIndex;
+use super::hnsw::dump::{DumpState, Dumps};
+use super::point;
 use crate::error::Result;
-use crate::index::bm25::Bm25Index;
-use crate::index::hnsw::HnswIndex;
-use crate::index::hnsw_dump::Dumps;
-use crate::index::point;
-use crate::index::worker::DumpState;
 use crate::storage::{ShardKey, ShardMeta, Store};
 
 /// The HNSW graph as of `applied`: the newest dump caught up from the op log, or else rebuilt

@@ -9,7 +9,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use crate::error::{Result, ShardError};
-use crate::index::hnsw_dump::Dumps;
+use crate::index::hnsw::dump::Dumps;
 use crate::storage::{SECTION_END, ShardKey, Store};
 
 /// What the Raft snapshot's `data` holds.

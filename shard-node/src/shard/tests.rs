@@ -381,7 +381,7 @@ fn normalized(mut b: WriteBatchRequest) -> WriteBatchRequest {
 /// entry, so the held points (and a later replacement of a graph point) come back.
 #[test]
 fn dump_taken_while_points_are_held_is_caught_up_at_open() {
-    use crate::index::{hnsw_dump::Dumps, point, recovery};
+    use crate::index::{hnsw::dump::Dumps, point, recovery};
     let dir = tempfile::tempdir().unwrap();
     let key = ShardKey::new("c", 5);
     let store = Store::open(&dir.path().join("db"), false).unwrap();

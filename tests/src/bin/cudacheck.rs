@@ -6,8 +6,8 @@
 use std::time::Instant;
 
 use anyhow::{Result, ensure};
-use model_worker::backend::bert::{self, BertEncoder, HeadKind};
 use model_worker::backend::device::Placement;
+use model_worker::backend::encoder::bert::{self, BertEncoder, HeadKind};
 use model_worker::backend::{Encoder, Seq};
 use ragcluster_tests::{datasets_dir, embed_model};
 use serde_json::json;

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use model_worker::backend::bert::{self, BertEncoder, HeadKind};
+use model_worker::backend::encoder::bert::{self, BertEncoder, HeadKind};
 use model_worker::backend::{Encoder, Seq};
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_tests::workerload::embed_load;

@@ -10,12 +10,12 @@
 //! - `avx2`: the shard's distance (AVX2 + FMA, chosen at run time);
 //! - each searched with a filter closure (`filter`, how the shard searched before: hnsw_rs then
 //!   never stops its layer-0 walk early) and without one (`nofilter`);
-//! - `sq8`: raw hnsw_rs built and walked on the int8 codes the shard uses (`index/sq8.rs`), the
+//! - `sq8`: raw hnsw_rs built and walked on the int8 codes the shard uses (`index/hnsw/sq8.rs`), the
 //!   ef hits rescored with the f32 vectors;
 //! - `index`: the shard's own `HnswIndex` (fed in groups of 512 like the index worker; ids and
 //!   tombstones resolved through its slot table; int8 graph, f32 rescoring), i.e. what a shard
 //!   adds to raw hnsw_rs; `search` walks hnsw_rs's graph, `search_flat` the bottom-layer copy
-//!   the index worker takes when writes pause (`index/hnsw_flat.rs`), and `reach` how many of
+//!   the index worker takes when writes pause (`index/hnsw/flat.rs`), and `reach` how many of
 //!   the graph's points no walk could reach before the copy linked them in (`relinked`).
 //!
 //! Build figures (`build_s`, `points_per_s`) are the parallel insert of all points on every
@@ -39,10 +39,10 @@ use ragcluster_proto::v1::{Chunk, GetChunksResponse};
 use ragcluster_tests::scale::{embed_queries, perturbed_copies};
 use ragcluster_tests::{BeirQuery, Proc, datasets_dir, percentile, read_jsonl, read_qrels};
 use serde_json::{Map, Value, json};
-use shard_node::index::distance::{UnitCosine, dot, dot_portable};
+use shard_node::index::hnsw::distance::{UnitCosine, dot, dot_portable};
+use shard_node::index::hnsw::sq8::{self, Sq8Cosine};
 use shard_node::index::hnsw::{HnswIndex, HnswParams, SearchPlan};
 use shard_node::index::point;
-use shard_node::index::sq8::{self, Sq8Cosine};
 use tonic::transport::Channel;
 
 #[derive(Parser)]
@@ -239,7 +239,7 @@ fn graph_rows<D: Distance<f32> + Send + Sync + Copy>(
     out
 }
 
-/// The graph built and walked on int8 codes (`index/sq8.rs`), its ef hits rescored with the
+/// The graph built and walked on int8 codes (`index/hnsw/sq8.rs`), its ef hits rescored with the
 /// f32 vectors.
 fn sq8_rows(args: &Args, points: &[Chunk], queries: &[Vec<f32>], exact: &[Vec<usize>]) -> Value {
     let codes: Vec<Vec<i8>> = points.iter().map(|c| sq8::encode(&c.embedding)).collect();

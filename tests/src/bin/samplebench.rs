@@ -1,5 +1,5 @@
 //! The cost of picking a sampled token, per row of real SmolLM2 logits (49,152 entries):
-//! the engine's sampler (`model_worker::backend::sampling`) next to candle's
+//! the engine's sampler (`model_worker::backend::decoder::sampling`) next to candle's
 //! `LogitsProcessor` (what the engine used before) in one run, for several temperature /
 //! top-p settings; how far each one's draws are from the exact distribution (total variation
 //! over `--draws` draws of a few rows, the same noise floor for both); and the response's
@@ -12,9 +12,9 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 use candle_transformers::generation::LogitsProcessor;
 use clap::Parser;
-use model_worker::backend::llama::LlamaGenerator;
-use model_worker::backend::llama_batch::{self, Row};
-use model_worker::backend::sampling::{Sampler, logprob};
+use model_worker::backend::decoder::llama::LlamaGenerator;
+use model_worker::backend::decoder::sampling::{Sampler, logprob};
+use model_worker::backend::decoder::{self, Row};
 use ragcluster_tests::generate_model;
 use ragcluster_tests::llama::{PROMPTS, argmax};
 use serde_json::json;
@@ -38,7 +38,7 @@ const SETTINGS: [(f64, f64); 5] = [(0.7, 1.0), (1.0, 1.0), (0.7, 0.9), (1.0, 0.9
 fn rows(steps: usize) -> Result<Vec<Vec<f32>>> {
     let path = generate_model()?;
     let generator = LlamaGenerator::load("smollm2", &path)?;
-    let model = llama_batch::load(&path, 4096)?;
+    let model = decoder::load(&path, 4096)?;
     let mut out = Vec::new();
     for p in PROMPTS {
         let prompt = generator.prompt_tokens(p, "", &[], false, "")?;

@@ -39,7 +39,7 @@ use ragcluster_tests::{
     BeirQuery, Cluster, datasets_dir, engines, percentile, read_jsonl, read_qrels,
 };
 use serde_json::{Map, Value, json};
-use shard_node::index::distance::dot;
+use shard_node::index::hnsw::distance::dot;
 use tonic::transport::Channel;
 
 #[derive(Parser)]

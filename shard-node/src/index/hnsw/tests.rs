@@ -1,6 +1,8 @@
+use std::collections::HashSet;
+
 use super::*;
 
-/// A unit vector determined by `seed` (shared with the `hnsw_flat` tests).
+/// A unit vector determined by `seed` (shared with the `hnsw::flat` tests).
 pub(crate) fn unit(seed: u32, dim: usize) -> Vec<f32> {
     let mut v: Vec<f32> = (0..dim)
         .map(|i| ((seed as f32 + 1.0) * (i as f32 + 0.5)).sin())

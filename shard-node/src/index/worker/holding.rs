@@ -1,4 +1,4 @@
-//! Which written points a replica holds beside its HNSW graph (`hnsw_pending`) instead of
+//! Which written points a replica holds beside its HNSW graph (`hnsw::pending`) instead of
 //! inserting them before their write is acknowledged, and when it inserts them.
 //!
 //! A follower holds them and loads its leader's dumps of them (`Job::Adopt`) instead of

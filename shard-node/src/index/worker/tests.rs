@@ -1,3 +1,4 @@
+use super::apply::{Staged, commit_due};
 use super::*;
 
 #[test]
@@ -9,6 +10,7 @@ fn concurrent_writes_share_commits_a_lone_writer_never_waits() {
     let now = Instant::now();
     let last = now - Duration::from_millis(10);
     let s = |batches, chunks, last_commit_batches| Staged {
+        seq: Some(1),
         batches,
         chunks,
         last_commit: Some(last),

@@ -1,0 +1,365 @@
+//! A llama-architecture decoder (SmolLM2's GGUF) that runs one forward over the rows of many
+//! sequences at once, each at its own position with its own KV cache.
+//!
+//! candle's `quantized_llama` keeps one KV cache inside the model and one position per call,
+//! so concurrent streams each ran their own forward: every decode step read all the weights
+//! once per stream and paid candle's per-op overhead per stream. Here the seven weight
+//! matrices of a layer are applied to all rows in one matmul (candle's `QMatMul`, so weights
+//! are held exactly as before: dequantized to f16/f32 or quantized), and the per-row parts
+//! (RMSNorm, RoPE, attention over the row's own cache, SiLU gate) are plain loops over
+//! contiguous buffers. A prompt is the same thing: many rows of one sequence.
+
+use candle_core::quantized::QMatMul;
+use candle_core::{CpuStorage, Device, Module, Storage, Tensor};
+use rayon::prelude::*;
+
+use super::{Dims, Row, positions, skinny};
+use crate::backend::simd::{exp_fast, lane_dot, vectorized};
+use crate::error::ModelError;
+
+pub(super) struct Layer {
+    /// q, k, v.
+    pub(super) qkv: Group,
+    pub(super) wo: QMatMul,
+    /// gate, up.
+    pub(super) gate_up: Group,
+    pub(super) down: QMatMul,
+    pub(super) attn_norm: Vec<f32>,
+    pub(super) ffn_norm: Vec<f32>,
+}
+
+/// The weights, shared by every sequence.
+pub struct LlamaModel {
+    pub dims: Dims,
+    pub(super) embed: Vec<f32>,
+    pub(super) layers: Vec<Layer>,
+    pub(super) norm: Vec<f32>,
+    pub(super) output: QMatMul,
+    /// cos / sin of position x frequency, `context` x `head_dim / 2`.
+    pub(super) cos: Vec<f32>,
+    pub(super) sin: Vec<f32>,
+}
+
+/// One sequence's keys and values: per layer, position-major rows of `kv_heads * head_dim`.
+#[derive(Default)]
+pub struct KvCache {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    len: usize,
+}
+
+impl KvCache {
+    /// Positions cached so far (the next row's position).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+pub(super) fn infer(e: candle_core::Error) -> ModelError {
+    ModelError::Inference(e.to_string())
+}
+
+impl LlamaModel {
+    /// Whether the weights stay quantized (`dequantize = "none"`): products then round the
+    /// activations to 8 bits (candle's Q8_1 dot products).
+    pub fn quantized(&self) -> bool {
+        matches!(self.output, QMatMul::QTensor(_))
+    }
+
+    /// A fresh cache for one sequence.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache {
+            k: vec![Vec::new(); self.layers.len()],
+            v: vec![Vec::new(); self.layers.len()],
+            len: 0,
+        }
+    }
+
+    /// Runs `rows` through the model. Each sequence's rows must be contiguous and continue its
+    /// cache (its first row is at position `caches[seq].len()`). Returns the logits of the
+    /// rows named in `want` (indexes into `rows`), in that order.
+    pub fn forward(
+        &self,
+        rows: &[Row],
+        caches: &mut [&mut KvCache],
+        want: &[usize],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let d = self.dims;
+        let lens: Vec<usize> = caches.iter().map(|c| c.len).collect();
+        let positions = positions(rows, &lens, d.context)?;
+        let n = rows.len();
+        let mut x = Vec::with_capacity(n * d.hidden);
+        for r in rows {
+            let t = r.token as usize;
+            if t >= d.vocab {
+                return Err(ModelError::InvalidArgument(format!(
+                    "token id {t} out of vocabulary"
+                )));
+            }
+            x.extend_from_slice(&self.embed[t * d.hidden..(t + 1) * d.hidden]);
+        }
+        for (l, layer) in self.layers.iter().enumerate() {
+            let h = rms_norm(&x, &layer.attn_norm, d.eps);
+            let [mut q, mut k, v]: [Vec<f32>; 3] = layer
+                .qkv
+                .apply(&h, n, d.hidden)?
+                .try_into()
+                .map_err(|_| ModelError::Inference("q/k/v projection".into()))?;
+            for (i, &pos) in positions.iter().enumerate() {
+                self.rope(&mut q[i * d.hidden..(i + 1) * d.hidden], pos);
+                self.rope(&mut k[i * d.kv_width()..(i + 1) * d.kv_width()], pos);
+            }
+            for (i, r) in rows.iter().enumerate() {
+                let c = &mut caches[r.seq];
+                c.k[l].extend_from_slice(&k[i * d.kv_width()..(i + 1) * d.kv_width()]);
+                c.v[l].extend_from_slice(&v[i * d.kv_width()..(i + 1) * d.kv_width()]);
+            }
+            let attn = self.attention(rows, &positions, caches, l, &q);
+            let o = matmul(&layer.wo, &attn, n, d.hidden)?;
+            add(&mut x, &o);
+            let h = rms_norm(&x, &layer.ffn_norm, d.eps);
+            let [g, u]: [Vec<f32>; 2] = layer
+                .gate_up
+                .apply(&h, n, d.hidden)?
+                .try_into()
+                .map_err(|_| ModelError::Inference("gate/up projection".into()))?;
+            let a: Vec<f32> = g
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let down = matmul(&layer.down, &a, n, a.len() / n)?;
+            add(&mut x, &down);
+        }
+        for c in caches.iter_mut() {
+            c.len = c.k.first().map_or(0, |k| k.len() / d.kv_width());
+        }
+        let mut last = Vec::with_capacity(want.len() * d.hidden);
+        for &i in want {
+            last.extend_from_slice(&x[i * d.hidden..(i + 1) * d.hidden]);
+        }
+        let last = rms_norm(&last, &self.norm, d.eps);
+        let logits = matmul(&self.output, &last, want.len(), d.hidden)?;
+        Ok(logits.chunks(d.vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Rotates consecutive pairs of every head in `x` by the angles of `pos` (GGUF llama
+    /// weights are permuted for this interleaved form).
+    fn rope(&self, x: &mut [f32], pos: usize) {
+        let half = self.dims.head_dim / 2;
+        let (cos, sin) = (
+            &self.cos[pos * half..(pos + 1) * half],
+            &self.sin[pos * half..(pos + 1) * half],
+        );
+        for head in x.chunks_exact_mut(self.dims.head_dim) {
+            for i in 0..half {
+                let (a, b) = (head[2 * i], head[2 * i + 1]);
+                head[2 * i] = a * cos[i] - b * sin[i];
+                head[2 * i + 1] = a * sin[i] + b * cos[i];
+            }
+        }
+    }
+
+    /// Causal attention of every row over its own sequence's cache up to its position, one
+    /// task per (row, head).
+    fn attention(
+        &self,
+        rows: &[Row],
+        positions: &[usize],
+        caches: &[&mut KvCache],
+        layer: usize,
+        q: &[f32],
+    ) -> Vec<f32> {
+        let d = self.dims;
+        let group = d.heads / d.kv_heads;
+        let scale = 1.0 / (d.head_dim as f32).sqrt();
+        let mut out = vec![0f32; rows.len() * d.hidden];
+        // The query heads sharing a KV head are consecutive, in `q` and in `out`.
+        let width = group * d.head_dim;
+        out.par_chunks_mut(width)
+            .enumerate()
+            .for_each(|(task, out)| {
+                let (i, kv) = (task / d.kv_heads, task % d.kv_heads);
+                let cache = &caches[rows[i].seq];
+                vectorized(AttendGroup {
+                    out,
+                    q: &q[i * d.hidden + kv * width..][..width],
+                    keys: &cache.k[layer],
+                    values: &cache.v[layer],
+                    head_dim: d.head_dim,
+                    stride: d.kv_width(),
+                    offset: kv * d.head_dim,
+                    span: positions[i] + 1,
+                    scale,
+                })
+            });
+        out
+    }
+}
+
+/// One (row, KV head) of `LlamaModel::attention` for `simd::vectorized`: the query heads
+/// that share the KV head (SmolLM2: 3 of 9) against the sequence's first `span` cached keys,
+/// softmax, and the weighted sums of the values into `out`, on the CPU's vector unit. Each
+/// cached key and value is read once for the whole group rather than once per query head
+/// (a 600-token prompt's first token came 0.5-1 s sooner; decode steps within noise). As
+/// plain x86-64 the key dots ran as scalar chains: 7% of a decode step at a 180-token span,
+/// and attention grows with the span while the weight pass does not.
+struct AttendGroup<'a> {
+    /// `group x head_dim` context rows.
+    out: &'a mut [f32],
+    /// `group x head_dim` queries.
+    q: &'a [f32],
+    keys: &'a [f32],
+    values: &'a [f32],
+    head_dim: usize,
+    /// Floats per cached position (every KV head).
+    stride: usize,
+    /// This KV head within a position.
+    offset: usize,
+    span: usize,
+    scale: f32,
+}
+
+impl pulp::WithSimd for AttendGroup<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        let (d, span) = (self.head_dim, self.span);
+        let at = |p: usize| p * self.stride + self.offset;
+        // scores[g * span + p]: query head g against position p.
+        let mut scores = vec![0f32; self.q.len() / d * span];
+        for p in 0..span {
+            let key = &self.keys[at(p)..][..d];
+            for (g, q) in self.q.chunks_exact(d).enumerate() {
+                scores[g * span + p] = lane_dot(q, key) * self.scale;
+            }
+        }
+        let mut sums = Vec::with_capacity(self.q.len() / d);
+        for row in scores.chunks_exact_mut(span) {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for s in row.iter_mut() {
+                *s = exp_fast(*s - max);
+                sum += *s;
+            }
+            sums.push(sum);
+        }
+        for p in 0..span {
+            let value = &self.values[at(p)..][..d];
+            for (g, out) in self.out.chunks_exact_mut(d).enumerate() {
+                let w = scores[g * span + p] / sums[g];
+                for (o, v) in out.iter_mut().zip(value) {
+                    *o += w * v;
+                }
+            }
+        }
+    }
+}
+
+/// Weight matrices applied to the same input. When candle holds them dense (dequantized
+/// weights) they are stacked into one matrix at load, so one matmul call (one pass of the
+/// thread pool) replaces two or three; quantized ones stay apart.
+pub(super) enum Group {
+    Fused { w: QMatMul, widths: Vec<usize> },
+    Apart(Vec<QMatMul>),
+}
+
+impl Group {
+    pub(super) fn new(parts: Vec<QMatMul>) -> Result<Self, ModelError> {
+        let dense: Option<Vec<&Tensor>> = parts
+            .iter()
+            .map(|p| match p {
+                QMatMul::Tensor(t) | QMatMul::TensorF16(t) => Some(t),
+                QMatMul::QTensor(_) => None,
+            })
+            .collect();
+        let Some(ts) = dense.filter(|ts| ts.iter().all(|t| t.dtype() == ts[0].dtype())) else {
+            return Ok(Self::Apart(parts));
+        };
+        let widths = ts
+            .iter()
+            .map(|t| t.dim(0))
+            .collect::<candle_core::Result<Vec<_>>>()
+            .map_err(infer)?;
+        let stacked = Tensor::cat(&ts, 0).map_err(infer)?;
+        let w = match parts[0] {
+            QMatMul::TensorF16(_) => QMatMul::TensorF16(stacked),
+            _ => QMatMul::Tensor(stacked),
+        };
+        Ok(Self::Fused { w, widths })
+    }
+
+    /// Each matrix's output for `x` (rows x cols), row-major.
+    fn apply(&self, x: &[f32], rows: usize, cols: usize) -> Result<Vec<Vec<f32>>, ModelError> {
+        let (w, widths) = match self {
+            Self::Apart(ws) => return ws.iter().map(|w| matmul(w, x, rows, cols)).collect(),
+            Self::Fused { w, widths } => (w, widths),
+        };
+        let y = matmul(w, x, rows, cols)?;
+        let total: usize = widths.iter().sum();
+        let mut out: Vec<Vec<f32>> = widths
+            .iter()
+            .map(|w| Vec::with_capacity(w * rows))
+            .collect();
+        for row in y.chunks_exact(total) {
+            let mut at = 0;
+            for (o, w) in out.iter_mut().zip(widths) {
+                o.extend_from_slice(&row[at..at + w]);
+                at += w;
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// `x` (rows x cols) times a weight matrix: dense weights and few rows (decode steps) through
+/// the skinny kernel, everything else through candle.
+fn matmul(w: &QMatMul, x: &[f32], rows: usize, cols: usize) -> Result<Vec<f32>, ModelError> {
+    if rows <= skinny::MAX_ROWS
+        && let QMatMul::Tensor(t) | QMatMul::TensorF16(t) = w
+        && let Some(y) = skinny_matmul(t, x, rows, cols)
+    {
+        return Ok(y);
+    }
+    let t = Tensor::from_slice(x, (rows, cols), &Device::Cpu).map_err(infer)?;
+    w.forward(&t)
+        .and_then(|y| y.flatten_all()?.to_vec1::<f32>())
+        .map_err(infer)
+}
+
+/// The skinny kernel over a dense candle weight `(n, cols)`, read in place.
+fn skinny_matmul(w: &Tensor, x: &[f32], rows: usize, cols: usize) -> Option<Vec<f32>> {
+    let (n, k) = w.dims2().ok()?;
+    if k != cols {
+        return None;
+    }
+    let (storage, layout) = w.storage_and_layout();
+    let (start, end) = layout.contiguous_offsets()?;
+    let weights = match &*storage {
+        Storage::Cpu(CpuStorage::F32(v)) => skinny::Weights::F32(&v[start..end]),
+        Storage::Cpu(CpuStorage::F16(v)) => skinny::Weights::F16(&v[start..end]),
+        _ => return None,
+    };
+    skinny::matmul(weights, n, k, x, rows)
+}
+
+fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(w.len()) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        out.extend(row.iter().zip(w).map(|(v, w)| v * r * w));
+    }
+    out
+}
+
+fn add(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}

@@ -1,0 +1,371 @@
+//! Continuous batching for generation: one decode thread per model runs every active stream
+//! in one forward per step (`decoder`: the CPU or the CUDA llama decoder). New streams join
+//! at step boundaries; their prompts are prefilled in chunks within the same forwards, so a
+//! long prompt does not stall the streams already decoding. A stream leaves when it
+//! finishes, when its caller stops listening, or when it is cancelled.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+
+use rayon::prelude::*;
+
+use super::sampling::{Sampler, greedy, logprob};
+use super::{Cache, Decoder, Row, Sampled, Want};
+use crate::error::ModelError;
+
+/// How a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// End-of-sequence token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The client went away.
+    Cancelled,
+}
+
+impl Finish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Decoding parameters, validated by the service.
+#[derive(Debug, Clone)]
+pub struct GenParams {
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    pub temperature: f64,
+    pub top_p: f64,
+    pub stop: Vec<String>,
+    pub seed: u64,
+}
+
+/// One generated token as streamed: the text it adds (possibly empty while a multi-byte
+/// character or a possible stop string is incomplete) and its log-probability under the
+/// model's distribution (temperature 1, before top-p).
+pub struct Piece {
+    pub text: String,
+    pub token_id: u32,
+    pub logprob: f32,
+    /// The stream ends with this piece (a stop or its length): its `Done` follows in the
+    /// same step, so a caller that marks the last message waits for nothing else.
+    pub last: bool,
+}
+
+/// How a stream ended and how many tokens it generated.
+type Outcome = Result<(Finish, usize), ModelError>;
+
+/// What a stream hears from the decode thread.
+pub enum Event {
+    Piece(Piece),
+    Done(Outcome),
+}
+
+/// One generation handed to the decode thread.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub params: GenParams,
+    pub events: mpsc::Sender<Event>,
+    /// Set by the caller when its client has gone.
+    pub cancel: Arc<AtomicBool>,
+}
+
+/// Turns a stream's sampled tokens into text pieces: detokenises incrementally, holds back
+/// incomplete characters and possible starts of stop strings, and ends at a stop string.
+pub struct Detok<'a> {
+    tokenizer: &'a tokenizers::Tokenizer,
+    stop: Vec<String>,
+    longest_stop: usize,
+    ids: Vec<u32>,
+    sent: usize,
+}
+
+impl<'a> Detok<'a> {
+    pub fn new(tokenizer: &'a tokenizers::Tokenizer, stop: Vec<String>) -> Self {
+        Self {
+            tokenizer,
+            longest_stop: stop.iter().map(String::len).max().unwrap_or(0),
+            stop,
+            ids: Vec::new(),
+            sent: 0,
+        }
+    }
+
+    /// The text `next` adds, and whether a stop string ended the stream. `last`: no more
+    /// tokens follow, so nothing is held back.
+    pub fn push(&mut self, next: u32, last: bool) -> Result<(String, bool), ModelError> {
+        self.ids.push(next);
+        let text = self
+            .tokenizer
+            .decode(&self.ids, true)
+            .map_err(|e| ModelError::Inference(format!("detokenize: {e}")))?;
+        let sent = self.sent;
+        // A stop string ends the text just before it.
+        let from = sent.saturating_sub(self.longest_stop);
+        let stop_at = self
+            .stop
+            .iter()
+            .filter_map(|s| text.get(from..)?.find(s.as_str()).map(|i| from + i))
+            .min();
+        if let Some(end) = stop_at {
+            return Ok((text.get(sent..end).unwrap_or_default().to_owned(), true));
+        }
+        // Hold back an incomplete character and any tail that could start a stop string.
+        let mut ready = text.len();
+        if text.ends_with('\u{FFFD}') {
+            ready = text.rfind('\u{FFFD}').unwrap_or(ready);
+        }
+        for s in &self.stop {
+            for k in (1..s.len()).rev() {
+                if s.is_char_boundary(k) && text[..ready].ends_with(&s[..k]) {
+                    ready = (ready - k).max(sent);
+                    break;
+                }
+            }
+        }
+        let end = if last { text.len() } else { ready.max(sent) };
+        let delta = text.get(sent..end).unwrap_or_default().to_owned();
+        self.sent = end.max(sent);
+        Ok((delta, false))
+    }
+}
+
+struct Stream<'a> {
+    job: Job,
+    cache: Cache,
+    /// Prompt tokens not yet run through the model.
+    prefill_at: usize,
+    /// None without a temperature: the next token is the argmax, which the decoder may pick
+    /// itself.
+    sampler: Option<Sampler>,
+    detok: Detok<'a>,
+    /// The token to feed next (decoding) and how many were generated.
+    next: u32,
+    generated: usize,
+}
+
+impl Stream<'_> {
+    /// Takes the decoder's token (greedy) or samples one from the logits, and tells the
+    /// caller. Returns how the stream ended, if it did.
+    fn on_sampled(&mut self, out: Sampled, eos: &[u32]) -> Result<Option<Finish>, ModelError> {
+        let (next, logprob) = match out {
+            Sampled::Token { token, logprob } => (token, logprob),
+            Sampled::Logits(logits) => {
+                let next = match &mut self.sampler {
+                    Some(s) => s.sample(&logits),
+                    None => greedy(&logits),
+                };
+                (next, logprob(&logits, next))
+            }
+        };
+        self.generated += 1;
+        let last = self.generated == self.job.params.max_tokens;
+        let (text, stopped) = if eos.contains(&next) {
+            (String::new(), true)
+        } else {
+            self.detok.push(next, last)?
+        };
+        let piece = Piece {
+            text,
+            token_id: next,
+            logprob,
+            last: stopped || last,
+        };
+        if self.job.events.send(Event::Piece(piece)).is_err() {
+            return Ok(Some(Finish::Cancelled));
+        }
+        self.next = next;
+        Ok(if stopped {
+            Some(Finish::Stop)
+        } else if last {
+            Some(Finish::Length)
+        } else {
+            None
+        })
+    }
+
+    fn prefilling(&self) -> bool {
+        self.prefill_at < self.job.prompt.len()
+    }
+}
+
+/// The decode thread of one model.
+pub struct Engine {
+    jobs: mpsc::Sender<Job>,
+}
+
+impl Engine {
+    /// Starts the decode thread; it ends when the engine is dropped and its streams are done.
+    pub fn start(
+        name: &str,
+        model: Arc<Decoder>,
+        tokenizer: Arc<tokenizers::Tokenizer>,
+        eos: Vec<u32>,
+    ) -> Result<Self, ModelError> {
+        let (jobs, rx) = mpsc::channel();
+        let label = name.to_owned();
+        std::thread::Builder::new()
+            .name(format!("decode-{name}"))
+            .spawn(move || run(&label, &model, &tokenizer, &eos, rx))
+            .map_err(|e| ModelError::Inference(format!("decode thread: {e}")))?;
+        Ok(Self { jobs })
+    }
+
+    pub fn submit(&self, job: Job) -> Result<(), ModelError> {
+        self.jobs
+            .send(job)
+            .map_err(|_| ModelError::Inference("the decode thread has stopped".into()))
+    }
+}
+
+fn run(
+    label: &str,
+    model: &Decoder,
+    tokenizer: &tokenizers::Tokenizer,
+    eos: &[u32],
+    jobs: mpsc::Receiver<Job>,
+) {
+    let mut active: Vec<Stream> = Vec::new();
+    loop {
+        // Wait only when idle; otherwise take whatever arrived since the last step.
+        let arrived: Vec<Job> = if active.is_empty() {
+            match jobs.recv() {
+                Ok(j) => std::iter::once(j).chain(jobs.try_iter()).collect(),
+                Err(_) => return,
+            }
+        } else {
+            jobs.try_iter().collect()
+        };
+        for job in arrived {
+            let p = &job.params;
+            // Below 1e-7 a temperature is an argmax (candle's rule, kept).
+            let sampler =
+                (p.temperature >= 1e-7).then(|| Sampler::new(p.seed, p.temperature, p.top_p));
+            active.push(Stream {
+                cache: model.new_cache(),
+                prefill_at: 0,
+                sampler,
+                detok: Detok::new(tokenizer, job.params.stop.clone()),
+                next: 0,
+                generated: 0,
+                job,
+            });
+        }
+        active.retain(|s| {
+            let gone = s.job.cancel.load(Ordering::Acquire);
+            if gone {
+                let _ = s
+                    .job
+                    .events
+                    .send(Event::Done(Ok((Finish::Cancelled, s.generated))));
+            }
+            !gone
+        });
+        if active.is_empty() {
+            continue;
+        }
+        // A failed (or panicking) forward fails every stream in it; the thread goes on for
+        // new ones, so one bad step never leaves the model without a decode thread.
+        let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            step(model, eos, &mut active, label)
+        }))
+        .unwrap_or_else(|_| Err(ModelError::Inference("decode step panicked".into())));
+        if let Err(e) = stepped {
+            tracing::error!(model = label, error = %e, streams = active.len(), "decode step failed");
+            for s in active.drain(..) {
+                let e = ModelError::Inference(e.to_string());
+                let _ = s.job.events.send(Event::Done(Err(e)));
+            }
+        }
+    }
+}
+
+/// One forward over every decoding stream plus up to `Decoder::prefill_rows` prompt rows; streams
+/// that end leave `active`.
+fn step(
+    model: &Decoder,
+    eos: &[u32],
+    active: &mut Vec<Stream>,
+    label: &str,
+) -> Result<(), ModelError> {
+    let mut rows = Vec::new();
+    // (stream, row whose logits it samples from)
+    let mut sample_at = Vec::new();
+    let mut budget = model.prefill_rows();
+    for (i, s) in active.iter_mut().enumerate() {
+        if s.prefilling() {
+            if budget == 0 {
+                continue;
+            }
+            let take = budget.min(s.job.prompt.len() - s.prefill_at);
+            for &token in &s.job.prompt[s.prefill_at..s.prefill_at + take] {
+                rows.push(Row { seq: i, token });
+            }
+            s.prefill_at += take;
+            budget -= take;
+            if !s.prefilling() {
+                sample_at.push((i, rows.len() - 1));
+            }
+        } else {
+            rows.push(Row {
+                seq: i,
+                token: s.next,
+            });
+            sample_at.push((i, rows.len() - 1));
+        }
+    }
+    if rows.is_empty() {
+        return Ok(());
+    }
+    metrics::histogram!("model_decode_step_rows", "model" => label.to_owned())
+        .record(rows.len() as f64);
+    let want: Vec<usize> = sample_at.iter().map(|&(_, r)| r).collect();
+    // A sampled row is drawn by the decoder when it can (the GPU: two numbers back instead
+    // of the row's logits), with the stream's next variate; else sampled here from logits.
+    let on_device = model.samples_on_device();
+    let how: Vec<Want> = sample_at
+        .iter()
+        .map(|&(i, _)| match &mut active[i].sampler {
+            None => Want::Greedy,
+            Some(s) if on_device => Want::Sample(s.draw()),
+            Some(_) => Want::Logits,
+        })
+        .collect();
+    let started = std::time::Instant::now();
+    let outs = {
+        let mut caches: Vec<&mut Cache> = active.iter_mut().map(|s| &mut s.cache).collect();
+        model.forward_sampled(&rows, &mut caches, &want, &how)?
+    };
+    // The forward alone: against the step rate it shows how much of a step is the model.
+    metrics::histogram!("model_decode_forward_seconds", "model" => label.to_owned())
+        .record(started.elapsed().as_secs_f64());
+    // Sampling, detokenising and sending run per stream in parallel: on the decode thread
+    // alone they left the cores idle between forwards.
+    let mut by_stream: Vec<Option<Sampled>> = vec![None; active.len()];
+    for ((i, _), out) in sample_at.into_iter().zip(outs) {
+        by_stream[i] = Some(out);
+    }
+    let mut ended: Vec<(usize, Outcome)> = active
+        .par_iter_mut()
+        .zip(by_stream)
+        .enumerate()
+        .filter_map(|(i, (s, out))| match s.on_sampled(out?, eos) {
+            Ok(None) => None,
+            Ok(Some(f)) => Some((i, Ok((f, s.generated)))),
+            Err(e) => Some((i, Err(e))),
+        })
+        .collect();
+    // Highest index first, so the indexes still to remove stay valid.
+    ended.sort_by_key(|e| std::cmp::Reverse(e.0));
+    for (i, result) in ended {
+        let s = active.swap_remove(i);
+        let _ = s.job.events.send(Event::Done(result));
+    }
+    Ok(())
+}

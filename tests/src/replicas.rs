@@ -1,0 +1,243 @@
+//! Helpers of the process-level fault tests (`tests/raft.rs`, `tests/crash_recovery.rs`):
+//! one collection of one shard replicated over the shard nodes, written through the
+//! coordinator with precomputed embeddings (no model time), and the check that every replica
+//! converged to the same complete state: every acknowledged document on every replica exactly
+//! once, nothing that was never written, BM25, HNSW and RocksDB agreeing.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
+use ragcluster_proto::v1::*;
+use rand::{Rng, SeedableRng};
+use tonic::transport::Channel;
+
+use crate::{Cluster, set_failpoint, shard_client};
+
+pub const DIM: usize = 384;
+pub const SHARD_CONFIG: &str = r#"
+[shard_node]
+raft_tick = "50ms"
+raft_election_ticks = 10
+raft_heartbeat_ticks = 2
+raft_log_gc_threshold = 200
+write_timeout = "5s"
+"#;
+/// Election timeout of SHARD_CONFIG: 10 ticks of 50 ms (randomised up to twice that).
+pub const ELECTION_TIMEOUT: Duration = Duration::from_millis(500);
+
+pub fn vector(seed: u64) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let v: Vec<f32> = (0..DIM).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    v.into_iter().map(|x| x / n).collect()
+}
+
+pub fn doc(id: u64) -> Document {
+    Document {
+        id: format!("d{id}"),
+        title: String::new(),
+        text: format!("raftdoc number {id}"),
+        metadata: Default::default(),
+        embedding: vector(id),
+    }
+}
+
+pub fn sref(collection: &str) -> Option<ShardRef> {
+    Some(ShardRef {
+        collection: collection.into(),
+        shard: 0,
+    })
+}
+
+pub async fn create(c: &mut CoordinatorClient<Channel>, name: &str) -> Result<()> {
+    c.create_collection(CreateCollectionRequest {
+        name: name.into(),
+        shard_count: 1,
+        replication_factor: 3,
+        ..Default::default()
+    })
+    .await?;
+    Ok(())
+}
+
+/// Upserts documents `ids` in one call with a client deadline; true = acknowledged.
+pub async fn write(c: &mut CoordinatorClient<Channel>, coll: &str, ids: &[u64]) -> bool {
+    write_docs(c, coll, ids.iter().map(|i| doc(*i)).collect()).await
+}
+
+/// Upserts `documents` in one call with a client deadline; true = acknowledged.
+pub async fn write_docs(
+    c: &mut CoordinatorClient<Channel>,
+    coll: &str,
+    documents: Vec<Document>,
+) -> bool {
+    let mut req = tonic::Request::new(UpsertDocumentsRequest {
+        collection: coll.into(),
+        documents,
+    });
+    req.set_timeout(Duration::from_secs(15));
+    c.upsert_documents(req).await.is_ok()
+}
+
+/// Raft status of the shard on every node that answers.
+pub async fn statuses(c: &Cluster, coll: &str) -> Vec<Option<RaftStatus>> {
+    let mut out = Vec::new();
+    for p in &c.shards {
+        let st = async {
+            let mut sc = shard_client(&p.grpc).await.ok()?;
+            let mut req = tonic::Request::new(ShardInfoRequest { shard: sref(coll) });
+            req.set_timeout(Duration::from_secs(1));
+            sc.shard_info(req).await.ok()?.into_inner().raft
+        }
+        .await;
+        out.push(st);
+    }
+    out
+}
+
+/// Cuts node `n` off from the other two (both directions) with the `raft_isolate` failpoint.
+pub async fn partition(c: &Cluster, coll: &str, n: usize) -> Result<Vec<u64>> {
+    let st = statuses(c, coll).await;
+    let ids: Vec<u64> = st
+        .iter()
+        .map(|s| s.as_ref().map_or(0, |s| s.node_id))
+        .collect();
+    for (i, p) in c.shards.iter().enumerate() {
+        let cut: Vec<String> = if i == n {
+            (0..ids.len())
+                .filter(|j| *j != n)
+                .map(|j| ids[j].to_string())
+                .collect()
+        } else {
+            vec![ids[n].to_string()]
+        };
+        set_failpoint(
+            &p.grpc,
+            "raft_isolate",
+            &format!("return({})", cut.join(",")),
+        )
+        .await?;
+    }
+    Ok(ids)
+}
+
+/// Clears every partition.
+pub async fn heal(c: &Cluster) -> Result<()> {
+    for p in &c.shards {
+        set_failpoint(&p.grpc, "raft_isolate", "off").await?;
+    }
+    Ok(())
+}
+
+/// Index of the node leading the shard, waiting up to `timeout` for one.
+pub async fn leader(c: &Cluster, coll: &str, timeout: Duration) -> Result<usize> {
+    let until = Instant::now() + timeout;
+    loop {
+        let st = statuses(c, coll).await;
+        if let Some(i) = st
+            .iter()
+            .position(|s| s.as_ref().is_some_and(|s| s.role() == RaftRole::Leader))
+        {
+            return Ok(i);
+        }
+        if Instant::now() > until {
+            bail!("no leader for {coll} within {timeout:?}: {st:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What a replica holds: chunk ids by BM25 (the tantivy index), by an exact vector lookup of
+/// each chunk (the HNSW graph) and the stored chunk count.
+pub async fn contents(addr: &str, coll: &str) -> Result<(BTreeSet<String>, u64)> {
+    let mut sc = shard_client(addr).await?;
+    let hits = sc
+        .bm25_search(Bm25SearchRequest {
+            shard: sref(coll),
+            query: "raftdoc".into(),
+            top_k: 10_000,
+            ids_only: true,
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .hits;
+    let ids: BTreeSet<String> = hits
+        .into_iter()
+        .filter_map(|h| h.chunk.map(|c| c.chunk_id))
+        .collect();
+    let info = sc
+        .shard_info(ShardInfoRequest { shard: sref(coll) })
+        .await?
+        .into_inner();
+    ensure!(
+        info.hnsw_points == info.chunks,
+        "{addr}: hnsw has {} points, bm25 {} chunks",
+        info.hnsw_points,
+        info.chunks
+    );
+    Ok((ids, info.chunks))
+}
+
+/// Waits until every replica applied the same index, then checks they hold the same chunks,
+/// every acknowledged document exactly once, and nothing outside what was attempted.
+pub async fn converged(
+    c: &Cluster,
+    coll: &str,
+    acked: &BTreeSet<u64>,
+    attempted: &BTreeSet<u64>,
+) -> Result<()> {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = statuses(c, coll).await;
+        let applied: Vec<u64> = st
+            .iter()
+            .map(|s| s.as_ref().map_or(0, |s| s.applied_index))
+            .collect();
+        let all_up = st.iter().all(|s| s.is_some());
+        if all_up
+            && applied.iter().all(|a| *a == applied[0])
+            && st
+                .iter()
+                .any(|s| s.as_ref().is_some_and(|s| s.role() == RaftRole::Leader))
+        {
+            break;
+        }
+        if Instant::now() > until {
+            bail!("replicas did not converge: {st:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut first: Option<BTreeSet<String>> = None;
+    for p in &c.shards {
+        let (ids, chunks) = contents(&p.grpc, coll).await?;
+        ensure!(
+            chunks as usize == ids.len(),
+            "{}: {chunks} chunks stored, {} indexed",
+            p.name,
+            ids.len()
+        );
+        for a in acked {
+            ensure!(
+                ids.contains(&format!("d{a}#0")),
+                "{}: acknowledged d{a} missing",
+                p.name
+            );
+        }
+        for id in &ids {
+            let n: u64 = id
+                .trim_start_matches('d')
+                .trim_end_matches("#0")
+                .parse()
+                .context("chunk id")?;
+            ensure!(attempted.contains(&n), "{}: {id} was never written", p.name);
+        }
+        match &first {
+            None => first = Some(ids),
+            Some(f) => ensure!(*f == ids, "{} differs from {}", p.name, c.shards[0].name),
+        }
+    }
+    Ok(())
+}
