@@ -51,22 +51,23 @@ layer() {
     local cmd=()
     while [ $# -gt 0 ] && [ "$1" != ";;" ]; do cmd+=("$1"); shift; done
     [ $# -gt 0 ] && shift
-    cargo test --release "${features[@]}" "${cmd[@]}" || ok=0
+    cargo test --release --no-fail-fast "${features[@]}" "${cmd[@]}" || ok=0
   done
   times+=("$name $((SECONDS - start))")
   [ "$ok" = 1 ] || failed+=("$name")
 }
 
-layer unit --workspace --lib --bins ";;" --workspace --doc ";;" -p ragcluster-tests --test architecture
-layer simulation -p ragcluster-raft --test sim
+# Every command names --workspace, so features unify as in the build above (no rebuild).
+layer unit --workspace --lib --bins ";;" --workspace --doc ";;" --workspace --test architecture
+layer simulation --workspace --test sim
 # shellcheck disable=SC2046
-layer models -p model-worker --test reference ";;" -p ragcluster-tests $(tests_args "${models_tests[@]}")
+layer models --workspace --test reference $(tests_args "${models_tests[@]}")
 # shellcheck disable=SC2046
-layer in-process -p ragcluster-tests $(tests_args "${inproc_tests[@]}")
+layer in-process --workspace $(tests_args "${inproc_tests[@]}")
 # shellcheck disable=SC2046
-layer processes -p ragcluster-tests $(tests_args "${process_tests[@]}")
+layer processes --workspace $(tests_args "${process_tests[@]}")
 # shellcheck disable=SC2046
-layer faults -p ragcluster-tests $(tests_args "${fault_tests[@]}")
+layer faults --workspace $(tests_args "${fault_tests[@]}")
 
 total=0
 summary=""

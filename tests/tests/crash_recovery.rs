@@ -19,39 +19,65 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
-use ragcluster_tests::replicas::{converged, create, sref, vector, write_docs};
+use ragcluster_tests::replicas::{converged, create, leader, sref, vector, write_docs};
 use ragcluster_tests::{Cluster, set_failpoint, shard_client};
 use rand::{Rng, SeedableRng};
 use tonic::transport::Channel;
 
-/// Each task's crash point, and where in the task it fires.
-const POINTS: &[(&str, &str)] = &[
+/// Which replica runs a task: every replica, or the shard's leader (followers hold their
+/// points for the leader's dumps, so they build, copy, dump and compact no graph of their own).
+#[derive(Clone, Copy, PartialEq)]
+enum Runs {
+    Everywhere,
+    OnLeader,
+}
+
+/// Each task's crash point, where in the task it fires, and which replica gets it.
+const POINTS: &[(&str, &str, Runs)] = &[
     (
         "index_apply_staged",
         "a group applied to HNSW and staged in tantivy, not committed",
+        Runs::Everywhere,
     ),
     (
         "index_commit_before_visible",
         "tantivy committed, the seq not yet visible",
+        Runs::Everywhere,
     ),
     (
         "index_absorb_slice",
-        "a slice of held points inserted into the graph",
+        "a slice of written-behind points inserted into the graph",
+        Runs::OnLeader,
     ),
     (
         "index_flat_copied",
         "the bottom layer copied for fast walks",
+        Runs::OnLeader,
     ),
-    ("index_merge_start", "a BM25 segment merge about to start"),
-    ("index_dump_start", "a graph dump about to be written"),
+    (
+        "index_merge_start",
+        "a BM25 segment merge about to start",
+        Runs::Everywhere,
+    ),
+    (
+        "index_dump_start",
+        "a graph dump about to be written",
+        Runs::OnLeader,
+    ),
     (
         "index_dump_written",
         "a dump written and renamed, the op log not yet trimmed",
+        Runs::OnLeader,
     ),
-    ("index_trim_oplog", "an op-log trim about to run"),
+    (
+        "index_trim_oplog",
+        "an op-log trim about to run",
+        Runs::OnLeader,
+    ),
     (
         "index_compact_read",
         "the live chunks read for a compaction, the graph not yet rebuilt",
+        Runs::OnLeader,
     ),
 ];
 
@@ -66,8 +92,8 @@ raft_log_gc_threshold = 200
 write_timeout = "5s"
 hnsw_dump_min_changes = 8
 hnsw_dump_interval = "1s"
-hnsw_compact_ratio = 0.2
-hnsw_compact_min = 6
+hnsw_compact_ratio = 0.1
+hnsw_compact_min = 4
 "#;
 
 /// Version `v` of document `id`: its text names both, its vector differs per version.
@@ -114,12 +140,15 @@ async fn versions_found(
 /// One seed: the schedule it drew, and what it saw.
 async fn run_seed(c: &mut Cluster, seed: u64) -> Result<String> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let (point, where_) = POINTS[seed as usize % POINTS.len()];
-    let node = rng.random_range(0..c.shards.len());
+    let (point, where_, runs) = POINTS[seed as usize % POINTS.len()];
     let skip = rng.random_range(0..3u32);
     let coll = format!("crash{seed}");
     let mut cc = c.client().await?;
     create(&mut cc, &coll).await?;
+    let node = match runs {
+        Runs::Everywhere => rng.random_range(0..c.shards.len()),
+        Runs::OnLeader => leader(c, &coll, Duration::from_secs(10)).await?,
+    };
     set_failpoint(&c.shards[node].grpc, point, &format!("{skip}*off->return")).await?;
     let schedule = format!("seed {seed}: {point} ({where_}) on shard-{node} after {skip} visits");
     let mut acked: BTreeSet<u64> = BTreeSet::new();
