@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
+use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
 use rand::{Rng, SeedableRng};
 use tonic::transport::Channel;
@@ -149,25 +150,35 @@ pub async fn leader(c: &Cluster, coll: &str, timeout: Duration) -> Result<usize>
     }
 }
 
-/// What a replica holds: chunk ids by BM25 (the tantivy index), by an exact vector lookup of
-/// each chunk (the HNSW graph) and the stored chunk count.
-pub async fn contents(addr: &str, coll: &str) -> Result<(BTreeSet<String>, u64)> {
-    let mut sc = shard_client(addr).await?;
+/// Chunk ids of a replica's BM25 hits for `query` (its tantivy index, not RocksDB).
+pub async fn bm25_ids(
+    sc: &mut ShardClient<Channel>,
+    coll: &str,
+    query: &str,
+    top_k: u32,
+) -> Result<BTreeSet<String>> {
     let hits = sc
         .bm25_search(Bm25SearchRequest {
             shard: sref(coll),
-            query: "raftdoc".into(),
-            top_k: 10_000,
+            query: query.into(),
+            top_k,
             ids_only: true,
             ..Default::default()
         })
         .await?
         .into_inner()
         .hits;
-    let ids: BTreeSet<String> = hits
+    Ok(hits
         .into_iter()
         .filter_map(|h| h.chunk.map(|c| c.chunk_id))
-        .collect();
+        .collect())
+}
+
+/// What a replica holds: chunk ids by BM25 (the tantivy index), by an exact vector lookup of
+/// each chunk (the HNSW graph) and the stored chunk count.
+pub async fn contents(addr: &str, coll: &str) -> Result<(BTreeSet<String>, u64)> {
+    let mut sc = shard_client(addr).await?;
+    let ids = bm25_ids(&mut sc, coll, "raftdoc", 10_000).await?;
     let info = sc
         .shard_info(ShardInfoRequest { shard: sref(coll) })
         .await?

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
-use ragcluster_tests::replicas::{converged, create, leader, sref, vector, write_docs};
+use ragcluster_tests::replicas::{bm25_ids, converged, create, leader, vector, write_docs};
 use ragcluster_tests::{Cluster, set_failpoint, shard_client};
 use rand::{Rng, SeedableRng};
 use tonic::transport::Channel;
@@ -115,22 +115,8 @@ async fn versions_found(
 ) -> Result<Vec<String>> {
     let mut missing = Vec::new();
     for (id, v) in newest {
-        let hits = sc
-            .bm25_search(Bm25SearchRequest {
-                shard: sref(coll),
-                query: format!("v{id}x{v}"),
-                top_k: 5,
-                ids_only: true,
-                ..Default::default()
-            })
-            .await?
-            .into_inner()
-            .hits;
-        if !hits.iter().any(|h| {
-            h.chunk
-                .as_ref()
-                .is_some_and(|c| c.chunk_id == format!("d{id}#0"))
-        }) {
+        let ids = bm25_ids(sc, coll, &format!("v{id}x{v}"), 5).await?;
+        if !ids.contains(&format!("d{id}#0")) {
             missing.push(format!("d{id} v{v}"));
         }
     }
