@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
-use ragcluster_tests::replicas::{bm25_ids, converged, create, leader, vector, write_docs};
+use ragcluster_tests::replicas::{
+    SHARD_CONFIG, bm25_ids, converged, create, leader, vector, write_docs,
+};
 use ragcluster_tests::{Cluster, set_failpoint, shard_client};
 use rand::{Rng, SeedableRng};
 use tonic::transport::Channel;
@@ -81,15 +83,10 @@ const POINTS: &[(&str, &str, Runs)] = &[
     ),
 ];
 
-/// Dumps, trims and compactions come after a few writes; a leader writes behind (its
-/// points are inserted once writes pause for a second).
-const SHARD_CONFIG: &str = r#"
-[shard_node]
-raft_tick = "50ms"
-raft_election_ticks = 10
-raft_heartbeat_ticks = 2
-raft_log_gc_threshold = 200
-write_timeout = "5s"
+/// The fault tests' shard-node settings (`replicas::SHARD_CONFIG`), and these: dumps, trims
+/// and compactions come after a few writes. A leader writes behind (its points are inserted
+/// once writes pause for a second), as by default.
+const INDEX_CONFIG: &str = r#"
 hnsw_dump_min_changes = 8
 hnsw_dump_interval = "1s"
 hnsw_compact_ratio = 0.1
@@ -231,7 +228,8 @@ async fn index_tasks_crashed_at_random_points_lose_nothing() -> Result<()> {
             (0..n).collect()
         }
     };
-    let mut c = Cluster::start_with(3, Some(SHARD_CONFIG))?;
+    let config = format!("{SHARD_CONFIG}{INDEX_CONFIG}");
+    let mut c = Cluster::start_with(3, Some(&config))?;
     let mut reached = 0;
     for seed in &seeds {
         let line = run_seed(&mut c, *seed).await?;
