@@ -37,10 +37,11 @@ NVRTC_LIB := $(HOME)/.cache/ragcluster-nvrtc/lib
 test:             ## every test, layer by layer (scripts/test.sh): time per layer and skips at the end
 	bash scripts/test.sh
 
-test-faults:       ## Raft fault schedules: 200 random seeds (CI runs 20); index-task crash points: 45 seeds (CI runs 9)
+test-faults:       ## Raft fault schedules with linearizability checks: 200 random seeds (CI runs 20); index-task crash points: 45 seeds (CI runs 9); damaged WAL
 	cargo build --release --workspace $(TEST_FEATURES)
 	RAGCLUSTER_FAULT_SEEDS=200 cargo test --release --workspace $(TEST_FEATURES) --test raft -- --nocapture
 	RAGCLUSTER_CRASH_SEEDS=45 cargo test --release --workspace $(TEST_FEATURES) --test crash_recovery -- --nocapture
+	cargo test --release --workspace $(TEST_FEATURES) --test damaged -- --nocapture
 
 test-sim:          ## deterministic Raft simulation: 5000 seeds (CI runs 500); SEED=N reruns one seed with a trace
 	RAFT_SIM_SEEDS=$(or $(SEEDS),5000) RAFT_SIM_SEED=$(SEED) cargo test --release --workspace $(TEST_FEATURES) --test sim -- --nocapture

@@ -7,9 +7,10 @@
 #   unit         the crates' unit tests and doc tests, the architecture check
 #   simulation   deterministic Raft simulation (raft-core/tests/sim.rs)
 #   models       model numerics against references (CPU; CUDA where a GPU is)
-#   in-process   clusters of real run() functions in one process (tests/tests/inproc.rs)
+#   in-process   clusters of real run() functions in one process (inproc.rs, bm25_global.rs)
 #   processes    the compiled binaries on loopback (every other tests/tests/*.rs)
-#   faults       seeded fault schedules and crash points (kill -9, partitions, index crashes)
+#   faults       seeded fault schedules and crash points (kill -9, partitions, index crashes,
+#                linearizability of per-document histories, a damaged write-ahead log)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/ragcluster-target}"
@@ -27,8 +28,8 @@ cargo build --release --workspace "${features[@]}" || exit 1
 
 # Test targets of the tests crate by layer; any file not named here is a process test.
 models_tests=(llama_batch llama_cuda)
-inproc_tests=(inproc)
-fault_tests=(raft crash_recovery)
+inproc_tests=(inproc bm25_global)
+fault_tests=(raft crash_recovery damaged)
 process_tests=()
 for f in tests/tests/*.rs; do
   t="$(basename "$f" .rs)"

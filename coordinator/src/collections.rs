@@ -309,6 +309,7 @@ impl Collections {
                         role: raft.role,
                         applied_index: raft.applied_index,
                         chunks: s.chunks,
+                        failed: raft.failed.clone(),
                     });
                     let leads = raft.role() == RaftRole::Leader;
                     if leads {

@@ -1,6 +1,6 @@
 //! What the coordinator's unit tests share: a one-coordinator catalog (a real Raft group on
 //! RocksDB in a temporary directory) with its membership keeper, and a shard client over
-//! scripted shard nodes (`shards::scripted`).
+//! scripted shard nodes (`shards::scripted`), and a model worker client with no worker.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -18,6 +18,8 @@ pub struct Fixture {
     pub membership: Arc<Membership>,
     pub catalog: Arc<Catalog>,
     pub shards: Arc<Shards>,
+    /// A model worker client with no worker: every model call is UNAVAILABLE.
+    pub models: Arc<Models>,
     pub nodes: Vec<Arc<ScriptedNode>>,
     _dir: tempfile::TempDir,
 }
@@ -66,7 +68,7 @@ pub async fn fixture(n: usize) -> Fixture {
     let membership = Membership::new(
         catalog.clone(),
         shards.clone(),
-        models,
+        models.clone(),
         channels,
         MembershipOptions {
             interval: INTERVAL,
@@ -78,6 +80,7 @@ pub async fn fixture(n: usize) -> Fixture {
         membership,
         catalog,
         shards,
+        models,
         nodes,
         _dir: dir,
     }

@@ -166,6 +166,36 @@ fn run<L: LogStore, M: StateMachine>(
     tick: Duration,
     name: String,
 ) {
+    // raft-rs panics when its log contradicts what the group knows of it (a replica whose
+    // storage lost entries it had acknowledged: "to_commit N is out of range"). The panic
+    // stops this member only: it is caught here, the member is failed with the reason, and
+    // its replica stops serving (`Status::failed`), instead of the thread dying silently
+    // while the replica goes on answering from a state behind what it acknowledged.
+    let outcome =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drive(&mut node, &rx, tick)));
+    let failure = match outcome {
+        Ok(None) => None,
+        Ok(Some(_)) if node.lost_entries_found() => node.lost_entries_reason(),
+        Ok(Some(e)) => Some(format!("the log could not be persisted: {e}")),
+        Err(panic) => Some(format!("raft panicked: {}", panic_message(&panic))),
+    };
+    let shutdown = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| node.shutdown()));
+    if let Some(why) = failure {
+        // The member can no longer persist or trust its log: stop it (the others carry on)
+        // rather than diverge or acknowledge what is not durable.
+        tracing::error!(group = %name, error = %why, "raft member failed; stopped");
+        node.publish_failure(why);
+    } else if shutdown.is_err() {
+        node.publish_failure("raft panicked while stopping".into());
+    }
+}
+
+/// The member's loop until it is stopped, removed or fails to persist (that error).
+fn drive<L: LogStore, M: StateMachine>(
+    node: &mut RaftNode<L, M>,
+    rx: &Receiver<Msg<M::Response>>,
+    tick: Duration,
+) -> Option<Fatal> {
     // A member that campaigned at start has a ready to handle before the first message.
     let mut failed = node.on_ready().err();
     node.publish();
@@ -198,10 +228,16 @@ fn run<L: LogStore, M: StateMachine>(
         failed = node.on_ready().err();
         node.publish();
     }
-    if let Some(e) = failed {
-        // The member can no longer persist safely: stop it (the others carry on) rather than
-        // diverge or acknowledge what is not durable.
-        tracing::error!(group = %name, error = %e, "raft member failed; stopped");
+    failed
+}
+
+/// The text of a caught panic.
+fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".into()
     }
-    node.shutdown();
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use protobuf::Message as _;
 use raft::eraftpb::{
     ConfChange, ConfChangeSingle, ConfChangeType, ConfChangeV2, ConfState, Entry, EntryType,
-    Snapshot,
+    Message, MessageType, Snapshot,
 };
 use raft::{RawNode, StateRole};
 use tokio::sync::watch;
@@ -106,6 +106,11 @@ pub struct RaftNode<L: LogStore, M: StateMachine> {
     /// (see `COMPACT_IDLE`).
     idle_last_index: u64,
     idle_ticks: u64,
+    /// Set when a message shows this member's log lost entries it acknowledged; the next
+    /// ready cycle fails the member with it.
+    lost: Option<Fatal>,
+    /// What `lost` said, kept for the member's failure report.
+    lost_reason: Option<String>,
 }
 
 fn metric(prefix: &str, what: &str) -> String {
@@ -163,6 +168,8 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
             removed: false,
             idle_last_index: 0,
             idle_ticks: 0,
+            lost: None,
+            lost_reason: None,
         };
         node.publish();
         Ok((node, rx))
@@ -224,6 +231,14 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
     pub fn handle(&mut self, m: Msg<M::Response>) {
         match m {
             Msg::Raft(msg) => {
+                if self.lost.is_some() {
+                    return;
+                }
+                if let Some(lost) = self.lost_entries(&msg) {
+                    self.lost_reason = Some(lost.0.clone());
+                    self.lost = Some(lost);
+                    return;
+                }
                 if msg.from != 0 {
                     self.heard.insert(msg.from, self.ticks);
                 }
@@ -364,7 +379,39 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
 
     /// Handles one ready cycle, if raft-rs has one. A failure is a storage failure: the caller
     /// stops the member.
+    /// A leader's heartbeat commits min(its commit, what this member acknowledged to it).
+    /// Above this member's last index it means the member acknowledged entries its log no
+    /// longer holds (its storage lost them: a damaged or truncated write-ahead log). raft-rs
+    /// would panic on it ("to_commit N is out of range"); the member fails instead, with both
+    /// indexes, so its replica stops serving and can be rebuilt from its peers.
+    fn lost_entries(&self, m: &Message) -> Option<Fatal> {
+        let last = self.raw.raft.raft_log.last_index();
+        (m.get_msg_type() == MessageType::MsgHeartbeat
+            && m.term >= self.raw.raft.term
+            && m.commit > last)
+            .then(|| {
+                Fatal(format!(
+                    "lost acknowledged log entries: leader {} commits {} here but the log ends \
+                     at {last}",
+                    m.from, m.commit
+                ))
+            })
+    }
+
+    /// Whether the member found that its log lost acknowledged entries.
+    pub fn lost_entries_found(&self) -> bool {
+        self.lost_reason.is_some()
+    }
+
+    /// What it found, for the failure report.
+    pub fn lost_entries_reason(&self) -> Option<String> {
+        self.lost_reason.clone()
+    }
+
     pub fn on_ready(&mut self) -> Result<(), Fatal> {
+        if let Some(lost) = self.lost.take() {
+            return Err(lost);
+        }
         if !self.raw.has_ready() {
             // A lone member's idle log sees no ready at all (no heartbeats to send).
             return if self.idle() {
@@ -640,6 +687,7 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
             voters,
             learners,
             matched,
+            failed: None,
         };
         self.status.send_if_modified(|old| {
             let changed = *old != s;
@@ -670,6 +718,16 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
         self.status.send_modify(|s| {
             s.role = role;
             s.leader_id = 0;
+        });
+    }
+
+    /// Publishes that the member stopped on its own, and why (after `shutdown`, or instead of
+    /// it when raft-rs' state cannot be trusted after a panic).
+    pub fn publish_failure(&self, why: String) {
+        self.status.send_modify(|s| {
+            s.role = Role::Stopped;
+            s.leader_id = 0;
+            s.failed = Some(why);
         });
     }
 }

@@ -47,11 +47,20 @@ pub struct Status {
     pub learners: Vec<u64>,
     /// On the leader: (member, highest index known to be replicated there).
     pub matched: Vec<(u64, u64)>,
+    /// Why the member stopped on its own (raft-rs panicked on what its log holds, or the log
+    /// could not be persisted); `None` while it runs and after a requested stop. A failed
+    /// member's replica must not serve: what it holds may be behind what it acknowledged.
+    pub failed: Option<String>,
 }
 
 impl Status {
     pub fn is_leader(&self) -> bool {
         self.role == Role::Leader
+    }
+
+    /// Whether the member stopped on its own (`failed`).
+    pub fn has_failed(&self) -> bool {
+        self.failed.is_some()
     }
 
     /// The leader when it is another member.

@@ -24,6 +24,11 @@ pub fn all() -> Vec<Family> {
             "write batches recognised by request id and not applied again",
         ),
         (
+            "shard_writes_forwarded_total",
+            Counter,
+            "write batches a follower passed on to its leader",
+        ),
+        (
             "shard_documents",
             Gauge,
             "documents per shard (refreshed every 10 s)",
@@ -110,6 +115,17 @@ pub fn all() -> Vec<Family> {
             Histogram,
             "index worker: write batches per tantivy commit",
         ),
+    ]));
+    f.extend(rocksdb());
+    f.extend(raft());
+    f.extend(read_calls());
+    f
+}
+
+/// The node's RocksDB, read from its properties.
+fn rocksdb() -> Vec<Family> {
+    use Kind::*;
+    families::table(&[
         ("rocksdb_live_sst_bytes", Gauge, "RocksDB live SST bytes"),
         ("rocksdb_memtable_bytes", Gauge, "RocksDB memtable bytes"),
         ("rocksdb_estimated_keys", Gauge, "RocksDB estimated keys"),
@@ -118,10 +134,7 @@ pub fn all() -> Vec<Family> {
             Gauge,
             "RocksDB estimated pending compaction bytes",
         ),
-    ]));
-    f.extend(raft());
-    f.extend(read_calls());
-    f
+    ])
 }
 
 /// Reads on the coordinator's `Shard.Reads` streams.
@@ -159,6 +172,11 @@ fn raft() -> Vec<Family> {
             "1 where this replica leads its shard",
         ),
         ("raft_leaders", Gauge, "shards this node leads"),
+        (
+            "raft_member_failed",
+            Gauge,
+            "1 where this replica's Raft member stopped on its own (out of service)",
+        ),
         (
             "raft_proposal_seconds",
             Histogram,

@@ -42,6 +42,8 @@ pub struct Node {
     /// Set when the node starts shutting down: peers' endless Raft streams end on it, so the
     /// server can drain.
     closing: tokio::sync::watch::Sender<bool>,
+    /// Member certificate for calls to `https://` peers (Raft, graph dumps, forwarded writes).
+    tls: Option<Arc<ragcluster_common::tls::Tls>>,
 }
 
 impl Node {
@@ -60,7 +62,7 @@ impl Node {
         let dialer = Arc::new(GrpcDialer {
             node_id,
             snap_dir,
-            tls,
+            tls: tls.clone(),
             snapshot_timeout: cfg.snapshot_send_timeout,
         });
         let persist = store.clone();
@@ -77,6 +79,7 @@ impl Node {
             transport,
             admin: Default::default(),
             closing: tokio::sync::watch::Sender::new(false),
+            tls,
             cfg,
         };
         for (key, meta) in node.store.list_shards()? {
@@ -99,6 +102,11 @@ impl Node {
 
     pub fn transport(&self) -> &Arc<ShardTransport> {
         &self.transport
+    }
+
+    /// The member certificate this node presents to its peers.
+    pub fn tls(&self) -> Option<Arc<ragcluster_common::tls::Tls>> {
+        self.tls.clone()
     }
 
     /// Starts shutting down: inbound Raft streams end (peers redial another time).
@@ -342,6 +350,7 @@ impl Node {
             g("raft_commit_index", st.commit_index as f64);
             g("raft_applied_index", st.applied_index as f64);
             g("raft_is_leader", f64::from(u8::from(st.is_leader())));
+            g("raft_member_failed", f64::from(u8::from(st.has_failed())));
             g("shard_documents", f.documents as f64);
             g("shard_chunks", f.chunks as f64);
             g("shard_applied_seq", f.visible_seq as f64);

@@ -446,7 +446,7 @@ async fn ask_flows_end_to_end() -> Result<()> {
     ensure!(e.code() == Code::DeadlineExceeded, "{e:?}");
     let partial = partial.context("partial result before the status")?;
     ensure!(
-        partial.status == "deadlineexceeded" && !partial.trace.is_empty(),
+        partial.status == "deadline_exceeded" && !partial.trace.is_empty(),
         "{partial:?}"
     );
     println!("deadline: partial trace {:?}", ops(&partial));

@@ -2,14 +2,16 @@
 //! 4-shard collection returns the same top-10 with scores equal to 1e-4, because shards score
 //! with collection-wide statistics gathered by the coordinator. That holds for repeated
 //! queries answered from the coordinator's statistics cache, and after writes made its figures
-//! stale.
+//! stale. It needs no process fault, so it runs on the in-process cluster
+//! (`ragcluster_tests::cluster::inproc`): the coordinator's shard client calls the four shard nodes
+//! directly, and the statistics rounds are the same code.
 
 use anyhow::{Context, Result, ensure};
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::*;
-use ragcluster_tests::{
-    BeirDoc, BeirQuery, Cluster, datasets_dir, http_get, metric_sum, read_jsonl,
-};
+use ragcluster_tests::cluster::inproc::InProcCluster;
+use ragcluster_tests::{BeirDoc, BeirQuery, datasets_dir, http_get, metric_sum, read_jsonl};
+use shard_node::ShardNodeConfig;
 use tonic::transport::Channel;
 
 const DOCS: usize = 200;
@@ -21,7 +23,7 @@ async fn four_shards_score_like_one() -> Result<()> {
     let corpus: Vec<BeirDoc> = read_jsonl(&scifact.join("corpus.jsonl"), DOCS)
         .context("SciFact corpus (../shared/datasets)")?;
     let queries: Vec<BeirQuery> = read_jsonl(&scifact.join("queries.jsonl"), QUERIES)?;
-    let cluster = Cluster::start(4)?;
+    let cluster = InProcCluster::start(4, ShardNodeConfig::default()).await?;
     let mut c = cluster.client().await?;
     for (name, shards) in [("one", 1), ("four", 4)] {
         c.create_collection(CreateCollectionRequest {
@@ -43,7 +45,7 @@ async fn four_shards_score_like_one() -> Result<()> {
         "every shard holds part of the corpus"
     );
     let cache = |outcome: &'static str| {
-        let m = cluster.coordinator.metrics.clone();
+        let m = cluster.metrics.clone();
         async move {
             let text = http_get(&m).await?;
             let line = format!("coordinator_bm25_stats_cache_total{{outcome=\"{outcome}\"}}");

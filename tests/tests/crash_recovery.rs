@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
-use ragcluster_tests::replicas::{
+use ragcluster_tests::cluster::replicas::{
     SHARD_CONFIG, bm25_ids, converged, create, leader, vector, write_docs,
 };
 use ragcluster_tests::{Cluster, set_failpoint, shard_client};

@@ -1,4 +1,4 @@
-//! The in-process cluster (`ragcluster_tests::inproc`): three shard nodes, a model worker and a
+//! The in-process cluster (`ragcluster_tests::cluster::inproc`): three shard nodes, a model worker and a
 //! coordinator in this test's process, the coordinator calling the shard nodes through the
 //! shard client's in-process implementation. The same leader-loss scenario as the
 //! process-level Raft tests, at in-process cost.
@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use ragcluster_proto::v1::*;
-use ragcluster_tests::inproc::InProcCluster;
+use ragcluster_tests::cluster::inproc::InProcCluster;
 use shard_node::ShardNodeConfig;
 
 fn fast_raft() -> ShardNodeConfig {

@@ -180,3 +180,117 @@ async fn overload_is_shed_with_resource_exhausted_and_admitted_p99_stays_bounded
     ensure!(ragcluster_tests::metric_sum(&page, "coordinator_requests_shed_total") >= shed as f64);
     Ok(())
 }
+
+/// A client that sends every call with a 1 ms deadline (searches, writes, Asks) beside a
+/// normal writer and searcher: its calls end DEADLINE_EXCEEDED (an Ask with its partial
+/// trace, status `deadline_exceeded`), never as a worker or shard failure, no node is marked
+/// down for them (no model worker failover), and the normal clients see 0 failed calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_with_1ms_deadlines_fails_no_one_else() -> Result<()> {
+    let cluster = Cluster::start_opts(Options {
+        shard_nodes: 3,
+        coordinators: 1,
+        generation: true,
+        ..Default::default()
+    })?;
+    let mut c = cluster.client().await?;
+    ingest_sample(&mut c, "docs", 2).await?;
+    let failovers = || async {
+        let page = ragcluster_tests::http_get(&cluster.coordinator.metrics).await?;
+        anyhow::Ok(ragcluster_tests::metric_sum(
+            &page,
+            "coordinator_model_worker_failovers_total",
+        ))
+    };
+    let before = failovers().await?;
+    let normal =
+        ragcluster_tests::load::Load::start(c.clone(), "docs", "normal", SearchMode::Hybrid);
+    let (mut calls, mut asks) = (0usize, 0usize);
+    let until = Instant::now() + Duration::from_secs(8);
+    let mut a = cluster.client().await?;
+    while Instant::now() < until {
+        let mut s = tonic::Request::new(SearchRequest {
+            collection: "docs".into(),
+            query: "how does raft elect a leader".into(),
+            top_k: 5,
+            mode: SearchMode::Hybrid as i32,
+            ..Default::default()
+        });
+        s.set_timeout(Duration::from_millis(1));
+        let mut w = tonic::Request::new(UpsertDocumentsRequest {
+            collection: "docs".into(),
+            documents: vec![Document {
+                id: format!("tiny-{calls}"),
+                text: "a write whose caller gives it one millisecond".into(),
+                ..Default::default()
+            }],
+        });
+        w.set_timeout(Duration::from_millis(1));
+        for r in [
+            a.search(s).await.map(|_| ()),
+            a.upsert_documents(w).await.map(|_| ()),
+        ] {
+            if let Err(e) = r {
+                ensure!(
+                    matches!(e.code(), Code::DeadlineExceeded | Code::Cancelled),
+                    "a 1 ms call failed as {e:?}"
+                );
+            }
+            calls += 1;
+        }
+        // Ask with timeout_ms = 1 through the default flow (rewrite -> ... -> generate).
+        let mut stream = a
+            .ask(AskRequest {
+                collection: "docs".into(),
+                question: "How does Raft elect a leader?".into(),
+                timeout_ms: 1,
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        let (mut result, mut status) = (None, None);
+        loop {
+            match stream.message().await {
+                Ok(Some(AskResponse {
+                    event: Some(ask_response::Event::Result(r)),
+                })) => result = Some(r),
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(s) => {
+                    status = Some(s);
+                    break;
+                }
+            }
+        }
+        let result = result.expect("an Ask ends with its result");
+        if result.status != "ok" {
+            ensure!(
+                result.status == "deadline_exceeded"
+                    && status.as_ref().map(tonic::Status::code) == Some(Code::DeadlineExceeded),
+                "a 1 ms Ask ended {:?} ({:?}), then {status:?}",
+                result.status,
+                result.error
+            );
+        }
+        asks += 1;
+    }
+    let acked = normal.stop().await?;
+    eprintln!(
+        "1 ms client: {calls} searches and writes, {asks} Asks; normal clients: {} writes, {} \
+         searches",
+        acked.len(),
+        normal.searches.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    let retries = normal
+        .write_retries
+        .load(std::sync::atomic::Ordering::Relaxed)
+        + normal
+            .search_retries
+            .load(std::sync::atomic::Ordering::Relaxed);
+    ensure!(retries == 0, "{retries} calls of the normal clients failed");
+    ensure!(
+        failovers().await? == before,
+        "the 1 ms client made the coordinator pass over its model worker"
+    );
+    normal.verify(c).await
+}

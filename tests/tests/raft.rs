@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
-use ragcluster_tests::replicas::*;
+use ragcluster_tests::cluster::replicas::*;
+use ragcluster_tests::linearizability::recorder::Recorder;
 use ragcluster_tests::{Cluster, http_get, metric_sum, set_failpoint, shard_client};
 use rand::{Rng, SeedableRng};
 use tokio::sync::Mutex;
@@ -161,6 +162,63 @@ async fn partitioned_leader_cannot_acknowledge() -> Result<()> {
     );
     heal(&c).await?;
     converged(&c, "part", &acked, &attempted).await?;
+    Ok(())
+}
+
+/// 2b. The coordinator cut off from a shard's leader while the nodes still reach each other
+///     (failpoint `shard_cut_from_clients` on the leader: its writes and strong reads from
+///     clients are refused, its peers' traffic passes). The leader keeps its quorum, so no
+///     election comes to the rescue: writes go through a follower, which forwards them to the
+///     leader, and strong reads through a follower's own read index. No write fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_leader_cut_off_from_the_coordinator_is_reached_through_a_follower() -> Result<()> {
+    let c = Cluster::start_with(3, Some(SHARD_CONFIG))?;
+    let mut cc = c.client().await?;
+    create(&mut cc, "cut").await?;
+    let mut acked = BTreeSet::new();
+    for i in 0..20 {
+        ensure!(write(&mut cc, "cut", &[i]).await);
+        acked.insert(i);
+    }
+    let l = leader(&c, "cut", Duration::from_secs(5)).await?;
+    set_failpoint(&c.shards[l].grpc, "shard_cut_from_clients", "return").await?;
+    let cut = Instant::now();
+    let mut slowest = Duration::ZERO;
+    for i in 20..70 {
+        let t = Instant::now();
+        ensure!(
+            write(&mut cc, "cut", &[i]).await,
+            "write {i} through a follower"
+        );
+        slowest = slowest.max(t.elapsed());
+        acked.insert(i);
+    }
+    let strong = found(&mut cc, "cut", Consistency::Strong).await?;
+    ensure!(
+        strong == acked.len(),
+        "a strong read through a follower saw {strong} of {} writes",
+        acked.len()
+    );
+    let forwarded: f64 = {
+        let mut n = 0.0;
+        for p in &c.shards {
+            n += metric_sum(&http_get(&p.metrics).await?, "shard_writes_forwarded_total");
+        }
+        n
+    };
+    eprintln!(
+        "leader cut off from the coordinator: 50 writes in {} ms (slowest {} ms), {forwarded} \
+         forwarded by followers; strong read through a follower saw all {strong}",
+        cut.elapsed().as_millis(),
+        slowest.as_millis(),
+    );
+    ensure!(forwarded >= 1.0, "no write was forwarded");
+    ensure!(
+        leader(&c, "cut", Duration::from_secs(5)).await? == l,
+        "the leader kept its quorum and its leadership"
+    );
+    set_failpoint(&c.shards[l].grpc, "shard_cut_from_clients", "off").await?;
+    converged(&c, "cut", &acked, &acked).await?;
     Ok(())
 }
 
@@ -384,7 +442,9 @@ async fn applied_entries_leave_the_log_early() -> Result<()> {
 /// 5. Randomised schedules: per seed, a fresh collection takes writes while nodes are killed,
 ///    restarted and partitioned at random (never more than one node at a time, so a quorum
 ///    stays possible); afterwards no acknowledged write is lost and every replica holds the
-///    same complete documents.
+///    same complete documents. Meanwhile three clients' upserts, deletes and STRONG reads of
+///    three documents are recorded and each document's history must be linearizable
+///    (`ragcluster_tests::linearizability`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn randomised_fault_schedules() -> Result<()> {
     let seeds: u64 = std::env::var("RAGCLUSTER_FAULT_SEEDS")
@@ -397,6 +457,11 @@ async fn randomised_fault_schedules() -> Result<()> {
         let coll = format!("rnd{seed}");
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         create(&mut cc, &coll).await?;
+        // Beside the batch writes: three clients upsert, delete and read (STRONG) three
+        // documents of another collection on the same nodes, for the linearizability check.
+        let lin = format!("lin{seed}");
+        create(&mut cc, &lin).await?;
+        let recorder = Recorder::start(&cc, &lin, 3, 3, seed);
         let mut acked = BTreeSet::new();
         let mut attempted = BTreeSet::new();
         let mut next = 0u64;
@@ -436,15 +501,25 @@ async fn randomised_fault_schedules() -> Result<()> {
                 None => {}
             }
         }
+        let lin = recorder
+            .finish()
+            .await
+            .with_context(|| format!("seed {seed}"))?;
         let g = c.lock().await;
         converged(&g, &coll, &acked, &attempted)
             .await
             .with_context(|| format!("seed {seed}"))?;
         // Documents are all-or-nothing: a multi-document batch either landed whole or not.
         eprintln!(
-            "seed {seed}: {} of {} writes acknowledged",
+            "seed {seed}: {} of {} writes acknowledged; linearizable: {} keys, {} operations \
+             ({} of unknown outcome); {} EVENTUAL reads, {} went back in their session",
             acked.len(),
-            attempted.len()
+            attempted.len(),
+            lin.keys,
+            lin.ops,
+            lin.unknown,
+            lin.eventual_reads,
+            lin.eventual_regressions
         );
     }
     Ok(())

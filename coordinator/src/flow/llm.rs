@@ -38,6 +38,10 @@ pub async fn generate(
         let next = match tokio::time::timeout(rt.left(), s.next()).await {
             Err(_) => return Err(CoordError::Deadline("model worker generation".into())),
             Ok(None) => break,
+            // A stream cut at the Ask's deadline failed because of the deadline.
+            Ok(Some(Err(_))) if rt.left().is_zero() => {
+                return Err(CoordError::Deadline("model worker generation".into()));
+            }
             Ok(Some(Err(e))) => return Err(CoordError::upstream("model worker", e)),
             Ok(Some(Ok(m))) => m,
         };

@@ -16,6 +16,8 @@ pub mod ops;
 pub mod route;
 pub mod run;
 pub mod spec;
+#[cfg(test)]
+mod tests;
 pub mod trace;
 
 use std::path::Path;
@@ -330,8 +332,7 @@ async fn drive(
         Ok(()) => (finish(&run, &flow, &ctx, "ok"), None),
         Err(e) => {
             let status: tonic::Status = e.into();
-            let code = format!("{:?}", status.code()).to_lowercase();
-            let mut r = finish(&run, &flow, &ctx, &code);
+            let mut r = finish(&run, &flow, &ctx, code_name(status.code()));
             r.error = status.message().to_owned();
             (r, Some(status))
         }
@@ -346,6 +347,30 @@ async fn drive(
         .await;
     if let Some(s) = err {
         let _ = tx.send(Err(s)).await;
+    }
+}
+
+/// gRPC's canonical name of a status code, in lower case ("deadline_exceeded").
+pub fn code_name(c: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match c {
+        Ok => "ok",
+        Cancelled => "cancelled",
+        Unknown => "unknown",
+        InvalidArgument => "invalid_argument",
+        DeadlineExceeded => "deadline_exceeded",
+        NotFound => "not_found",
+        AlreadyExists => "already_exists",
+        PermissionDenied => "permission_denied",
+        ResourceExhausted => "resource_exhausted",
+        FailedPrecondition => "failed_precondition",
+        Aborted => "aborted",
+        OutOfRange => "out_of_range",
+        Unimplemented => "unimplemented",
+        Internal => "internal",
+        Unavailable => "unavailable",
+        DataLoss => "data_loss",
+        Unauthenticated => "unauthenticated",
     }
 }
 

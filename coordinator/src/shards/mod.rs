@@ -7,8 +7,12 @@
 //! - Writes go to the shard's leader, follow NotLeader hints, try the other replicas with
 //!   backoff while the leader is unknown or down, and retry with the same request id, so a
 //!   batch whose first attempt timed out but did commit is not applied twice.
-//! - Eventual reads fail over to another replica when one fails or does not answer within its
-//!   share of the time left; strong reads stay on the leader (Raft read index).
+//! - Reads fail over to another replica when one fails or does not answer within its share of
+//!   the time left. Strong reads start on the leader; when it cannot be reached they go to a
+//!   follower, which answers only after its own read-index round with the leader (through
+//!   Raft, over the links between the nodes), so it is never stale.
+//! - Writes that reach a follower are passed on to the leader by the follower itself, so a
+//!   coordinator cut off from a leader still writes through any replica it reaches.
 //! - Membership and leadership changes go to the leader, found again when it moves.
 
 pub mod local;
@@ -33,6 +37,16 @@ pub use node::{Connector, GrpcConnector, ShardNode};
 pub use routing::Routing;
 
 use crate::error::{CoordError, Result};
+
+/// The shortest time without an answer that says something about a replica. A call cut off
+/// sooner ran out of the caller's time (a client that sends 1 ms deadlines): the replica is
+/// not avoided for it, or one such client would steer everyone's load away from it.
+const SLOW_REPLICA_EVIDENCE: Duration = Duration::from_millis(200);
+
+/// Whether a failed call is a reason to avoid its replica for a while.
+fn counts_against(e: &ShardCallError, budget: Duration) -> bool {
+    !matches!(e, ShardCallError::Deadline) || budget >= SLOW_REPLICA_EVIDENCE
+}
 
 /// One read of a collection: the replicas of each shard, its consistency and deadline.
 #[derive(Clone, Copy)]
@@ -130,7 +144,8 @@ impl Shards {
     /// One read of a shard, starting on the replica `first`. An eventual read that fails on a
     /// replica, or gets no answer within its share of the time left, marks that replica down
     /// for a while and goes on to the next one: a lost or cut-off node costs latency, not an
-    /// error. Strong reads stay on the leader.
+    /// error. Strong reads do the same from the leader on: a follower serves one only after a
+    /// Raft read index with the leader.
     async fn read<T, F, Fut>(&self, plan: &ReadPlan<'_>, shard: u32, first: &str, f: F) -> Result<T>
     where
         F: Fn(Arc<dyn ShardNode>, Duration) -> Fut,
@@ -141,11 +156,7 @@ impl Shards {
         let mut node = first.to_owned();
         loop {
             tried.push(node.clone());
-            let next = if plan.consistency == Consistency::Strong {
-                None
-            } else {
-                self.routing.failover(replicas, &tried)
-            };
+            let next = self.routing.failover(replicas, &tried);
             let left = plan.deadline.saturating_duration_since(Instant::now());
             let budget = if next.is_some() { left / 2 } else { left };
             let res = match self.node(&node) {
@@ -157,7 +168,9 @@ impl Shards {
                 (Err(e), Some(n)) if e.is_retryable() => {
                     tracing::warn!(shard, from = %node, to = %n, error = %e, "read failover");
                     metrics::counter!("coordinator_read_failovers_total").increment(1);
-                    self.routing.mark_down(&node);
+                    if counts_against(&e, budget) {
+                        self.routing.mark_down(&node);
+                    }
                     node = n;
                 }
                 (Err(e), _) => {
@@ -338,7 +351,7 @@ impl Shards {
                     // A live replica without a leader means an election is running: poll
                     // again soon (those answers are cheap) so the write lands right after it.
                     let electing = matches!(e, ShardCallError::NotLeader { .. });
-                    if !electing {
+                    if !electing && counts_against(&e, attempt) {
                         // Unreachable or timed out: avoid it for a moment.
                         self.routing.mark_down(&target);
                     }

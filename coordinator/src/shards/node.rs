@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use ragcluster_proto::v1::shard_client::ShardClient;
@@ -17,7 +17,7 @@ use ragcluster_proto::v1::read_call::Call;
 use ragcluster_proto::v1::read_reply::Reply;
 
 use super::reads::{Conn, MAX_STREAM_ITEMS, ReadStream};
-use crate::channels::{Channels, MAX_MESSAGE};
+use crate::channels::{Channels, MAX_MESSAGE, expired};
 use crate::error::ShardCallError;
 
 type Result<T> = std::result::Result<T, ShardCallError>;
@@ -146,8 +146,11 @@ pub async fn call<T>(
     timeout: Duration,
     fut: impl Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
 ) -> Result<T> {
+    let started = Instant::now();
     match tokio::time::timeout(timeout, fut).await {
         Err(_) => Err(ShardCallError::Deadline),
+        // Cut at its deadline (CANCELLED from the node, a reset stream): the deadline's doing.
+        Ok(Err(s)) if expired(&s, started.elapsed(), timeout) => Err(ShardCallError::Deadline),
         Ok(Err(s)) => Err(ShardCallError::from_status(s)),
         Ok(Ok(r)) => Ok(r.into_inner()),
     }

@@ -4,11 +4,12 @@
 //! coordinator's retry and failover policy, its leader following and its deadlines are
 //! tested against it without a process or a socket (`shards::tests`).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use prost::Message as _;
 use ragcluster_proto::v1::*;
 
 use super::node::{Connector, ShardNode};
@@ -190,6 +191,8 @@ pub struct ScriptedNode {
     /// Every node of the test (id, address), for transfers to name their target.
     peers: Mutex<Vec<(u64, String)>>,
     calls: Mutex<Vec<Call>>,
+    /// The chunks its replica holds (`hold`).
+    chunks: Mutex<Vec<Chunk>>,
 }
 
 impl ScriptedNode {
@@ -207,6 +210,7 @@ impl ScriptedNode {
             group: Default::default(),
             peers: Default::default(),
             calls: Default::default(),
+            chunks: Default::default(),
         })
     }
 
@@ -217,6 +221,75 @@ impl ScriptedNode {
             .entry(method)
             .or_default()
             .extend(answers);
+    }
+
+    /// Adds chunks to what its replica holds, for searches and chunk reads to find.
+    pub fn hold(&self, chunks: impl IntoIterator<Item = Chunk>) {
+        self.chunks.lock().extend(chunks);
+    }
+
+    /// The held chunks that contain a word of the query, scored by how often the query's
+    /// words occur in them, best first (ties by id), as a shard answers a BM25 search.
+    fn lexical_hits(&self, req: &Bm25SearchRequest) -> Vec<ShardHit> {
+        let wanted: HashSet<String> = words(&req.query).collect();
+        let chunks = self.chunks.lock();
+        let mut scored: Vec<(f32, &Chunk)> = chunks
+            .iter()
+            .filter_map(|c| {
+                let n = words(&c.text).filter(|w| wanted.contains(w)).count();
+                (n > 0).then_some((n as f32, c))
+            })
+            .collect();
+        scored.sort_by(|a, b| {
+            b.0.total_cmp(&a.0)
+                .then_with(|| a.1.chunk_id.cmp(&b.1.chunk_id))
+        });
+        scored.truncate(req.top_k as usize);
+        scored
+            .into_iter()
+            .map(|(score, c)| {
+                let c = Chunk {
+                    embedding: Vec::new(),
+                    ..c.clone()
+                };
+                match (req.ids_only, req.encoded_chunks) {
+                    (true, _) => ShardHit {
+                        chunk_id: c.chunk_id,
+                        score,
+                        ..Default::default()
+                    },
+                    (false, true) => ShardHit {
+                        chunk_id: c.chunk_id.clone(),
+                        chunk_encoded: c.encode_to_vec().into(),
+                        score,
+                        ..Default::default()
+                    },
+                    (false, false) => ShardHit {
+                        chunk: Some(c),
+                        score,
+                        ..Default::default()
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// Up to `before` preceding and `after` following chunks of the anchor's document, in
+    /// order, the anchor included (as a shard node answers).
+    fn neighbours(&self, req: &GetNeighboursRequest) -> Result<Vec<Chunk>> {
+        let chunks = self.chunks.lock();
+        let Some(anchor) = chunks.iter().find(|c| c.chunk_id == req.chunk_id) else {
+            return Err(ShardCallError::NotHere(format!("chunk {}", req.chunk_id)));
+        };
+        let from = anchor.position.saturating_sub(req.before);
+        let to = anchor.position.saturating_add(req.after);
+        let mut out: Vec<Chunk> = chunks
+            .iter()
+            .filter(|c| c.doc_id == anchor.doc_id && (from..=to).contains(&c.position))
+            .cloned()
+            .collect();
+        out.sort_by_key(|c| c.position);
+        Ok(out)
     }
 
     /// Drops what is left of `method`'s script: its calls succeed again.
@@ -310,11 +383,14 @@ impl ShardNode for ScriptedNode {
 
     async fn bm25_search(
         &self,
-        _req: Bm25SearchRequest,
+        req: Bm25SearchRequest,
         timeout: Duration,
     ) -> Result<ShardSearchResponse> {
         self.answer("bm25_search", "", timeout).await?;
-        Ok(ShardSearchResponse::default())
+        Ok(ShardSearchResponse {
+            hits: self.lexical_hits(&req),
+            ..Default::default()
+        })
     }
 
     async fn vector_search(
@@ -335,18 +411,23 @@ impl ShardNode for ScriptedNode {
         Ok(TermStatisticsResponse::default())
     }
 
-    async fn get_chunks(&self, _req: GetChunksRequest, timeout: Duration) -> Result<Vec<Chunk>> {
+    async fn get_chunks(&self, req: GetChunksRequest, timeout: Duration) -> Result<Vec<Chunk>> {
         self.answer("get_chunks", "", timeout).await?;
-        Ok(Vec::new())
+        let chunks = self.chunks.lock();
+        Ok(req
+            .chunk_ids
+            .iter()
+            .filter_map(|id| chunks.iter().find(|c| &c.chunk_id == id).cloned())
+            .collect())
     }
 
     async fn get_neighbours(
         &self,
-        _req: GetNeighboursRequest,
+        req: GetNeighboursRequest,
         timeout: Duration,
     ) -> Result<Vec<Chunk>> {
         self.answer("get_neighbours", "", timeout).await?;
-        Ok(Vec::new())
+        self.neighbours(&req)
     }
 
     async fn shard_info(&self, _shard: ShardRef, timeout: Duration) -> Result<ShardInfoResponse> {
@@ -383,6 +464,13 @@ impl ShardNode for ScriptedNode {
             None => Ok(()),
         }
     }
+}
+
+/// Lower-cased alphanumeric words.
+fn words(text: &str) -> impl Iterator<Item = String> + '_ {
+    text.split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(str::to_lowercase)
 }
 
 /// Scripted nodes by address; an address without one is unreachable.

@@ -141,7 +141,7 @@ async fn an_attempt_is_capped_so_a_hung_leader_leaves_time_for_the_others() {
 }
 
 #[tokio::test]
-async fn an_eventual_read_fails_over_and_a_strong_read_stays_on_the_leader() {
+async fn reads_fail_over_strong_ones_from_the_leader_on() {
     let (conn, ns) = ScriptedConnector::with_nodes(3);
     let s = Shards::new(conn);
     let replicas = placement(3);
@@ -153,16 +153,29 @@ async fn an_eventual_read_fails_over_and_a_strong_read_stays_on_the_leader() {
         .unwrap();
     assert_eq!(ns[0].count("get_chunks"), 1);
     assert_eq!(ns[1].count("get_chunks") + ns[2].count("get_chunks"), 1);
-    // Strong: the leader's failure is the answer (no stale replica answers instead).
-    ns[0].script("get_chunks", [Answer::unavailable()]);
+    // Strong: asked of the leader first; when it cannot be reached a follower answers (after
+    // its own read index with the leader, so not stale: a coordinator cut off from the leader
+    // still reads).
     let p = plan(&replicas, Consistency::Strong, Duration::from_secs(2));
+    s.chunks(&p, 0, "n0", vec!["x".into()], false)
+        .await
+        .unwrap();
+    assert_eq!(ns[0].count("get_chunks"), 2);
+    ns[0].script("get_chunks", [Answer::unavailable()]);
+    s.chunks(&p, 0, "n0", vec!["x".into()], false)
+        .await
+        .unwrap();
+    assert_eq!(ns[0].count("get_chunks"), 3);
+    assert_eq!(ns[1].count("get_chunks") + ns[2].count("get_chunks"), 2);
+    // When no replica answers, the error is the shard's.
+    for n in &ns {
+        n.script("get_chunks", [Answer::unavailable()]);
+    }
     let e = s
         .chunks(&p, 0, "n0", vec!["x".into()], false)
         .await
         .unwrap_err();
     assert!(e.is_retryable(), "{e:?}");
-    assert_eq!(ns[0].count("get_chunks"), 2);
-    assert_eq!(ns[1].count("get_chunks") + ns[2].count("get_chunks"), 1);
 }
 
 #[tokio::test]
@@ -188,6 +201,35 @@ async fn a_slow_replica_gets_half_the_time_left_then_the_read_moves_on() {
         .routing()
         .read_target("c", 0, &nodes(2), Consistency::Eventual);
     assert_eq!(target, "n1");
+}
+
+#[tokio::test]
+async fn a_callers_tiny_deadline_does_not_steer_others_away_from_a_replica() {
+    let (conn, ns) = ScriptedConnector::with_nodes(3);
+    let s = Shards::new(conn);
+    let replicas = placement(2);
+    // A client with a 1 ms deadline: neither replica answers in time, the read fails...
+    for n in &ns {
+        n.script("vector_search", [Answer::Delay(Duration::from_millis(50))]);
+    }
+    let p = plan(&replicas, Consistency::Eventual, Duration::from_millis(1));
+    let e = s
+        .vector(&p, 0, "n0", VectorSearchRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.to_status_code(), tonic::Code::DeadlineExceeded, "{e:?}");
+    // ...and says nothing of the replicas: the next read still starts on n0.
+    let target = s
+        .routing()
+        .read_target("c", 0, &nodes(2), Consistency::Eventual);
+    assert_eq!(target, "n0");
+    // Nor of the leader: a write cut off by its caller's deadline leaves the leader in place.
+    ns[0].script("write_batch", [Answer::Delay(Duration::from_millis(50))]);
+    write(&s, Duration::from_millis(1)).await.unwrap_err();
+    assert_eq!(s.routing().leader("c", 0, &nodes(3)), "n0");
+    write(&s, Duration::from_secs(2)).await.unwrap();
+    assert_eq!(ns[0].count("write_batch"), 2);
+    assert_eq!(ns[1].count("write_batch") + ns[2].count("write_batch"), 0);
 }
 
 #[tokio::test]

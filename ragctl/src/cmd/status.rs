@@ -32,13 +32,17 @@ pub fn print_shards(shards: &[ShardStats]) {
             s.replicas
                 .iter()
                 .map(|r| {
-                    format!(
+                    let mut line = format!(
                         "{} {} @{} lag {}",
                         r.node,
                         raft_role_name(r.role()),
                         r.applied_index,
                         s.commit_index.saturating_sub(r.applied_index)
-                    )
+                    );
+                    if !r.failed.is_empty() {
+                        line.push_str(&format!(" OUT OF SERVICE: {}", r.failed));
+                    }
+                    line
                 })
                 .collect::<Vec<_>>()
                 .join("\n"),
@@ -89,7 +93,7 @@ pub async fn status(cli: &Cli, json: bool) -> Result<()> {
             .collections
             .iter()
             .map(|c| {
-                let shards: Vec<_> = c.shards.iter().map(|s| serde_json::json!({"shard": s.shard, "leader": s.leader, "term": s.term, "replicas": s.replicas.iter().map(|r| serde_json::json!({"node": r.node, "role": raft_role_name(r.role()), "applied": r.applied_index, "lag": s.commit_index.saturating_sub(r.applied_index), "chunks": r.chunks})).collect::<Vec<_>>(), "documents": s.documents, "chunks": s.chunks, "bytes_by_family": s.bytes_by_family, "error": s.error})).collect();
+                let shards: Vec<_> = c.shards.iter().map(|s| serde_json::json!({"shard": s.shard, "leader": s.leader, "term": s.term, "replicas": s.replicas.iter().map(|r| serde_json::json!({"node": r.node, "role": raft_role_name(r.role()), "applied": r.applied_index, "lag": s.commit_index.saturating_sub(r.applied_index), "chunks": r.chunks, "failed": r.failed})).collect::<Vec<_>>(), "documents": s.documents, "chunks": s.chunks, "bytes_by_family": s.bytes_by_family, "error": s.error})).collect();
                 serde_json::json!({"name": c.collection.as_ref().map(|x| x.name.clone()), "shards": shards})
             })
             .collect();

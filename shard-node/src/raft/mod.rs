@@ -16,5 +16,6 @@ pub mod snapshot;
 pub mod transport;
 
 pub use replica::Replica;
+pub use transport::GrpcDialer;
 
 pub use crate::error::LeaderHint;

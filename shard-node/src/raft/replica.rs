@@ -60,6 +60,19 @@ impl Replica {
         self.member.status()
     }
 
+    /// Whether the replica may serve: not once its Raft member failed (`Status::failed`),
+    /// since what it holds may be behind what it acknowledged. The coordinator then reads from
+    /// the other replicas, and the group goes on without this one.
+    pub fn serving(&self) -> Result<()> {
+        match self.status().failed {
+            None => Ok(()),
+            Some(why) => Err(ShardError::Unavailable(format!(
+                "replica {} is out of service: {why}",
+                self.shard.key
+            ))),
+        }
+    }
+
     /// The leader's id and address when another replica leads.
     pub fn leader_hint(&self) -> LeaderHint {
         let id = self.status().other_leader()?;
@@ -94,6 +107,7 @@ impl Replica {
         mut req: WriteBatchRequest,
         timeout: Duration,
     ) -> Result<WriteBatchResponse> {
+        self.serving()?;
         if !self.status().is_leader() {
             return Err(ShardError::NotLeader(self.leader_hint()));
         }
@@ -131,6 +145,7 @@ impl Replica {
     /// Waits until this replica's searches see everything committed before the call (Raft
     /// read index), so a read that follows sees every acknowledged write.
     pub async fn read_index(&self, timeout: Duration) -> Result<()> {
+        self.serving()?;
         let deadline = Instant::now() + timeout;
         let index = self.member.read_index(timeout).await.map_err(|e| match e {
             RaftError::Timeout { .. } => ShardError::Unavailable(format!(

@@ -96,6 +96,7 @@ pub fn raft_status(s: &Status, leader_address: String) -> RaftStatus {
         first_log_index: s.first_log_index,
         voters: s.voters.clone(),
         learners: s.learners.clone(),
+        failed: s.failed.clone().unwrap_or_default(),
     }
 }
 

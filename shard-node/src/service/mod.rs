@@ -1,11 +1,12 @@
 //! `ragcluster.v1.Shard` over gRPC. Every handler hands the blocking work (RocksDB, tantivy,
 //! hnsw_rs) to the blocking pool so the async runtime keeps serving. Requests become domain
 //! values in `convert`, the one place the wire meets the node. `reads` serves the small reads
-//! multiplexed on one stream.
+//! multiplexed on one stream; `forward` passes writes that reach a follower on to the leader.
 
 pub mod convert;
 #[cfg(feature = "failpoints")]
 pub mod failpoints;
+pub mod forward;
 pub mod reads;
 
 use std::sync::Arc;
@@ -26,6 +27,7 @@ use crate::shard::{HitForm, Shard};
 pub struct ShardService {
     node: Arc<Node>,
     write_timeout: Duration,
+    forward: forward::Forwarder,
 }
 
 impl ShardService {
@@ -33,6 +35,7 @@ impl ShardService {
         Self {
             node,
             write_timeout: cfg.write_timeout,
+            forward: forward::Forwarder::default(),
         }
     }
 
@@ -40,13 +43,17 @@ impl ShardService {
         Ok(self.node.replica(&convert::key(r)?)?)
     }
 
+    /// The shard a read is served from: only while its replica is in service.
     fn shard(&self, r: Option<&ShardRef>) -> Result<Arc<Shard>, Status> {
-        Ok(self.replica(r)?.shard.clone())
+        let replica = self.replica(r)?;
+        replica.serving()?;
+        Ok(replica.shard.clone())
     }
 
     /// For strong reads: a read-index round on the replica before it answers.
     async fn consistent(&self, shard: Option<&ShardRef>, consistency: i32) -> Result<(), Status> {
         if consistency == Consistency::Strong as i32 {
+            cut_from_clients()?;
             self.replica(shard)?.read_index(READ_INDEX_TIMEOUT).await?;
         }
         Ok(())
@@ -73,6 +80,16 @@ fn info(r: &Replica) -> ShardInfoResponse {
 }
 
 const READ_INDEX_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Failpoint `shard_cut_from_clients` (tests): writes and strong reads from clients are
+/// refused as if the coordinator could not reach this node, while its peers still do (their
+/// forwarded writes and Raft traffic pass).
+fn cut_from_clients() -> Result<(), Status> {
+    fail::fail_point!("shard_cut_from_clients", |_| Err(Status::unavailable(
+        "failpoint shard_cut_from_clients: this node is cut off from its clients"
+    )));
+    Ok(())
+}
 
 /// Bytes per message of a shipped graph dump (under tonic's 4 MiB default).
 const GRAPH_CHUNK_BYTES: usize = 1 << 20;
@@ -175,6 +192,22 @@ impl ShardRpc for ShardService {
     ) -> Result<Response<WriteBatchResponse>, Status> {
         let replica = self.replica(req.get_ref().shard.as_ref())?;
         let timeout = deadline(&req).map_or(self.write_timeout, |d| d.min(self.write_timeout));
+        // Not the leader: pass the write on to the one this replica knows (once).
+        let forwarded = req.metadata().contains_key(forward::FORWARDED);
+        if !forwarded {
+            cut_from_clients()?;
+        }
+        if !forwarded
+            && replica.serving().is_ok()
+            && !replica.status().is_leader()
+            && let Some((_, leader)) = replica.leader_hint().filter(|(_, a)| !a.is_empty())
+        {
+            let r = self
+                .forward
+                .write(self.node.tls(), &leader, req.into_inner(), timeout)
+                .await?;
+            return Ok(Response::new(r));
+        }
         let started = std::time::Instant::now();
         let r = replica.write(req.into_inner(), timeout).await;
         let took = started.elapsed().as_secs_f64();

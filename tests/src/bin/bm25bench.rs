@@ -13,7 +13,7 @@ use anyhow::{Context, Result, ensure};
 use clap::Parser;
 use prost::Message;
 use ragcluster_proto::v1::{Chunk, GetChunksResponse};
-use ragcluster_tests::scale::perturbed_copies;
+use ragcluster_tests::bench::scale::perturbed_copies;
 use ragcluster_tests::{BeirQuery, datasets_dir, read_jsonl, read_qrels};
 use serde_json::{Map, Value, json};
 use shard_node::index::bm25::{Bm25Index, Scoring};

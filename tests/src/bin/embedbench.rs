@@ -16,7 +16,7 @@ use clap::Parser;
 use model_worker::backend::encoder::bert::{self, BertEncoder, HeadKind};
 use model_worker::backend::{Encoder, Seq};
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
-use ragcluster_tests::workerload::embed_load;
+use ragcluster_tests::bench::workerload::embed_load;
 use ragcluster_tests::{Proc, datasets_dir, embed_model, workspace};
 use serde_json::json;
 use tonic::transport::Channel;

@@ -9,7 +9,7 @@ use anyhow::Result;
 use clap::Parser;
 use ragcluster_proto::v1::RerankRequest;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
-use ragcluster_tests::workerload::{Sampling, generate_load, generate_stream};
+use ragcluster_tests::bench::workerload::{Sampling, generate_load, generate_stream};
 use ragcluster_tests::{Proc, datasets_dir, generate_model};
 use tonic::transport::Channel;
 

@@ -16,11 +16,11 @@
 //!   against a local 3-shard cluster;
 //! - `ingest_pipeline` (with `--cluster`): `ragctl ingest` of SciFact into a fresh 3-shard
 //!   cluster, chunks/s with the model and with it excluded (embedding cache), the worker's
-//!   device-busy share and `nvidia-smi` utilisation samples (`ragcluster_tests::pipeline`).
+//!   device-busy share and `nvidia-smi` utilisation samples (`ragcluster_tests::bench::pipeline`).
 //!
 //! - `profile` (with CUDA): the CUDA decoder in process, a 2,040-row prefill step and decode
 //!   steps of 1, 8 and 64 rows: host wall time per forward (graphs on and off) and device
-//!   time per operation (`ragcluster_tests::decodeprof`).
+//!   time per operation (`ragcluster_tests::bench::decodeprof`).
 //!
 //! The served sections also report the worker's own histograms over each load (batch sizes,
 //! time in the encoder's forwards, queueing; the decode forward's time per step), which say
@@ -40,8 +40,8 @@ use model_worker::backend::device::Placement;
 use model_worker::backend::encoder::bert::{self, BertEncoder, HeadKind};
 use model_worker::backend::{Encoder, Seq};
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
-use ragcluster_tests::threads::Sample;
-use ragcluster_tests::workerload::{Sampling, embed_load, generate_load, generate_stream};
+use ragcluster_tests::bench::threads::Sample;
+use ragcluster_tests::bench::workerload::{Sampling, embed_load, generate_load, generate_stream};
 use ragcluster_tests::{Cluster, Proc, datasets_dir, embed_model, generate_model};
 use serde_json::{Value, json};
 use tonic::transport::Channel;
@@ -478,9 +478,9 @@ fn cluster_eval() -> Result<Value> {
 async fn ingest_pipeline() -> Result<Value> {
     let cluster = Cluster::start(3)?;
     let dataset = datasets_dir().join("scifact");
-    ragcluster_tests::pipeline::ingest_twice(
+    ragcluster_tests::bench::pipeline::ingest_twice(
         &cluster,
-        &ragcluster_tests::pipeline::PipelineOptions {
+        &ragcluster_tests::bench::pipeline::PipelineOptions {
             dataset: &dataset,
             docs: 0,
             copies: 1,
@@ -548,7 +548,8 @@ async fn main() -> Result<()> {
     }
     if cuda && want("profile") {
         let t = Instant::now();
-        let r = generate_model().and_then(|p| ragcluster_tests::decodeprof::decoder_profile(&p));
+        let r =
+            generate_model().and_then(|p| ragcluster_tests::bench::decodeprof::decoder_profile(&p));
         record(&mut out, "decoder_profile", r, t)?;
     }
     if !a.python.is_empty() && want("python") {

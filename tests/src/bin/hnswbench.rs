@@ -1,7 +1,7 @@
 //! `hnswbench`: the HNSW walk in process, where a dense query spends its server time.
 //!
 //! Builds hnsw_rs graphs over N SciFact MiniLM vectors (the chunks saved by
-//! `ragbench --dump-chunks`, perturbed copies beyond the real 11k, see `ragcluster_tests::scale`)
+//! `ragbench --dump-chunks`, perturbed copies beyond the real 11k, see `ragcluster_tests::bench::scale`)
 //! with the shard's parameters (M 16, ef_construction 200), then times single-threaded searches
 //! at several ef and their recall@10 against brute force, side by side in one run:
 //!
@@ -36,7 +36,7 @@ use hnsw_rs::hnsw::Hnsw;
 use prost::Message;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::{Chunk, GetChunksResponse};
-use ragcluster_tests::scale::{embed_queries, perturbed_copies};
+use ragcluster_tests::bench::scale::{embed_queries, perturbed_copies};
 use ragcluster_tests::{BeirQuery, Proc, datasets_dir, percentile, read_jsonl, read_qrels};
 use serde_json::{Map, Value, json};
 use shard_node::index::hnsw::distance::{UnitCosine, dot, dot_portable};

@@ -1,7 +1,7 @@
 //! `ingestbench`: the ingest pipeline end to end (`ragctl ingest` of SciFact into a local
 //! cluster of `--shard-nodes` shard nodes, a coordinator and a model worker on `device =
 //! "auto"`), with the model and then with the model excluded (every vector from the
-//! coordinator's embedding cache, `ragcluster_tests::pipeline`). Prints one JSON object.
+//! coordinator's embedding cache, `ragcluster_tests::bench::pipeline`). Prints one JSON object.
 //!
 //! `cargo run --release -p ragcluster-tests --bin ingestbench -- --docs 0` (= `make bench-ingest`)
 
@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Parser;
-use ragcluster_tests::pipeline::{PipelineOptions, ingest_twice};
+use ragcluster_tests::bench::pipeline::{PipelineOptions, ingest_twice};
 use ragcluster_tests::{Cluster, datasets_dir};
 
 #[derive(Parser)]

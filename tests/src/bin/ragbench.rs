@@ -26,8 +26,8 @@ use prost::Message;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::shard_client::ShardClient;
 use ragcluster_proto::v1::*;
-use ragcluster_tests::metrics::{doc_ranking, ndcg_at, recall_at};
-use ragcluster_tests::scale::{
+use ragcluster_tests::bench::metrics::{doc_ranking, ndcg_at, recall_at};
+use ragcluster_tests::bench::scale::{
     MODES, QPS_SECONDS, create_collection, embed_queries, perturbed_copies, qps, req, write_direct,
 };
 use ragcluster_tests::{
@@ -397,11 +397,13 @@ async fn tune(
 async fn fetch_all(cluster: &Cluster, coll: &str, corpus: &[BeirDoc]) -> Result<Vec<Stored>> {
     let nodes: Vec<String> = cluster.shards.iter().map(|p| p.grpc.clone()).collect();
     let ids: Vec<String> = corpus.iter().map(|d| d.id.clone()).collect();
-    Ok(ragcluster_tests::scale::fetch_chunks(&nodes, coll, 3, &ids)
-        .await?
-        .into_iter()
-        .map(|chunk| Stored { chunk })
-        .collect())
+    Ok(
+        ragcluster_tests::bench::scale::fetch_chunks(&nodes, coll, 3, &ids)
+            .await?
+            .into_iter()
+            .map(|chunk| Stored { chunk })
+            .collect(),
+    )
 }
 
 /// `n` chunks: the real ones repeated under new document ids, vectors perturbed by Gaussian-ish

@@ -2,7 +2,7 @@
 //! a fresh local cluster (3 shard nodes, 3 shards, replication 1, one coordinator, a model
 //! worker for the query vectors only; `--shard-nodes`, `--shards`, and `--colocated` for a
 //! coordinator with a shard node in its process) is fed SciFact's chunks and MiniLM vectors, repeated with
-//! perturbed vectors beyond the real 11k (`ragcluster_tests::scale`), straight into the shard
+//! perturbed vectors beyond the real 11k (`ragcluster_tests::bench::scale`), straight into the shard
 //! nodes (embedding excluded; a write is acknowledged once searchable). Then, through the
 //! coordinator's gRPC API with SciFact's 300 test queries at top_k 10:
 //!
@@ -31,12 +31,12 @@ use prost::Message;
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::*;
-use ragcluster_tests::scale::{
+use ragcluster_tests::bench::scale::{
     QPS_SECONDS, create_collection, embed_queries, held_points, perturbed_copies, qps, quiet_cpu,
     req, settled_bytes, wait_graphs, write_direct_with,
 };
 use ragcluster_tests::{
-    BeirQuery, Cluster, datasets_dir, engines, percentile, read_jsonl, read_qrels,
+    BeirQuery, Cluster, bench::engines, datasets_dir, percentile, read_jsonl, read_qrels,
 };
 use serde_json::{Map, Value, json};
 use shard_node::index::hnsw::distance::dot;

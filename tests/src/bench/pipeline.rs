@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
 
-use crate::threads::Sample;
+use super::threads::Sample;
 use crate::{Cluster, Proc, bin_dir, http_get, latency_summary, metric_sum};
 
 /// Options of `ingest_twice`.
@@ -321,7 +321,7 @@ pub async fn ingest_twice(cluster: &Cluster, o: &PipelineOptions<'_>) -> Result<
             })
             .collect();
         let nodes: Vec<String> = cluster.shards.iter().map(|p| p.grpc.clone()).collect();
-        let chunks = crate::scale::fetch_chunks(&nodes, "pipeline-model", o.shards, &ids).await?;
+        let chunks = super::scale::fetch_chunks(&nodes, "pipeline-model", o.shards, &ids).await?;
         eprintln!("saving {} chunks to {}", chunks.len(), path.display());
         let msg = ragcluster_proto::v1::GetChunksResponse { chunks };
         std::fs::write(path, prost::Message::encode_to_vec(&msg))?;

@@ -82,6 +82,28 @@ pub async fn write_docs(
     c.upsert_documents(req).await.is_ok()
 }
 
+/// How many documents a BM25 search through the coordinator finds by the word every test
+/// document holds ("raftdoc"), at `consistency`.
+pub async fn found(
+    c: &mut CoordinatorClient<Channel>,
+    coll: &str,
+    consistency: Consistency,
+) -> Result<usize> {
+    let hits = c
+        .search(SearchRequest {
+            collection: coll.into(),
+            query: "raftdoc".into(),
+            top_k: 1000,
+            mode: SearchMode::Bm25 as i32,
+            consistency: consistency as i32,
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .hits;
+    Ok(hits.len())
+}
+
 /// Raft status of the shard on every node that answers.
 pub async fn statuses(c: &Cluster, coll: &str) -> Vec<Option<RaftStatus>> {
     let mut out = Vec::new();

@@ -72,19 +72,22 @@ pub struct InProcCluster {
     pub connector: Arc<LocalConnector>,
     /// The coordinator's gRPC address (the public API, over loopback).
     pub coordinator: String,
+    /// The coordinator's `/metrics` URL. The process has one metrics recorder, so it shows
+    /// every server of the cluster (metric names say which component counted).
+    pub metrics: String,
     members: Vec<Member>,
     stops: Vec<oneshot::Sender<()>>,
 }
 
-/// Waits for a server's port file and returns its `grpc` address.
-async fn port_file(path: &Path, timeout: Duration) -> Result<String> {
+/// Waits for a server's port file and returns its `grpc` and `metrics` addresses.
+async fn port_file(path: &Path, timeout: Duration) -> Result<(String, String)> {
     let until = Instant::now() + timeout;
     loop {
         if let Ok(s) = std::fs::read_to_string(path)
             && let Ok(v) = serde_json::from_str::<serde_json::Value>(&s)
-            && let Some(a) = v["grpc"].as_str()
+            && let (Some(a), Some(m)) = (v["grpc"].as_str(), v["metrics"].as_str())
         {
-            return Ok(a.to_owned());
+            return Ok((a.to_owned(), m.to_owned()));
         }
         if Instant::now() > until {
             bail!("{} not written within {timeout:?}", path.display());
@@ -127,6 +130,7 @@ impl InProcCluster {
             dir,
             connector,
             coordinator: String::new(),
+            metrics: String::new(),
             members,
             stops: Vec::new(),
         };
@@ -134,7 +138,9 @@ impl InProcCluster {
             c.start_node(i).await?;
         }
         let model_worker = c.start_model_worker().await?;
-        c.coordinator = c.start_coordinator(model_worker).await?;
+        let (grpc, metrics) = c.start_coordinator(model_worker).await?;
+        c.coordinator = format!("http://{grpc}");
+        c.metrics = format!("http://{metrics}/metrics");
         Ok(c)
     }
 
@@ -162,13 +168,12 @@ impl InProcCluster {
                 eprintln!("in-process model worker: {e:#}");
             }
         });
-        Ok(format!(
-            "http://{}",
-            port_file(&port_file_path, Duration::from_secs(60)).await?
-        ))
+        let (grpc, _) = port_file(&port_file_path, Duration::from_secs(60)).await?;
+        Ok(format!("http://{grpc}"))
     }
 
-    async fn start_coordinator(&mut self, model_worker: String) -> Result<String> {
+    /// Starts the coordinator; its gRPC and metrics addresses.
+    async fn start_coordinator(&mut self, model_worker: String) -> Result<(String, String)> {
         let port_file_path = self.dir.path().join("coordinator.port");
         let cfg = coordinator::CoordinatorConfig {
             listen: "127.0.0.1:0".into(),
@@ -190,10 +195,7 @@ impl InProcCluster {
                 eprintln!("in-process coordinator: {e:#}");
             }
         });
-        Ok(format!(
-            "http://{}",
-            port_file(&port_file_path, Duration::from_secs(60)).await?
-        ))
+        port_file(&port_file_path, Duration::from_secs(60)).await
     }
 
     /// Starts (or restarts, recovering from its data directory) shard node `i`.

@@ -184,7 +184,12 @@ impl Proc {
         Some(ticks as f64 / 100.0)
     }
 
-    /// Bytes under the process's data directory (`<dir>/<name>/data`).
+    /// The process's data directory (`<dir>/<name>/data`).
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
+    /// Bytes under the process's data directory.
     pub fn data_bytes(&self) -> u64 {
         fn walk(p: &Path) -> u64 {
             std::fs::read_dir(p).map_or(0, |rd| {
@@ -197,7 +202,7 @@ impl Proc {
                     .sum()
             })
         }
-        walk(&self.dir.join("data"))
+        walk(&self.data_dir())
     }
 
     pub fn log(&self) -> PathBuf {

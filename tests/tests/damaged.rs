@@ -1,0 +1,142 @@
+//! Damaged storage on a shard replica, with real processes on loopback (issue 67). A follower
+//! is SIGKILLed and the newest RocksDB write-ahead log in its data directory is cut to half
+//! its length, as a torn or damaged file leaves it: RocksDB's point-in-time recovery opens the
+//! database at an earlier point, so the replica's Raft log (and state) ends before entries it
+//! had acknowledged. Restarted, the replica must not go on serving that state: either the
+//! leader's first heartbeat shows the loss (it commits past the end of the replica's log) and
+//! the replica goes out of service (reads and writes refused with UNAVAILABLE,
+//! `raft_member_failed` 1, its status naming the cause), or a snapshot from the leader
+//! replaces the state first. Either way no thread panics, the other two replicas keep taking
+//! writes, and every acknowledged document is found through the coordinator.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use ragcluster_proto::v1::*;
+use ragcluster_tests::cluster::replicas::*;
+use ragcluster_tests::{Cluster, http_get, metric_sum, shard_client};
+
+/// The newest `*.log` (RocksDB write-ahead log) under `dir`.
+fn newest_wal(dir: &std::path::Path) -> Result<std::path::PathBuf> {
+    let mut logs: Vec<(std::time::SystemTime, std::path::PathBuf)> = std::fs::read_dir(dir)?
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "log"))
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    logs.sort();
+    logs.pop()
+        .map(|(_, p)| p)
+        .with_context(|| format!("no write-ahead log in {}", dir.display()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_whose_wal_lost_acknowledged_entries_never_serves_them() -> Result<()> {
+    let mut c = Cluster::start_with(3, Some(SHARD_CONFIG))?;
+    let mut cc = c.client().await?;
+    create(&mut cc, "wal").await?;
+    let mut acked = Vec::new();
+    for batch in (0..300u64).collect::<Vec<_>>().chunks(10) {
+        ensure!(write(&mut cc, "wal", batch).await, "write {batch:?}");
+        acked.extend_from_slice(batch);
+    }
+    let l = leader(&c, "wal", Duration::from_secs(10)).await?;
+    let f = (l + 1) % 3;
+    let before = statuses(&c, "wal").await[f]
+        .clone()
+        .context("follower status")?;
+    c.shards[f].kill9();
+    let wal = newest_wal(&c.shards[f].data_dir().join("rocksdb"))?;
+    let len = std::fs::metadata(&wal)?.len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&wal)?
+        .set_len(len / 2)?;
+    eprintln!(
+        "{}: {} cut from {len} to {} bytes (applied index {} before the kill)",
+        c.shards[f].name,
+        wal.display(),
+        len / 2,
+        before.applied_index
+    );
+    c.shards[f].restart(Duration::from_secs(60))?;
+    let restarted = Instant::now();
+
+    // Out of service, or replaced by a snapshot: never serving the cut state for long.
+    let mut sc = shard_client(&c.shards[f].grpc).await?;
+    let outcome = loop {
+        let info = sc
+            .shard_info(ShardInfoRequest { shard: sref("wal") })
+            .await?
+            .into_inner();
+        let raft = info.raft.clone().unwrap_or_default();
+        if !raft.failed.is_empty() {
+            break format!("out of service: {}", raft.failed);
+        }
+        if raft.applied_index >= before.applied_index && info.chunks as usize == acked.len() {
+            break format!("restored by the leader (applied {})", raft.applied_index);
+        }
+        if restarted.elapsed() > Duration::from_secs(30) {
+            bail!("the damaged replica neither failed nor caught up: {info:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    eprintln!(
+        "{}: {outcome} after {} ms",
+        c.shards[f].name,
+        restarted.elapsed().as_millis()
+    );
+    if outcome.starts_with("out of service") {
+        ensure!(
+            outcome.contains("lost acknowledged log entries"),
+            "cause: {outcome}"
+        );
+        let e = sc
+            .bm25_search(Bm25SearchRequest {
+                shard: sref("wal"),
+                query: "raftdoc".into(),
+                top_k: 10,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        ensure!(
+            e.code() == tonic::Code::Unavailable && e.message().contains("out of service"),
+            "a read of the damaged replica: {e:?}"
+        );
+        // The node's per-shard gauges refresh every 10 s.
+        let until = Instant::now() + Duration::from_secs(15);
+        while metric_sum(&http_get(&c.shards[f].metrics).await?, "raft_member_failed") < 1.0 {
+            ensure!(
+                Instant::now() < until,
+                "raft_member_failed is not 1 on the damaged node"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    // The shard goes on: writes are acknowledged by the other two, and every acknowledged
+    // document is found through the coordinator, again and again (reads avoid the damaged
+    // replica).
+    for batch in (300..350u64).collect::<Vec<_>>().chunks(10) {
+        ensure!(write(&mut cc, "wal", batch).await, "write {batch:?}");
+        acked.extend_from_slice(batch);
+    }
+    for _ in 0..20 {
+        let n = found(&mut cc, "wal", Consistency::Eventual).await?;
+        ensure!(
+            n == acked.len(),
+            "a search found {n} of {} acknowledged documents",
+            acked.len()
+        );
+    }
+    for p in &c.shards {
+        let log = std::fs::read_to_string(p.log())?;
+        ensure!(
+            !log.contains("panicked"),
+            "{} panicked:\n{}",
+            p.name,
+            p.log_tail()
+        );
+    }
+    Ok(())
+}
