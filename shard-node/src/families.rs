@@ -60,6 +60,18 @@ pub fn all() -> Vec<Family> {
             "acknowledged points not in the HNSW graph yet (searched by brute force) per shard",
         ),
         ("shard_node_shards", Gauge, "replicas hosted by this node"),
+    ]));
+    f.extend(indexes());
+    f.extend(rocksdb());
+    f.extend(raft());
+    f.extend(read_calls());
+    f
+}
+
+/// The shard's indexes: HNSW dumps and rebuilds, BM25 commits and merges, the index worker.
+fn indexes() -> Vec<Family> {
+    use Kind::*;
+    families::table(&[
         (
             "shard_hnsw_dump_seconds",
             Histogram,
@@ -84,6 +96,11 @@ pub fn all() -> Vec<Family> {
             "shard_hnsw_rebuilds_total",
             Counter,
             "HNSW graphs rebuilt from RocksDB at open (no usable dump)",
+        ),
+        (
+            "shard_bm25_rebuilds_total",
+            Counter,
+            "BM25 indexes found damaged at open (checksums) and rebuilt from RocksDB",
         ),
         (
             "shard_hnsw_walks_total",
@@ -115,11 +132,7 @@ pub fn all() -> Vec<Family> {
             Histogram,
             "index worker: write batches per tantivy commit",
         ),
-    ]));
-    f.extend(rocksdb());
-    f.extend(raft());
-    f.extend(read_calls());
-    f
+    ])
 }
 
 /// The node's RocksDB, read from its properties.

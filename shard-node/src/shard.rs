@@ -24,7 +24,6 @@ use ragcluster_proto::v1::{
 };
 
 use crate::error::{Result, ShardError};
-use crate::index::bm25::Bm25Index;
 use crate::index::hnsw::dump::Dumps;
 use crate::index::hnsw::{self, HnswParams, SearchPlan};
 use crate::index::recovery;
@@ -119,7 +118,7 @@ impl Shard {
         opts: &ShardOptions,
     ) -> Result<Self> {
         let applied = store.applied_seq(&key)?;
-        let bm25 = Bm25Index::open(dirs.bm25, opts.bm25_writer_memory)?;
+        let bm25 = recovery::open_bm25(&key, dirs.bm25, opts.bm25_writer_memory)?;
         let dumps = Arc::new(Dumps::new(dirs.hnsw.to_path_buf()));
         dumps.remove_leftovers();
         let (hnsw, dump_state) = recovery::open_hnsw(&key, &meta, &store, &dumps, applied)?;

@@ -166,7 +166,7 @@ async fn partitioned_leader_cannot_acknowledge() -> Result<()> {
 }
 
 /// 2b. The coordinator cut off from a shard's leader while the nodes still reach each other
-///     (failpoint `shard_cut_from_clients` on the leader: its writes and strong reads from
+///     (failpoint `cut_from_clients` on the leader: its writes and strong reads from
 ///     clients are refused, its peers' traffic passes). The leader keeps its quorum, so no
 ///     election comes to the rescue: writes go through a follower, which forwards them to the
 ///     leader, and strong reads through a follower's own read index. No write fails.
@@ -181,7 +181,7 @@ async fn a_leader_cut_off_from_the_coordinator_is_reached_through_a_follower() -
         acked.insert(i);
     }
     let l = leader(&c, "cut", Duration::from_secs(5)).await?;
-    set_failpoint(&c.shards[l].grpc, "shard_cut_from_clients", "return").await?;
+    set_failpoint(&c.shards[l].grpc, "cut_from_clients", "return").await?;
     let cut = Instant::now();
     let mut slowest = Duration::ZERO;
     for i in 20..70 {
@@ -217,7 +217,7 @@ async fn a_leader_cut_off_from_the_coordinator_is_reached_through_a_follower() -
         leader(&c, "cut", Duration::from_secs(5)).await? == l,
         "the leader kept its quorum and its leadership"
     );
-    set_failpoint(&c.shards[l].grpc, "shard_cut_from_clients", "off").await?;
+    set_failpoint(&c.shards[l].grpc, "cut_from_clients", "off").await?;
     converged(&c, "cut", &acked, &acked).await?;
     Ok(())
 }

@@ -1,8 +1,11 @@
 //! Bringing a shard's indexes up to the applied seq recorded in RocksDB when it opens: the
 //! HNSW graph from its newest dump caught up from the op log (or rebuilt), BM25 by replaying
-//! the op log after its committed seq (or rebuilt).
+//! the op log after its committed seq (or rebuilt). Both indexes are derived from the chunks
+//! in RocksDB, so a damaged one is rebuilt from there, never served: BM25's files are checked
+//! against their checksums at open (`open_bm25`), dumps are checked when loaded.
 
 use std::collections::{HashMap, HashSet};
+use std::path::Path;
 use std::time::Instant;
 
 use super::bm25::Bm25Index;
@@ -110,6 +113,31 @@ pub fn caught_up_dump(
     Ok(None)
 }
 
+/// Opens the shard's BM25 index with every file of its committed segments checked against
+/// its checksum (a flipped byte or a cut file). An index that is damaged or cannot be opened
+/// is removed and opened empty, so `catch_up_bm25` rebuilds it from RocksDB (its committed
+/// seq is then 0); it is never served, and never left for tantivy's merges to trip over.
+pub fn open_bm25(key: &ShardKey, dir: &Path, writer_memory: usize) -> Result<Bm25Index> {
+    let started = Instant::now();
+    let why = match Bm25Index::open(dir, writer_memory) {
+        Ok(b) => match b.damaged_files() {
+            Ok(d) if d.is_empty() => {
+                tracing::debug!(shard = %key, ms = started.elapsed().as_millis() as u64,
+                    "bm25 checksums verified");
+                return Ok(b);
+            }
+            Ok(d) => format!("files failing their checksum: {d:?}"),
+            Err(e) => format!("checksums could not be read: {e}"),
+        },
+        Err(e) => format!("cannot be opened: {e}"),
+    };
+    tracing::warn!(shard = %key, dir = %dir.display(), problem = %why,
+        "bm25 index damaged; rebuilding it from rocksdb");
+    metrics::counter!("shard_bm25_rebuilds_total").increment(1);
+    std::fs::remove_dir_all(dir)?;
+    Bm25Index::open(dir, writer_memory)
+}
+
 /// Replays op-log entries newer than BM25's committed seq, or rebuilds BM25 from RocksDB when
 /// the log does not reach back that far.
 pub fn catch_up_bm25(key: &ShardKey, store: &Store, bm25: &Bm25Index, applied: u64) -> Result<()> {
@@ -131,4 +159,78 @@ pub fn catch_up_bm25(key: &ShardKey, store: &Store, bm25: &Bm25Index, applied: u
         store.for_each_chunk(key, false, |c| bm25.stage_chunks(std::slice::from_ref(&c)))?;
     }
     bm25.commit(applied)
+}
+
+#[cfg(test)]
+mod tests {
+    use ragcluster_proto::v1::{Chunk, DocumentWrite};
+
+    use super::*;
+
+    fn key() -> ShardKey {
+        ShardKey {
+            collection: "c".into(),
+            shard: 0,
+        }
+    }
+
+    /// A committed index of a few chunks at seq 5 in `dir`.
+    fn committed(dir: &Path) {
+        let b = Bm25Index::open(dir, 20_000_000).unwrap();
+        let chunks = (0..20)
+            .map(|i| Chunk {
+                chunk_id: format!("d{i}#0"),
+                doc_id: format!("d{i}"),
+                text: format!("chunk number {i} about checksums and damaged segment files"),
+                ..Default::default()
+            })
+            .collect();
+        b.stage(&[DocumentWrite {
+            doc_id: "d".into(),
+            chunks,
+            delete: false,
+        }])
+        .unwrap();
+        b.commit(5).unwrap();
+    }
+
+    /// The largest file of a segment in `dir`.
+    fn biggest_segment_file(dir: &Path) -> std::path::PathBuf {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x != "json" && x != "lock"))
+            .max_by_key(|p| std::fs::metadata(p).map_or(0, |m| m.len()))
+            .unwrap()
+    }
+
+    #[test]
+    fn a_sound_bm25_index_opens_as_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        committed(dir.path());
+        let b = open_bm25(&key(), dir.path(), 20_000_000).unwrap();
+        assert_eq!(b.committed_seq().unwrap(), 5);
+    }
+
+    #[test]
+    fn a_flipped_byte_or_a_cut_file_makes_bm25_start_over() {
+        for cut in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            committed(dir.path());
+            let f = biggest_segment_file(dir.path());
+            let mut bytes = std::fs::read(&f).unwrap();
+            if cut {
+                bytes.truncate(bytes.len() / 2);
+            } else {
+                let mid = bytes.len() / 2;
+                bytes[mid] ^= 0xff;
+            }
+            std::fs::write(&f, bytes).unwrap();
+            let b = open_bm25(&key(), dir.path(), 20_000_000).unwrap();
+            // Empty, so the shard's catch-up rebuilds it from RocksDB.
+            assert_eq!(b.committed_seq().unwrap(), 0, "cut: {cut}");
+            assert!(b.damaged_files().unwrap().is_empty());
+        }
+    }
 }

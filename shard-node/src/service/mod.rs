@@ -81,12 +81,12 @@ fn info(r: &Replica) -> ShardInfoResponse {
 
 const READ_INDEX_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// Failpoint `shard_cut_from_clients` (tests): writes and strong reads from clients are
+/// Failpoint `cut_from_clients` (tests): writes and strong reads from clients are
 /// refused as if the coordinator could not reach this node, while its peers still do (their
 /// forwarded writes and Raft traffic pass).
 fn cut_from_clients() -> Result<(), Status> {
-    fail::fail_point!("shard_cut_from_clients", |_| Err(Status::unavailable(
-        "failpoint shard_cut_from_clients: this node is cut off from its clients"
+    fail::fail_point!("cut_from_clients", |_| Err(Status::unavailable(
+        "failpoint cut_from_clients: this node is cut off from its clients"
     )));
     Ok(())
 }

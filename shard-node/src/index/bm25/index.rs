@@ -73,6 +73,11 @@ impl Bm25Index {
         })
     }
 
+    /// Files of the committed segments whose content fails its checksum (empty when sound).
+    pub fn damaged_files(&self) -> Result<std::collections::HashSet<std::path::PathBuf>> {
+        Ok(self.index.validate_checksum()?)
+    }
+
     /// Sequence number of the last committed batch (0 for a new index).
     pub fn committed_seq(&self) -> Result<u64> {
         let metas = self.index.load_metas()?;
