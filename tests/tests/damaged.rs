@@ -32,6 +32,20 @@ fn newest_wal(dir: &std::path::Path) -> Result<std::path::PathBuf> {
         .with_context(|| format!("no write-ahead log in {}", dir.display()))
 }
 
+/// No process of the cluster logged a panic.
+fn no_panic(c: &Cluster) -> Result<()> {
+    for p in &c.shards {
+        let log = std::fs::read_to_string(p.log())?;
+        ensure!(
+            !log.contains("panicked"),
+            "{} panicked:\n{}",
+            p.name,
+            p.log_tail()
+        );
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_replica_whose_wal_lost_acknowledged_entries_never_serves_them() -> Result<()> {
     let mut c = Cluster::start_with(3, Some(SHARD_CONFIG))?;
@@ -132,16 +146,7 @@ async fn a_replica_whose_wal_lost_acknowledged_entries_never_serves_them() -> Re
             acked.len()
         );
     }
-    for p in &c.shards {
-        let log = std::fs::read_to_string(p.log())?;
-        ensure!(
-            !log.contains("panicked"),
-            "{} panicked:\n{}",
-            p.name,
-            p.log_tail()
-        );
-    }
-    Ok(())
+    no_panic(&c)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -192,14 +197,5 @@ async fn a_damaged_bm25_segment_is_rebuilt_from_rocksdb() -> Result<()> {
     );
     let page = http_get(&c.shards[f].metrics).await?;
     ensure!(metric_sum(&page, "shard_bm25_rebuilds_total") >= 1.0);
-    for p in &c.shards {
-        let log = std::fs::read_to_string(p.log())?;
-        ensure!(
-            !log.contains("panicked"),
-            "{} panicked:\n{}",
-            p.name,
-            p.log_tail()
-        );
-    }
-    Ok(())
+    no_panic(&c)
 }
