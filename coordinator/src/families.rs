@@ -74,6 +74,16 @@ pub fn all() -> Vec<Family> {
             "replicas moved by rebalancing",
         ),
         (
+            "coordinator_replica_repairs_total",
+            Counter,
+            "failed replicas rebuilt in place from their peers",
+        ),
+        (
+            "coordinator_replica_repair_failures_total",
+            Counter,
+            "replica rebuilds that failed (tried again at the next scan)",
+        ),
+        (
             "coordinator_replica_move_seconds",
             Histogram,
             "time of one replica move, learner added to catalog updated",

@@ -6,7 +6,7 @@
 //! leaves the source if it led, the source is removed, and only then does the catalog record
 //! the new placement. Every step checks the group's current membership first, so asking again
 //! after an interruption resumes where the move stopped. Moves run on the catalog leader (the
-//! gRPC edge forwards them there).
+//! gRPC edge forwards them there). `repair` rebuilds a failed replica in place the same way.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -398,5 +398,6 @@ impl Rebalancer {
     }
 }
 
+pub mod repair;
 #[cfg(test)]
 mod tests;

@@ -253,11 +253,17 @@ fn services(
         search_timeout: cfg.search_timeout,
         max_top_k: limits.max_top_k,
     };
-    let rebalancer = Rebalancer::new(catalog, h.shards.clone(), membership.clone());
+    let rebalancer = Arc::new(Rebalancer::new(
+        catalog,
+        h.shards.clone(),
+        membership.clone(),
+    ));
+    // Dropped with the server's runtime.
+    drop(crate::rebalance::repair::spawn_repairs(rebalancer.clone()));
     let admin = AdminService {
         handles: h,
         collections,
-        rebalancer: Arc::new(rebalancer),
+        rebalancer,
         forward,
         channels,
         membership,

@@ -43,9 +43,15 @@ use crate::error::{CoordError, Result};
 /// not avoided for it, or one such client would steer everyone's load away from it.
 const SLOW_REPLICA_EVIDENCE: Duration = Duration::from_millis(200);
 
-/// Whether a failed call is a reason to avoid its replica for a while.
+/// Whether a failed call is a reason to avoid its replica for a while: not a caller's short
+/// deadline, and not "no leader" (a healthy replica of a group that is electing, which a
+/// strong read asked for a read index).
 fn counts_against(e: &ShardCallError, budget: Duration) -> bool {
-    !matches!(e, ShardCallError::Deadline) || budget >= SLOW_REPLICA_EVIDENCE
+    match e {
+        ShardCallError::Deadline => budget >= SLOW_REPLICA_EVIDENCE,
+        ShardCallError::NotLeader { .. } => false,
+        _ => true,
+    }
 }
 
 /// One read of a collection: the replicas of each shard, its consistency and deadline.

@@ -230,6 +230,14 @@ async fn a_callers_tiny_deadline_does_not_steer_others_away_from_a_replica() {
     write(&s, Duration::from_secs(2)).await.unwrap();
     assert_eq!(ns[0].count("write_batch"), 2);
     assert_eq!(ns[1].count("write_batch") + ns[2].count("write_batch"), 0);
+    // Nor is a replica whose group is electing ("no leader" to a strong read's read index):
+    // the read moves on, the replica is not avoided.
+    ns[0].script("get_chunks", [Answer::not_leader(None)]);
+    let p = plan(&replicas, Consistency::Strong, Duration::from_secs(2));
+    s.chunks(&p, 0, "n0", vec!["x".into()], false)
+        .await
+        .unwrap();
+    assert_eq!(s.routing().failover(&nodes(2), &[]), Some("n0".to_owned()));
 }
 
 #[tokio::test]
