@@ -55,7 +55,36 @@ struct Move<'a> {
     progress: &'a Progress,
 }
 
-impl Move<'_> {
+impl<'a> Move<'a> {
+    /// The move of `collection`/`shard` from `from` to `to`; everyone who may lead during it
+    /// is a member (the replicas and the target).
+    fn new(
+        collection: &str,
+        shard: u32,
+        info: CollectionInfo,
+        placement: Vec<(u64, String)>,
+        from: (u64, String),
+        to: (u64, String),
+        progress: &'a Progress,
+    ) -> Self {
+        let mut members: Vec<String> = placement.iter().map(|(_, a)| a.clone()).collect();
+        if !members.contains(&to.1) {
+            members.push(to.1.clone());
+        }
+        Self {
+            sref: ShardRef {
+                collection: collection.to_owned(),
+                shard,
+            },
+            info,
+            placement,
+            members,
+            from,
+            to,
+            progress,
+        }
+    }
+
     fn addresses(&self) -> Vec<String> {
         self.placement.iter().map(|(_, a)| a.clone()).collect()
     }
@@ -199,20 +228,9 @@ impl Rebalancer {
                 format!("node {} already holds a replica of shard {shard}", to.0),
             ));
         }
-        let mut members: Vec<String> = placement.iter().map(|(_, a)| a.clone()).collect();
-        members.push(to.1.clone());
-        Ok(Some(Move {
-            sref: ShardRef {
-                collection: collection.to_owned(),
-                shard,
-            },
-            info,
-            placement,
-            members,
-            from,
-            to,
-            progress,
-        }))
+        Ok(Some(Move::new(
+            collection, shard, info, placement, from, to, progress,
+        )))
     }
 
     /// A placement's (node id, address) pairs; catalogs written before node ids existed get

@@ -175,7 +175,7 @@ fn run<L: LogStore, M: StateMachine>(
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drive(&mut node, &rx, tick)));
     let failure = match outcome {
         Ok(None) => None,
-        Ok(Some(_)) if node.lost_entries_found() => node.lost_entries_reason(),
+        Ok(Some(_)) if node.lost_entries().is_some() => node.lost_entries().map(str::to_owned),
         Ok(Some(e)) => Some(format!("the log could not be persisted: {e}")),
         Err(panic) => Some(format!("raft panicked: {}", panic_message(&panic))),
     };

@@ -106,11 +106,9 @@ pub struct RaftNode<L: LogStore, M: StateMachine> {
     /// (see `COMPACT_IDLE`).
     idle_last_index: u64,
     idle_ticks: u64,
-    /// Set when a message shows this member's log lost entries it acknowledged; the next
-    /// ready cycle fails the member with it.
-    lost: Option<Fatal>,
-    /// What `lost` said, kept for the member's failure report.
-    lost_reason: Option<String>,
+    /// Set when a message shows this member's log lost entries it acknowledged: why. The
+    /// next ready cycle fails the member with it, and no message is stepped after it.
+    lost: Option<String>,
 }
 
 fn metric(prefix: &str, what: &str) -> String {
@@ -169,7 +167,6 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
             idle_last_index: 0,
             idle_ticks: 0,
             lost: None,
-            lost_reason: None,
         };
         node.publish();
         Ok((node, rx))
@@ -234,9 +231,8 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
                 if self.lost.is_some() {
                     return;
                 }
-                if let Some(lost) = self.lost_entries(&msg) {
-                    self.lost_reason = Some(lost.0.clone());
-                    self.lost = Some(lost);
+                if let Some(why) = self.shows_lost_entries(&msg) {
+                    self.lost = Some(why);
                     return;
                 }
                 if msg.from != 0 {
@@ -384,33 +380,28 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
     /// longer holds (its storage lost them: a damaged or truncated write-ahead log). raft-rs
     /// would panic on it ("to_commit N is out of range"); the member fails instead, with both
     /// indexes, so its replica stops serving and can be rebuilt from its peers.
-    fn lost_entries(&self, m: &Message) -> Option<Fatal> {
+    fn shows_lost_entries(&self, m: &Message) -> Option<String> {
         let last = self.raw.raft.raft_log.last_index();
         (m.get_msg_type() == MessageType::MsgHeartbeat
             && m.term >= self.raw.raft.term
             && m.commit > last)
             .then(|| {
-                Fatal(format!(
+                format!(
                     "lost acknowledged log entries: leader {} commits {} here but the log ends \
                      at {last}",
                     m.from, m.commit
-                ))
+                )
             })
     }
 
-    /// Whether the member found that its log lost acknowledged entries.
-    pub fn lost_entries_found(&self) -> bool {
-        self.lost_reason.is_some()
-    }
-
-    /// What it found, for the failure report.
-    pub fn lost_entries_reason(&self) -> Option<String> {
-        self.lost_reason.clone()
+    /// Why the member found its log lost acknowledged entries, if it did.
+    pub fn lost_entries(&self) -> Option<&str> {
+        self.lost.as_deref()
     }
 
     pub fn on_ready(&mut self) -> Result<(), Fatal> {
-        if let Some(lost) = self.lost.take() {
-            return Err(lost);
+        if let Some(why) = &self.lost {
+            return Err(Fatal(why.clone()));
         }
         if !self.raw.has_ready() {
             // A lone member's idle log sees no ready at all (no heartbeats to send).

@@ -260,6 +260,7 @@ impl Shard {
             existed: e.existed,
             not_found: e.not_found.clone(),
             duplicate: false,
+            forwarded_to: String::new(),
         };
         let effect =
             self.store

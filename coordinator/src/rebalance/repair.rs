@@ -42,19 +42,15 @@ impl Rebalancer {
             )));
         }
         let (progress, _) = mpsc::channel(1);
-        let members: Vec<String> = placement.iter().map(|(_, a)| a.clone()).collect();
-        let m = Move {
-            sref: ShardRef {
-                collection: collection.to_owned(),
-                shard,
-            },
+        let m = Move::new(
+            collection,
+            shard,
             info,
             placement,
-            members,
-            from: me.clone(),
-            to: me.clone(),
-            progress: &progress,
-        };
+            me.clone(),
+            me.clone(),
+            &progress,
+        );
         let peer = Peer {
             node_id: me.0,
             address: me.1.clone(),

@@ -308,6 +308,7 @@ impl Shards {
         let mut target = self.routing.leader(collection, shard, replicas);
         let mut backoff = Duration::from_millis(20);
         let mut last = ShardCallError::Deadline;
+        let mut not_here = 0;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -333,8 +334,28 @@ impl Shards {
             };
             let e = match res {
                 Ok(r) => {
-                    self.routing.set_leader(collection, shard, &target);
+                    // Through a forwarding follower: the next batches go to the leader it
+                    // named, unless that one is unreachable from here.
+                    let leader = match r.forwarded_to.as_str() {
+                        l if !l.is_empty()
+                            && replicas.iter().any(|x| x == l)
+                            && !self.routing.is_down(l) =>
+                        {
+                            l
+                        }
+                        _ => target.as_str(),
+                    };
+                    self.routing.set_leader(collection, shard, leader);
                     return Ok(r);
+                }
+                // A replica that moved away (a stale leader cache after a move): the others
+                // are asked before the shard counts as missing.
+                Err(ShardCallError::NotHere(why)) if not_here + 1 < replicas.len() => {
+                    not_here += 1;
+                    tracing::info!(collection, shard, node = %target, %why,
+                        "write reached a node without the shard; trying the next replica");
+                    target = self.routing.next_replica(replicas, &target);
+                    continue;
                 }
                 // Bad input or a missing shard: retrying cannot help.
                 Err(e @ (ShardCallError::Rejected(_) | ShardCallError::NotHere(_))) => {
@@ -357,7 +378,7 @@ impl Shards {
                     // A live replica without a leader means an election is running: poll
                     // again soon (those answers are cheap) so the write lands right after it.
                     let electing = matches!(e, ShardCallError::NotLeader { .. });
-                    if !electing && counts_against(&e, attempt) {
+                    if counts_against(&e, attempt) {
                         // Unreachable or timed out: avoid it for a moment.
                         self.routing.mark_down(&target);
                     }

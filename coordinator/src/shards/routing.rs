@@ -75,7 +75,8 @@ impl Routing {
         *self.members_down.write() = down;
     }
 
-    fn is_down(&self, node: &str) -> bool {
+    /// Whether `node` is avoided now (DOWN in the member table, or failed a moment ago).
+    pub fn is_down(&self, node: &str) -> bool {
         self.members_down.read().contains(node)
             || self
                 .down_until

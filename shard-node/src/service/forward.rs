@@ -4,7 +4,8 @@
 //! quorum (the nodes reach each other, the coordinator reaches only the followers) can still
 //! write through any replica it reaches. A forwarded write carries `FORWARDED` and is never
 //! forwarded again, so a stale leader hint cannot make a loop; the leader's answer (its
-//! status included) goes back to the caller as it is.
+//! status included) goes back to the caller as it is, except NOT_FOUND from a former leader
+//! that no longer holds the shard, which becomes UNAVAILABLE (try again).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -53,7 +54,18 @@ impl Forwarder {
             .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
         metrics::counter!("shard_writes_forwarded_total").increment(1);
         match tokio::time::timeout(timeout, client.write_batch(r)).await {
-            Ok(Ok(resp)) => Ok(resp.into_inner()),
+            Ok(Ok(resp)) => {
+                let mut r = resp.into_inner();
+                r.forwarded_to = address.to_owned();
+                Ok(r)
+            }
+            // The leader this replica knew moved away (its replica was dropped): that says
+            // nothing of the shard, so the caller tries again (same request id) instead of
+            // taking it for a missing shard.
+            Ok(Err(s)) if s.code() == tonic::Code::NotFound => Err(Status::unavailable(format!(
+                "forwarded to the leader at {address}, which no longer holds the shard: {}",
+                s.message()
+            ))),
             Ok(Err(s)) => Err(s),
             Err(_) => Err(Status::deadline_exceeded(format!(
                 "forwarded to the leader at {address}: no answer within {} ms",
