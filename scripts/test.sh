@@ -10,7 +10,8 @@
 #   in-process   clusters of real run() functions in one process (inproc.rs, bm25_global.rs)
 #   processes    the compiled binaries on loopback (every other tests/tests/*.rs)
 #   faults       seeded fault schedules and crash points (kill -9, partitions, index crashes,
-#                linearizability of per-document histories, a damaged write-ahead log)
+#                linearizability of per-document histories, damaged files, a full disk,
+#                partitions and netem between network namespaces)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/ragcluster-target}"
@@ -29,7 +30,7 @@ cargo build --release --workspace "${features[@]}" || exit 1
 # Test targets of the tests crate by layer; any file not named here is a process test.
 models_tests=(llama_batch llama_cuda)
 inproc_tests=(inproc bm25_global)
-fault_tests=(raft crash_recovery damaged)
+fault_tests=(raft crash_recovery damaged disk_full partitions)
 process_tests=()
 for f in tests/tests/*.rs; do
   t="$(basename "$f" .rs)"

@@ -3,7 +3,8 @@
 //! `families`), and the gRPC server shell with
 //! health, reflection, per-RPC metrics and graceful shutdown (`server`), TLS with reload and
 //! member certificates (`tls`), API-key channels for clients (`client`), and the member side of
-//! cluster membership (`membership`: stable node ids and heartbeats), the batching of
+//! cluster membership (`membership`: stable node ids and heartbeats), the free-space guard of
+//! data directories (`disk`), the batching of
 //! queued calls onto a long-lived stream (`batch`), and the word-cached BERT tokenizer that
 //! the coordinator's chunkers and the model worker's Embed calls share (`tokens`), and how a
 //! test that cannot run on this machine says so (`skip`).
@@ -12,6 +13,7 @@
 pub mod batch;
 pub mod client;
 pub mod config;
+pub mod disk;
 pub mod families;
 pub mod membership;
 pub mod names;

@@ -97,6 +97,17 @@ pub struct CoordinatorConfig {
     /// callers' member certificates are optional here (clients use API keys) but required
     /// for the internal CatalogPeer service.
     pub tls: TlsConfig,
+    /// Below this many free bytes on the file system of `data_dir` the catalog counts as full:
+    /// changes (collections, members, API keys) are refused with RESOURCE_EXHAUSTED, this
+    /// coordinator takes no new catalog entries and hands its catalog leadership away, reads
+    /// and searches go on; changes are taken again by themselves once space is freed.
+    pub disk_min_free_bytes: u64,
+    /// Bytes held in `<data_dir>/.disk-reserve` while space is plentiful, released when the
+    /// disk becomes full (room for the catalog's Raft state). 0: no reserve.
+    pub disk_reserve_bytes: u64,
+    /// Between two looks at the free space.
+    #[serde(with = "humantime_serde")]
+    pub disk_check_interval: Duration,
 }
 
 /// `[coordinator.auth]`.
@@ -175,6 +186,9 @@ impl Default for CoordinatorConfig {
             auth: Default::default(),
             limits: Default::default(),
             tls: TlsConfig::with_client_auth(ClientAuth::Optional),
+            disk_min_free_bytes: 64 << 20,
+            disk_reserve_bytes: 16 << 20,
+            disk_check_interval: Duration::from_millis(500),
         }
     }
 }
@@ -195,6 +209,9 @@ impl CoordinatorConfig {
         }
         if self.embed_concurrency == 0 {
             return Err("coordinator.embed_concurrency must be positive".into());
+        }
+        if self.disk_check_interval.is_zero() {
+            return Err("coordinator.disk_check_interval must be positive".into());
         }
         if self.raft_heartbeat_ticks == 0 || self.raft_election_ticks <= self.raft_heartbeat_ticks {
             return Err(

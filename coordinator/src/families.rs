@@ -6,6 +6,7 @@ use ragcluster_common::families::{self, Family, Kind};
 pub fn all() -> Vec<Family> {
     use Kind::*;
     let mut f = families::grpc_server();
+    f.extend(ragcluster_common::disk::families());
     f.extend(shard_calls());
     f.extend(families::table(&[
         (
@@ -176,6 +177,11 @@ fn shard_calls() -> Vec<Family> {
             "coordinator_write_retries_total",
             Counter,
             "shard write attempts retried (leader moved, node down)",
+        ),
+        (
+            "coordinator_write_hedges_total",
+            Counter,
+            "shard writes answered through another replica after the leader gave no answer for 1 s",
         ),
         (
             "coordinator_write_failures_total",

@@ -43,11 +43,13 @@ pub struct MembershipOptions {
 }
 
 /// What the coordinator last heard from a member.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Seen {
     at: Instant,
     /// From its last heartbeat (0 for probed seeds).
     disk_used_bytes: u64,
+    /// From its last heartbeat: why its disk counts as full (empty: it has room).
+    disk_full: String,
     /// Whether it heartbeats at all (seeds are only probed).
     heartbeats: bool,
 }
@@ -143,6 +145,7 @@ impl Membership {
                     seen.entry(m.node_id).or_insert(Seen {
                         at: now,
                         disk_used_bytes: 0,
+                        disk_full: String::new(),
                         heartbeats: false,
                     });
                 }
@@ -258,6 +261,7 @@ impl Membership {
         let e = seen.entry(id).or_insert(Seen {
             at: Instant::now(),
             disk_used_bytes,
+            disk_full: String::new(),
             heartbeats,
         });
         e.at = Instant::now();
@@ -265,6 +269,23 @@ impl Membership {
             e.disk_used_bytes = disk_used_bytes;
             e.heartbeats = true;
         }
+    }
+
+    fn mark_disk(&self, id: u64, disk_full: &str) {
+        if let Some(e) = self.seen.lock().get_mut(&id) {
+            e.disk_full = disk_full.to_owned();
+        }
+    }
+
+    /// Members heard from within `down_after` whose last heartbeat said their disk is full,
+    /// with the reason (a member that went quiet is judged by its state instead).
+    pub fn full_disks(&self) -> HashMap<u64, String> {
+        self.seen
+            .lock()
+            .iter()
+            .filter(|(_, s)| !s.disk_full.is_empty() && s.at.elapsed() < self.opts.down_after)
+            .map(|(id, s)| (*id, s.disk_full.clone()))
+            .collect()
     }
 
     /// Whether the member answers at its address as itself: a shard node's `NodeInfo` names
@@ -333,6 +354,9 @@ impl Membership {
                 "at most 256 names of 1 to 128 bytes",
             ));
         }
+        if req.disk_full.len() > 4096 {
+            return Err(CoordError::invalid("disk_full", "at most 4096 bytes"));
+        }
         Ok(())
     }
 
@@ -356,6 +380,7 @@ impl Membership {
             }
         }
         self.mark_seen(id, req.disk_used_bytes, true);
+        self.mark_disk(id, &req.disk_full);
         let stale = match &current {
             None => true,
             Some(m) => {
@@ -411,6 +436,7 @@ impl Membership {
             member: members.iter().find(|m| m.node_id == id).cloned(),
             members,
             interval_ms: self.opts.interval.as_millis() as u32,
+            disk_full: self.full_disks(),
         }
     }
 

@@ -104,6 +104,11 @@ async fn serve(
         election_ticks: cfg.raft_election_ticks,
         heartbeat_ticks: cfg.raft_heartbeat_ticks,
         log_gc_threshold: cfg.raft_log_gc_threshold,
+        disk: ragcluster_common::disk::DiskPolicy {
+            min_free: cfg.disk_min_free_bytes,
+            reserve: cfg.disk_reserve_bytes,
+            interval: cfg.disk_check_interval,
+        },
     };
     let catalog = Arc::new(Catalog::open(
         &catalog_opts,
@@ -253,6 +258,7 @@ fn services(
         search_timeout: cfg.search_timeout,
         max_top_k: limits.max_top_k,
     };
+    drop(catalog.spawn_disk_handoff());
     let rebalancer = Arc::new(Rebalancer::new(
         catalog,
         h.shards.clone(),

@@ -42,6 +42,11 @@ pub async fn fixture(n: usize) -> Fixture {
             election_ticks: 10,
             heartbeat_ticks: 2,
             log_gc_threshold: 100,
+            disk: ragcluster_common::disk::DiskPolicy {
+                min_free: 0,
+                reserve: 0,
+                interval: Duration::from_secs(1),
+            },
         },
         &tokio::runtime::Handle::current(),
         None,

@@ -120,6 +120,7 @@ fn join(
         cpus,
         disk_total_bytes: 0,
         disk_used_bytes: 0,
+        disk_full: String::new(),
     });
     Ok(Some(member::spawn(
         member::Heartbeat {

@@ -22,6 +22,8 @@ pub struct Member<R> {
     tx: Sender<Msg<R>>,
     status: watch::Receiver<Status>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Set before the thread is told to stop: a write waiting for disk space gives up.
+    stopping: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// One membership change as a `ConfChangeV2`, with the member's address as context.
@@ -48,6 +50,7 @@ impl<R: Send + 'static> Member<R> {
         let tick = opts.tick;
         let name = opts.name.clone();
         let (node, status) = RaftNode::new(opts, store, sm, outbox)?;
+        let stopping = node.stop_flag();
         let thread = std::thread::Builder::new()
             .name(format!("raft-{name}"))
             .spawn(move || run(node, rx, tick, name))
@@ -56,6 +59,7 @@ impl<R: Send + 'static> Member<R> {
             tx,
             status,
             thread: Mutex::new(Some(thread)),
+            stopping,
         })
     }
 
@@ -144,6 +148,8 @@ impl<R: Send + 'static> Member<R> {
 
     /// Stops the thread and waits for it.
     pub fn stop(&self) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::Release);
         let _ = self.tx.send(Msg::Stop);
         if let Some(t) = self.thread.lock().take() {
             let _ = t.join();
@@ -153,6 +159,8 @@ impl<R: Send + 'static> Member<R> {
 
 impl<R> Drop for Member<R> {
     fn drop(&mut self) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::Release);
         let _ = self.tx.send(Msg::Stop);
         if let Some(t) = self.thread.lock().take() {
             let _ = t.join();

@@ -29,6 +29,12 @@ impl Fatal {
     pub fn new(what: impl std::fmt::Display) -> Self {
         Self(what.to_string())
     }
+
+    /// Whether the write failed for want of space (ENOSPC, which RocksDB passes on as text
+    /// only): worth trying again once space is freed, not a reason to stop the member.
+    pub fn is_no_space(&self) -> bool {
+        self.0.contains("No space left on device") || self.0.contains("os error 28")
+    }
 }
 
 impl From<raft::Error> for Fatal {

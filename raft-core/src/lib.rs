@@ -34,9 +34,8 @@ pub use status::{Role, Status};
 pub use storage::mem::{MemDisk, MemLog};
 pub use storage::rocks::{Keys, RocksLog};
 pub use storage::{LogStore, Persisted};
-pub use transport::{Delivery, Dialer, Envelope, GroupId, Outbox, Transport};
+pub use transport::{Delivery, Dialer, Envelope, GroupId, Outbox, Refuse, Transport};
 
-/// Milliseconds since the Unix epoch (the proposal clock written into log entries).
 /// The counters a process's Raft groups record under `prefix` ("raft", "catalog"), as (name,
 /// help), so the process can register them at start.
 pub fn counter_families(prefix: &str) -> Vec<(String, &'static str)> {
@@ -58,12 +57,22 @@ pub fn counter_families(prefix: &str) -> Vec<(String, &'static str)> {
             "messages_invalid_total",
             "Raft messages that could not be decoded or routed",
         ),
+        (
+            "messages_refused_total",
+            "incoming Raft messages turned away (log entries, snapshots and leadership while \
+             the disk is full)",
+        ),
+        (
+            "writes_stalled_total",
+            "log or state-machine writes that failed for want of space and waited for it",
+        ),
     ]
     .into_iter()
     .map(|(n, h)| (format!("{prefix}_{n}"), h))
     .collect()
 }
 
+/// Milliseconds since the Unix epoch (the proposal clock written into log entries).
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -9,7 +9,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use protobuf::Message as _;
 use raft::eraftpb::{
@@ -36,6 +37,9 @@ const COMPACT_APPLIED_BYTES: u64 = 16 << 20;
 /// a collection loaded and then left (SciFact: 2 KB per chunk in 3 shards) would otherwise
 /// keep its whole log, under both steps, for as long as it sees no further write.
 const COMPACT_IDLE: Duration = Duration::from_secs(10);
+
+/// Between two tries of a write that failed for want of space (`RaftNode::until_space`).
+const NO_SPACE_RETRY: Duration = Duration::from_millis(250);
 
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -109,6 +113,8 @@ pub struct RaftNode<L: LogStore, M: StateMachine> {
     /// Set when a message shows this member's log lost entries it acknowledged: why. The
     /// next ready cycle fails the member with it, and no message is stepped after it.
     lost: Option<String>,
+    /// Set by the member's handle when it is asked to stop: a write waiting for space gives up.
+    stopping: Arc<AtomicBool>,
 }
 
 fn metric(prefix: &str, what: &str) -> String {
@@ -167,6 +173,7 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
             idle_last_index: 0,
             idle_ticks: 0,
             lost: None,
+            stopping: Arc::default(),
         };
         node.publish();
         Ok((node, rx))
@@ -190,6 +197,19 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
 
     pub fn commit_index(&self) -> u64 {
         self.raw.raft.raft_log.committed
+    }
+
+    /// No longer leading (stepped down in a partition, or a newer term came): waiting
+    /// proposals and read indexes hear "not the leader" now, not at their deadline, and turn
+    /// to the new leader. An entry proposed here may still commit: its outcome is unknown.
+    fn deposed(&mut self) {
+        let hint = self.leader_hint();
+        for (_, w) in std::mem::take(&mut self.waiters) {
+            w.fail(hint.clone());
+        }
+        for (_, r) in self.reads.drain() {
+            let _ = r.send(Err(hint.clone()));
+        }
     }
 
     fn leader_hint(&self) -> RaftError {
@@ -399,6 +419,46 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
         self.lost.as_deref()
     }
 
+    /// The flag that makes a write waiting for space give up (set when the member stops).
+    pub fn stop_flag(&self) -> Arc<AtomicBool> {
+        self.stopping.clone()
+    }
+
+    /// Runs `f`, a write of the log or of the state machine, again while it fails for want of
+    /// space, until it succeeds or the member stops: a full disk stalls the member (a leader's
+    /// peers elect another) instead of failing it, and it carries on once space is freed. A
+    /// failed try changed nothing (one atomic RocksDB batch). Other failures return at once.
+    fn until_space<T>(
+        &mut self,
+        what: &str,
+        mut f: impl FnMut(&mut Self) -> Result<T, Fatal>,
+    ) -> Result<T, Fatal> {
+        let started = Instant::now();
+        let mut tries = 0u64;
+        loop {
+            match f(self) {
+                Err(e) if e.is_no_space() && !self.stopping.load(Ordering::Acquire) => {
+                    if tries == 0 {
+                        metrics::counter!(metric(self.opts.metrics_prefix, "writes_stalled_total"))
+                            .increment(1);
+                        tracing::warn!(group = %self.opts.name, what, error = %e,
+                            "raft write failed for want of space; retrying until space is freed");
+                    }
+                    tries += 1;
+                    std::thread::sleep(NO_SPACE_RETRY);
+                }
+                r => {
+                    if tries > 0 {
+                        tracing::info!(group = %self.opts.name, what, tries,
+                            ms = started.elapsed().as_millis() as u64,
+                            "raft write went through once space was freed");
+                    }
+                    return r;
+                }
+            }
+        }
+    }
+
     pub fn on_ready(&mut self) -> Result<(), Fatal> {
         if let Some(why) = &self.lost {
             return Err(Fatal(why.clone()));
@@ -412,6 +472,11 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
             };
         }
         let mut rd = self.raw.ready();
+        if let Some(ss) = rd.ss()
+            && ss.raft_state != StateRole::Leader
+        {
+            self.deposed();
+        }
         if let Some(ss) = rd.ss()
             && ss.leader_id != self.last_leader
         {
@@ -432,7 +497,9 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
         self.apply(rd.take_committed_entries())?;
         let hs = rd.hs().cloned();
         if !rd.entries().is_empty() || hs.is_some() {
-            self.raw.mut_store().append(rd.entries(), hs.as_ref())?;
+            self.until_space("log append", |n| {
+                n.raw.mut_store().append(rd.entries(), hs.as_ref())
+            })?;
         }
         self.outbox.send(rd.take_persisted_messages());
         // A member that applied its own removal stops here: raft-rs cannot advance a leader
@@ -443,7 +510,7 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
         }
         let mut light = self.raw.advance(rd);
         if let Some(commit) = light.commit_index() {
-            self.raw.mut_store().set_commit(commit)?;
+            self.until_space("commit index", |n| n.raw.mut_store().set_commit(commit))?;
         }
         self.outbox.send(light.take_messages());
         self.apply(light.take_committed_entries())?;
@@ -460,9 +527,13 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
         let mut hs = self.raw.store().hs.clone();
         hs.term = hs.term.max(meta.term);
         hs.commit = hs.commit.max(meta.index);
-        self.sm.restore(&meta, &snap.data, &hs)?;
+        self.until_space("snapshot install", |n| n.sm.restore(&meta, &snap.data, &hs))?;
         let cs = meta.conf_state.clone().unwrap_or_default();
-        self.raw.mut_store().reset(meta.index, meta.term, cs, hs)?;
+        self.until_space("snapshot install", |n| {
+            n.raw
+                .mut_store()
+                .reset(meta.index, meta.term, cs.clone(), hs.clone())
+        })?;
         metrics::counter!(metric(self.opts.metrics_prefix, "snapshots_applied_total")).increment(1);
         tracing::info!(group = %self.opts.name, index = meta.index, term = meta.term,
             "state replaced by the leader's snapshot");
@@ -508,7 +579,7 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
             }
             match e.get_entry_type() {
                 EntryType::EntryNormal if !e.data.is_empty() => {
-                    let r = self.sm.apply(e.index, e.term, &e.data)?;
+                    let r = self.until_space("apply", |n| n.sm.apply(e.index, e.term, &e.data))?;
                     match self.waiters.remove(&e.index) {
                         Some(Waiter::Entry(term, reply)) if term == e.term => {
                             let _ = reply.send(Ok(r));
@@ -521,7 +592,7 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
                     self.apply_conf_change(&e)?;
                 }
                 _ => {
-                    self.sm.apply_empty(e.index, e.term, None)?;
+                    self.until_space("apply", |n| n.sm.apply_empty(e.index, e.term, None))?;
                     if let Some(w) = self.waiters.remove(&e.index) {
                         w.fail(self.leader_hint());
                     }
@@ -573,13 +644,13 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
                 self.removed = true;
             }
         }
-        self.sm.apply_empty(e.index, e.term, Some(&cs))?;
+        self.until_space("apply", |n| n.sm.apply_empty(e.index, e.term, Some(&cs)))?;
         self.raw.mut_store().cs = cs.clone();
         // A newcomer starts empty, without the group's first membership, so it cannot apply
         // the log from index 1: dropping the log up to this change makes whichever member
         // leads send it a snapshot (state and membership).
         if newcomer {
-            self.raw.mut_store().compact(e.index)?;
+            self.until_space("log compaction", |n| n.raw.mut_store().compact(e.index))?;
         }
         // Visible to callers (a transfer to a just-promoted voter) before the proposer hears.
         self.publish();
@@ -635,7 +706,11 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
             to = to.max(applied.saturating_sub(self.opts.log_gc_threshold / 2));
         }
         if to > store.truncated_index {
-            self.raw.mut_store().compact(to)?;
+            match self.raw.mut_store().compact(to) {
+                // Dropping entries can wait for space like anything else; nothing depends on it.
+                Err(e) if e.is_no_space() => return Ok(()),
+                r => r?,
+            }
             if idle {
                 self.raw.mut_store().reclaim(to);
             }

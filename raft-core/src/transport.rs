@@ -62,6 +62,10 @@ pub trait Dialer<G>: Send + Sync + 'static {
 /// Called with the whole address table when it changes (to persist it).
 pub type OnLearn = Box<dyn Fn(&[(u64, String)]) + Send + Sync>;
 
+/// Which incoming message kinds this process turns away for now (a shard node whose disk is
+/// full takes no new log entries, snapshots or leadership; heartbeats and votes still pass).
+pub type Refuse = Arc<dyn Fn(MessageType) -> bool + Send + Sync>;
+
 const QUEUE: usize = 16_384;
 const MAX_BATCH: usize = 512;
 
@@ -73,6 +77,8 @@ pub enum Delivery {
     Invalid,
     /// Dropped by the `raft_isolate` failpoint.
     Isolated,
+    /// Turned away by the process for now (`Transport::set_refuse`).
+    Refused,
 }
 
 pub struct Transport<G: GroupId, R> {
@@ -86,6 +92,7 @@ pub struct Transport<G: GroupId, R> {
     metrics_prefix: &'static str,
     /// Set by `close`: nothing more is sent and the peer loops end.
     closed: std::sync::atomic::AtomicBool,
+    refuse: RwLock<Option<Refuse>>,
 }
 
 /// Whether traffic with member `peer` is cut (failpoint `raft_isolate`, whose `return` value
@@ -122,7 +129,13 @@ impl<G: GroupId, R: Send + 'static> Transport<G, R> {
             on_learn,
             metrics_prefix,
             closed: Default::default(),
+            refuse: RwLock::new(None),
         })
+    }
+
+    /// Sets which incoming message kinds `deliver` turns away.
+    pub fn set_refuse(&self, refuse: Refuse) {
+        *self.refuse.write() = Some(refuse);
     }
 
     /// Stops sending: every peer connection ends and later messages are dropped, so the
@@ -337,6 +350,16 @@ impl<G: GroupId, R: Send + 'static> Transport<G, R> {
             metrics::counter!(format!("{}_messages_invalid_total", self.metrics_prefix))
                 .increment(1);
             return Delivery::Invalid;
+        }
+        if self
+            .refuse
+            .read()
+            .as_ref()
+            .is_some_and(|r| r(msg.get_msg_type()))
+        {
+            metrics::counter!(format!("{}_messages_refused_total", self.metrics_prefix))
+                .increment(1);
+            return Delivery::Refused;
         }
         let _ = tx.send(Msg::Raft(Box::new(msg)));
         Delivery::Routed

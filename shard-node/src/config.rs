@@ -92,6 +92,18 @@ pub struct ShardNodeConfig {
     /// Between two heartbeats until the coordinators say otherwise.
     #[serde(with = "humantime_serde")]
     pub heartbeat_interval: std::time::Duration,
+    /// Below this many free bytes on the file system of `data_dir` the node counts as full:
+    /// it refuses writes (RESOURCE_EXHAUSTED naming it and the cause), takes no new Raft log
+    /// entries, hands its leaderships to replicas that can write, keeps serving reads, and
+    /// takes writes again by itself once space is freed.
+    pub disk_min_free_bytes: u64,
+    /// Bytes held in `<data_dir>/.disk-reserve` while space is plentiful and released when
+    /// the disk becomes full: room for what must still be written then (Raft state, index
+    /// commits of acknowledged writes, RocksDB flushes). 0: no reserve.
+    pub disk_reserve_bytes: u64,
+    /// Between two looks at the free space.
+    #[serde(with = "humantime_serde")]
+    pub disk_check_interval: std::time::Duration,
 }
 
 impl Default for ShardNodeConfig {
@@ -122,11 +134,23 @@ impl Default for ShardNodeConfig {
             coordinators: Vec::new(),
             advertise_address: String::new(),
             heartbeat_interval: std::time::Duration::from_secs(1),
+            disk_min_free_bytes: 256 << 20,
+            disk_reserve_bytes: 64 << 20,
+            disk_check_interval: std::time::Duration::from_millis(500),
         }
     }
 }
 
 impl ShardNodeConfig {
+    /// How the data directory's free space is watched.
+    pub fn disk_policy(&self) -> ragcluster_common::disk::DiskPolicy {
+        ragcluster_common::disk::DiskPolicy {
+            min_free: self.disk_min_free_bytes,
+            reserve: self.disk_reserve_bytes,
+            interval: self.disk_check_interval,
+        }
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         if !(0.0..=1.0).contains(&self.hnsw_compact_ratio) {
             return Err("shard_node.hnsw_compact_ratio must be in [0, 1]".into());
@@ -167,6 +191,9 @@ impl ShardNodeConfig {
         }
         if self.heartbeat_interval.is_zero() {
             return Err("shard_node.heartbeat_interval must be positive".into());
+        }
+        if self.disk_check_interval.is_zero() {
+            return Err("shard_node.disk_check_interval must be positive".into());
         }
         if self.tls.client_auth != ragcluster_common::tls::ClientAuth::Required {
             return Err(

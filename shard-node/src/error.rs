@@ -37,6 +37,9 @@ pub enum ShardError {
     Unavailable(String),
     #[error("failed precondition: {0}")]
     FailedPrecondition(String),
+    /// A disk is full: this node's, or too many of the group's replicas' to commit.
+    #[error("disk full: {0}")]
+    DiskFull(String),
 }
 
 impl From<ShardError> for Status {
@@ -50,6 +53,7 @@ impl From<ShardError> for Status {
             ShardError::Bm25(_) | ShardError::Corrupt(_) => Code::Internal,
             ShardError::NotLeader(_) | ShardError::Unavailable(_) => Code::Unavailable,
             ShardError::FailedPrecondition(_) => Code::FailedPrecondition,
+            ShardError::DiskFull(_) => Code::ResourceExhausted,
         };
         // Callers act on the detail (the leader to follow, when to retry), never the message.
         let detail = match &e {
@@ -59,10 +63,18 @@ impl From<ShardError> for Status {
                     leader_address: hint.as_ref().map(|h| h.1.clone()).unwrap_or_default(),
                 }),
                 retry_after_ms: if hint.is_some() { 0 } else { 200 },
+                disk_full: false,
             }),
             ShardError::Unavailable(_) => Some(ShardErrorDetail {
                 not_leader: None,
                 retry_after_ms: 200,
+                disk_full: false,
+            }),
+            // Leadership moves within an election timeout or two when other replicas can write.
+            ShardError::DiskFull(_) => Some(ShardErrorDetail {
+                not_leader: None,
+                retry_after_ms: 1000,
+                disk_full: true,
             }),
             _ => None,
         };

@@ -7,6 +7,7 @@ pub fn all() -> Vec<Family> {
     use Kind::*;
     let mut f = families::grpc_server();
     f.extend(ragcluster_common::membership::families());
+    f.extend(ragcluster_common::disk::families());
     f.extend(families::table(&[
         (
             "shard_write_batch_seconds",
@@ -60,6 +61,17 @@ pub fn all() -> Vec<Family> {
             "acknowledged points not in the HNSW graph yet (searched by brute force) per shard",
         ),
         ("shard_node_shards", Gauge, "replicas hosted by this node"),
+        (
+            "shard_disk_full_handoffs_total",
+            Counter,
+            "leaderships handed to replicas with room because this node's disk was full",
+        ),
+        (
+            "shard_bm25_writer_restarts_total",
+            Counter,
+            "BM25 index writers restarted after a failed update (e.g. a full disk), with the \
+             op log replayed into them",
+        ),
     ]));
     f.extend(indexes());
     f.extend(rocksdb());

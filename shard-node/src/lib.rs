@@ -5,7 +5,8 @@
 //! from RocksDB after a crash (`shard`). Every shard is a Raft group of the shared core
 //! (`ragcluster_raft`); `raft` holds what is the shard's own (state machine, replica handle,
 //! transport dialer, snapshot files). `service` maps the internal `ragcluster.v1.Shard` gRPC
-//! service onto `node::Node`, converting the wire types in `service::convert`.
+//! service onto `node::Node`, converting the wire types in `service::convert`. `space` is what
+//! the node does when its disk (or a peer's) is full.
 //! This crate must not depend on the coordinator or the model worker.
 
 pub mod checksum;
@@ -18,6 +19,7 @@ pub mod node;
 pub mod raft;
 pub mod service;
 pub mod shard;
+pub mod space;
 pub mod storage;
 #[cfg(test)]
 pub(crate) mod testutil;
@@ -105,6 +107,7 @@ pub async fn start_sharing_metrics(
         "shard node recovered"
     );
     let reaper = spawn_reaper(node.clone());
+    let handoff = spawn_disk_handoff(node.clone(), cfg.raft_tick * cfg.raft_election_ticks as u32);
     let follower = {
         let node = node.clone();
         raft::graph_follow::spawn(
@@ -162,6 +165,7 @@ pub async fn start_sharing_metrics(
             };
             drop(reporter);
             reaper.abort();
+            handoff.abort();
             follower.abort();
             if let Some(h) = heartbeat {
                 h.abort();
@@ -195,6 +199,26 @@ fn spawn_reaper(node: Arc<Node>) -> tokio::task::JoinHandle<()> {
                 }
             })
             .await;
+        }
+    })
+}
+
+/// While this node's disk is full: every second, the leaderships it holds go to voters with
+/// room (a full node refuses writes; its peers refuse to take leadership while theirs is
+/// full too, and the next try picks another). Aborted when the server stops.
+fn spawn_disk_handoff(node: Arc<Node>, election: Duration) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut full = node.space().guard.watch();
+        loop {
+            if full.wait_for(Option::is_some).await.is_err() {
+                return;
+            }
+            let (held, moved) = node.hand_off_leaderships(election * 2).await;
+            if held > 0 {
+                tracing::info!(held, moved, "disk full: leaderships handed off");
+                metrics::counter!("shard_disk_full_handoffs_total").increment(moved as u64);
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
     })
 }

@@ -46,6 +46,7 @@ pub fn spawn(
     let node_id = node.node_id();
     tracing::info!(node_id, %address, coordinators = ?cfg.coordinators, "joining the cluster");
     let data_dir = cfg.data_dir.clone();
+    let space = node.space().clone();
     let disk = Mutex::new((Instant::now() - DISK_EVERY * 2, 0u64));
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
     let report = Arc::new(move || {
@@ -61,10 +62,19 @@ pub fn spawn(
             cpus,
             disk_total_bytes: 0,
             disk_used_bytes: d.1,
+            disk_full: space.full().unwrap_or_default(),
         }
     });
     let transport = node.transport().clone();
+    let space = node.space().clone();
     let on_answer = Arc::new(move |r: &ragcluster_proto::v1::HeartbeatResponse| {
+        space.set_full_peers(
+            r.disk_full
+                .iter()
+                .filter(|(id, _)| **id != node_id)
+                .map(|(id, why)| (*id, why.clone()))
+                .collect(),
+        );
         for m in &r.members {
             if m.kind() == NodeKind::ShardNode
                 && m.node_id != node_id

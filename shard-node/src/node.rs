@@ -5,7 +5,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use parking_lot::RwLock;
-use ragcluster_raft::eraftpb::ConfState;
+use ragcluster_common::disk::DiskGuard;
+use ragcluster_raft::eraftpb::{ConfState, MessageType};
 use ragcluster_raft::{Options, Role, Transport};
 
 use crate::config::ShardNodeConfig;
@@ -17,6 +18,7 @@ const BM25_COMMIT_MAX_CHUNKS: usize = 4096;
 use crate::raft::Replica;
 use crate::raft::transport::{GrpcDialer, ShardTransport};
 use crate::shard::{Shard, ShardDirs, ShardOptions};
+use crate::space::Space;
 use crate::storage::{ShardKey, ShardMeta, Store};
 
 /// A replica to create: a member of a new group (`peers`, this node among them) or, with
@@ -44,6 +46,8 @@ pub struct Node {
     closing: tokio::sync::watch::Sender<bool>,
     /// Member certificate for calls to `https://` peers (Raft, graph dumps, forwarded writes).
     tls: Option<Arc<ragcluster_common::tls::Tls>>,
+    /// Free space here and the peers that said theirs is full.
+    space: Arc<Space>,
 }
 
 impl Node {
@@ -55,8 +59,11 @@ impl Node {
         tls: Option<Arc<ragcluster_common::tls::Tls>>,
     ) -> Result<Self> {
         std::fs::create_dir_all(&cfg.data_dir)?;
+        // Before RocksDB: the reserve is taken while there is room.
+        let guard = DiskGuard::start(&cfg.data_dir, cfg.disk_policy())?;
         let store = Arc::new(Store::open(&cfg.data_dir.join("rocksdb"), cfg.sync_writes)?);
         let node_id = store.node_id()?;
+        let space = Arc::new(Space::new(guard, node_id));
         let snap_dir = cfg.data_dir.join("snap");
         std::fs::create_dir_all(&snap_dir)?;
         let dialer = Arc::new(GrpcDialer {
@@ -72,6 +79,8 @@ impl Node {
             }
         });
         let transport = Transport::new(node_id, rt, dialer, store.peers()?, on_learn, "raft");
+        let refuses = space.clone();
+        transport.set_refuse(Arc::new(move |t: MessageType| refuses.refuses(t)));
         let node = Self {
             store,
             node_id,
@@ -80,6 +89,7 @@ impl Node {
             admin: Default::default(),
             closing: tokio::sync::watch::Sender::new(false),
             tls,
+            space,
             cfg,
         };
         for (key, meta) in node.store.list_shards()? {
@@ -104,6 +114,10 @@ impl Node {
         &self.transport
     }
 
+    pub fn space(&self) -> &Arc<Space> {
+        &self.space
+    }
+
     /// The member certificate this node presents to its peers.
     pub fn tls(&self) -> Option<Arc<ragcluster_common::tls::Tls>> {
         self.tls.clone()
@@ -114,9 +128,10 @@ impl Node {
         self.closing.send_replace(true);
     }
 
-    /// Moves every leadership this node holds to the most caught-up other voter, so a node
-    /// that is going away leaves no shard without a leader for an election timeout. Returns
-    /// (leaderships held, moved within `timeout`).
+    /// Moves every leadership this node holds to the most caught-up other voter whose disk
+    /// has room, so a node that is going away (or whose disk is full) leaves no shard without
+    /// a writable leader for an election timeout. Returns (leaderships held, moved within
+    /// `timeout`).
     pub async fn hand_off_leaderships(&self, timeout: std::time::Duration) -> (usize, usize) {
         let replicas: Vec<Arc<Replica>> = self.replicas.read().values().cloned().collect();
         let moves: Vec<_> = replicas
@@ -129,7 +144,9 @@ impl Node {
                 let to = st
                     .matched
                     .iter()
-                    .filter(|(id, _)| *id != st.id && st.voters.contains(id))
+                    .filter(|(id, _)| {
+                        *id != st.id && st.voters.contains(id) && !self.space.peer_full(*id)
+                    })
                     .max_by_key(|(_, m)| *m)
                     .map(|(id, _)| *id)?;
                 Some(async move {
@@ -224,7 +241,7 @@ impl Node {
             metrics_prefix: "raft",
         };
         let log = self.store.raft_log(&key);
-        let replica = Replica::start(shard, log, raft, self.transport.clone())?;
+        let replica = Replica::start(shard, log, raft, self.transport.clone(), self.space.clone())?;
         self.replicas.write().insert(key, replica);
         Ok(())
     }
@@ -241,7 +258,8 @@ impl Node {
             .ok_or_else(|| ShardError::UnknownShard(key.to_string()))
     }
 
-    /// Creates a replica (see `OpenShard`). Idempotent when the parameters match.
+    /// Creates a replica (see `OpenShard`). Idempotent when the parameters match. Refused
+    /// while the disk is full (a new replica would fill it further).
     pub fn open_shard(&self, req: OpenShard) -> Result<()> {
         let mut voters: Vec<u64> = if req.join {
             Vec::new()
@@ -271,6 +289,12 @@ impl Node {
                 });
             }
             return Ok(());
+        }
+        if let Some(why) = self.space.full() {
+            return Err(ShardError::DiskFull(format!(
+                "shard node {} takes no new replica: {why}",
+                self.node_id
+            )));
         }
         let cs = ConfState {
             voters: voters.clone(),

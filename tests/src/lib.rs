@@ -22,6 +22,7 @@ pub mod cluster;
 pub mod linearizability;
 pub mod llama;
 pub mod load;
+pub mod netns;
 
 pub use cluster::{Cluster, Joined, Options, Proc, free_port};
 

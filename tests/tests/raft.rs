@@ -439,6 +439,17 @@ async fn applied_entries_leave_the_log_early() -> Result<()> {
     Ok(())
 }
 
+/// Ends a fault of a randomised schedule: restarts the killed node or heals the partition.
+async fn end_fault(c: &mut Cluster, (n, killed): (usize, bool), seed: u64) -> Result<()> {
+    if killed {
+        c.shards[n]
+            .restart(Duration::from_secs(60))
+            .with_context(|| format!("seed {seed}: restart {n}"))
+    } else {
+        heal(c).await.with_context(|| format!("seed {seed}: heal"))
+    }
+}
+
 /// 5. Randomised schedules: per seed, a fresh collection takes writes while nodes are killed,
 ///    restarted and partitioned at random (never more than one node at a time, so a quorum
 ///    stays possible); afterwards no acknowledged write is lost and every replica holds the
@@ -456,11 +467,15 @@ async fn randomised_fault_schedules() -> Result<()> {
     for seed in 0..seeds {
         let coll = format!("rnd{seed}");
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        create(&mut cc, &coll).await?;
+        create(&mut cc, &coll)
+            .await
+            .with_context(|| format!("seed {seed}: create {coll}"))?;
         // Beside the batch writes: three clients upsert, delete and read (STRONG) three
         // documents of another collection on the same nodes, for the linearizability check.
         let lin = format!("lin{seed}");
-        create(&mut cc, &lin).await?;
+        create(&mut cc, &lin)
+            .await
+            .with_context(|| format!("seed {seed}: create {lin}"))?;
         let recorder = Recorder::start(&cc, &lin, 3, 3, seed);
         let mut acked = BTreeSet::new();
         let mut attempted = BTreeSet::new();
@@ -471,15 +486,16 @@ async fn randomised_fault_schedules() -> Result<()> {
             if step % 3 == 1 {
                 let mut g = c.lock().await;
                 match faulty.take() {
-                    Some((n, true)) => g.shards[n].restart(Duration::from_secs(60))?,
-                    Some((_, false)) => heal(&g).await?,
+                    Some(f) => end_fault(&mut g, f, seed).await?,
                     None => {
                         let n = rng.random_range(0..3);
                         if rng.random_bool(0.5) {
                             g.shards[n].kill9();
                             faulty = Some((n, true));
                         } else {
-                            partition(&g, &coll, n).await?;
+                            partition(&g, &coll, n)
+                                .await
+                                .with_context(|| format!("seed {seed}: partition {n}"))?;
                             faulty = Some((n, false));
                         }
                     }
@@ -495,10 +511,8 @@ async fn randomised_fault_schedules() -> Result<()> {
         }
         {
             let mut g = c.lock().await;
-            match faulty {
-                Some((n, true)) => g.shards[n].restart(Duration::from_secs(60))?,
-                Some((_, false)) => heal(&g).await?,
-                None => {}
+            if let Some(f) = faulty {
+                end_fault(&mut g, f, seed).await?;
             }
         }
         let lin = recorder

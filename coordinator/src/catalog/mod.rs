@@ -15,10 +15,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prost::Message as _;
+use ragcluster_common::disk::DiskGuard;
 use ragcluster_proto::v1::{
     ApiKeyRecord, CatalogCommand, CatalogPeerStatus, CatalogStatus, CollectionInfo, MemberState,
     RaftRole, catalog_command::Op,
 };
+use ragcluster_raft::eraftpb::MessageType;
 use ragcluster_raft::{Member, Options, RaftError, Role};
 
 use crate::error::{CoordError, Result};
@@ -53,6 +55,8 @@ pub struct CatalogOptions {
     pub election_ticks: usize,
     pub heartbeat_ticks: usize,
     pub log_gc_threshold: u64,
+    /// How the free space of `data_dir` is watched (a full disk refuses changes).
+    pub disk: ragcluster_common::disk::DiskPolicy,
 }
 
 pub struct Catalog {
@@ -64,6 +68,7 @@ pub struct Catalog {
     transport: Arc<CatalogTransport>,
     /// Every coordinator of the group, this one included.
     members: BTreeMap<u64, String>,
+    disk: Arc<DiskGuard>,
 }
 
 /// Why a change did not happen, in the client's terms.
@@ -85,6 +90,8 @@ impl Catalog {
     ) -> Result<Self> {
         let members = cfg.members.clone();
         let node_id = cfg.node_id;
+        let disk = DiskGuard::start(&cfg.data_dir, cfg.disk)
+            .map_err(|e| CoordError::Catalog(format!("{}: {e}", cfg.data_dir.display())))?;
         let store = store::CatalogStore::open(&cfg.data_dir.join("catalog"))?;
         store.prepare(&members.keys().copied().collect::<Vec<_>>())?;
         let log = store.log();
@@ -106,6 +113,14 @@ impl Catalog {
             Box::new(|_| {}),
             "catalog",
         );
+        // A full disk takes no new catalog entries, snapshots or leadership (as a shard node).
+        let full = disk.clone();
+        transport.set_refuse(Arc::new(move |t: MessageType| {
+            matches!(
+                t,
+                MessageType::MsgAppend | MessageType::MsgSnapshot | MessageType::MsgTimeoutNow
+            ) && full.full().is_some()
+        }));
         let mailbox = ragcluster_raft::mailbox();
         transport.register(GROUP, mailbox.0.clone());
         let opts = Options {
@@ -139,6 +154,44 @@ impl Catalog {
             member,
             transport,
             members,
+            disk,
+        })
+    }
+
+    /// Why the catalog's disk counts as full, if it does.
+    pub fn disk_full(&self) -> Option<String> {
+        self.disk.full()
+    }
+
+    /// While the disk is full and this coordinator leads: asks the other coordinators in turn
+    /// to take the lead (one whose disk is full too turns it down, and the next is asked).
+    pub fn spawn_disk_handoff(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let this = Arc::downgrade(self);
+        let mut full = self.disk.watch();
+        tokio::spawn(async move {
+            let mut next = 0usize;
+            loop {
+                if full.wait_for(Option::is_some).await.is_err() {
+                    return;
+                }
+                let Some(c) = this.upgrade() else { return };
+                if c.is_leader() {
+                    let others: Vec<u64> = c
+                        .members
+                        .keys()
+                        .copied()
+                        .filter(|id| *id != c.node_id)
+                        .collect();
+                    if let Some(to) = others.get(next % others.len().max(1)) {
+                        tracing::info!(to, "catalog disk full: handing the catalog lead over");
+                        let _ = c.member.transfer_leader(*to);
+                    }
+                    next += 1;
+                }
+                let wait = c.election;
+                drop(c);
+                tokio::time::sleep(wait).await;
+            }
         })
     }
 
@@ -249,6 +302,13 @@ impl Catalog {
     }
 
     async fn propose(&self, cmd: CatalogCommand, timeout: Duration) -> Result<()> {
+        if let Some(why) = self.disk.full() {
+            return Err(CoordError::DiskFull(format!(
+                "coordinator {} refuses catalog changes: {why}; they are taken again by \
+                 themselves once space is freed",
+                self.node_id
+            )));
+        }
         let started = Instant::now();
         let r = match self.member.propose(cmd.encode_to_vec(), timeout).await {
             Ok(outcome) => outcome,

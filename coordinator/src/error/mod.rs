@@ -49,6 +49,10 @@ pub enum CoordError {
     /// a model worker's queue is full (its refusal and hint passed on to the client).
     #[error("overloaded: {reason}")]
     Overloaded { reason: String, retry_after_ms: u64 },
+    /// A data directory's disk is full (the catalog's): the change was refused before
+    /// anything was proposed.
+    #[error("disk full: {0}")]
+    DiskFull(String),
     /// A shard call failed (`what` names the shard for the client: no node addresses).
     #[error("{what}: {error}")]
     Shard { what: String, error: ShardCallError },
@@ -123,7 +127,7 @@ impl CoordError {
             CoordError::PermissionDenied(_) => Code::PermissionDenied,
             CoordError::Overloaded { .. } => Code::ResourceExhausted,
             CoordError::CollectionExists(_) => Code::AlreadyExists,
-            CoordError::TooLarge { .. } => Code::ResourceExhausted,
+            CoordError::TooLarge { .. } | CoordError::DiskFull(_) => Code::ResourceExhausted,
             CoordError::Unavailable { .. } => Code::Unavailable,
             CoordError::Deadline(_) => Code::DeadlineExceeded,
             CoordError::Catalog(_) | CoordError::Tokenizer(_) => Code::Internal,
@@ -136,11 +140,14 @@ impl CoordError {
     /// The retry hint (`retry-after-ms`) of an error worth retrying later.
     pub fn retry_after_ms(&self) -> Option<u64> {
         match self {
+            CoordError::DiskFull(_) => Some(1000),
             CoordError::Unavailable { retry_after_ms, .. }
             | CoordError::Overloaded { retry_after_ms, .. }
             | CoordError::Partial { retry_after_ms, .. } => Some(*retry_after_ms),
             CoordError::Shard {
-                error: ShardCallError::Unavailable { retry_after, .. },
+                error:
+                    ShardCallError::Unavailable { retry_after, .. }
+                    | ShardCallError::DiskFull { retry_after, .. },
                 ..
             } => Some(retry_after.as_millis() as u64),
             CoordError::Shard {

@@ -19,6 +19,13 @@ pub enum ShardCallError {
         reason: String,
         retry_after: Duration,
     },
+    /// A full disk refused the write before anything was proposed: the leader's (its
+    /// leaderships move to replicas with room) or too many of the group's voters'.
+    #[error("{reason}")]
+    DiskFull {
+        reason: String,
+        retry_after: Duration,
+    },
     /// The call's deadline passed; a write's outcome is unknown.
     #[error("deadline exceeded")]
     Deadline,
@@ -43,6 +50,10 @@ impl ShardCallError {
             ms => Duration::from_millis(u64::from(ms)),
         };
         match s.code() {
+            Code::ResourceExhausted if detail.disk_full => Self::DiskFull {
+                reason: s.message().to_owned(),
+                retry_after,
+            },
             Code::Unavailable => match detail.not_leader {
                 Some(nl) => Self::NotLeader {
                     leader: (nl.leader_id != 0).then_some((nl.leader_id, nl.leader_address)),
@@ -72,6 +83,7 @@ impl ShardCallError {
     pub fn code(&self) -> Code {
         match self {
             Self::NotLeader { .. } | Self::Unavailable { .. } => Code::Unavailable,
+            Self::DiskFull { .. } => Code::ResourceExhausted,
             Self::Deadline => Code::DeadlineExceeded,
             Self::NotHere(_) => Code::NotFound,
             Self::Rejected(s) => s.code(),

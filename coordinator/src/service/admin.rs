@@ -59,6 +59,7 @@ impl AdminService {
     async fn nodes(&self, collections: &[CollectionInfo]) -> Vec<NodeStatus> {
         let channels = &self.channels;
         let membership = &self.membership;
+        let full = membership.full_disks();
         let mut rows: Vec<NodeStatus> = self
             .handles
             .catalog
@@ -74,6 +75,7 @@ impl AdminService {
                     state: m.state,
                     heartbeat_age_ms: seen.map_or(0, |(age, _, _)| age.as_millis() as u64),
                     disk_used_bytes: seen.map_or(0, |(_, disk, _)| disk),
+                    disk_full: full.get(&m.node_id).cloned().unwrap_or_default(),
                     models: m.models.clone(),
                     shards: replicas_on(collections, m.node_id, &m.address),
                     ..Default::default()

@@ -44,12 +44,12 @@ use crate::error::{CoordError, Result};
 const SLOW_REPLICA_EVIDENCE: Duration = Duration::from_millis(200);
 
 /// Whether a failed call is a reason to avoid its replica for a while: not a caller's short
-/// deadline, and not "no leader" (a healthy replica of a group that is electing, which a
-/// strong read asked for a read index).
+/// deadline, not "no leader" (a healthy replica of a group that is electing, which a strong
+/// read asked for a read index), and not a full disk (the node still serves reads).
 fn counts_against(e: &ShardCallError, budget: Duration) -> bool {
     match e {
         ShardCallError::Deadline => budget >= SLOW_REPLICA_EVIDENCE,
-        ShardCallError::NotLeader { .. } => false,
+        ShardCallError::NotLeader { .. } | ShardCallError::DiskFull { .. } => false,
         _ => true,
     }
 }
@@ -80,6 +80,15 @@ impl ReadPlan<'_> {
 
 /// Per-attempt limit of a shard write (the whole write gets its own timeout).
 const WRITE_ATTEMPT: Duration = Duration::from_secs(3);
+/// A write attempt with no answer after this long is sent again, under the same request id,
+/// through another replica (a follower forwards it to its leader): a leader this coordinator
+/// cannot reach while the replicas reach it (a partition between the two) then costs this
+/// much, not the whole attempt. The request id makes the batch apply once whichever arrives.
+const WRITE_HEDGE: Duration = Duration::from_secs(1);
+/// How long a write keeps asking a shard whose leader refused it for a full disk: about two
+/// election timeouts, in which a full leader hands its leadership to a replica with room.
+/// Past it the client hears RESOURCE_EXHAUSTED naming the node and the cause.
+const DISK_FULL_WAIT: Duration = Duration::from_secs(3);
 /// Admin calls (membership views, node ids).
 const ADMIN_CALL: Duration = Duration::from_secs(10);
 
@@ -309,6 +318,7 @@ impl Shards {
         let mut backoff = Duration::from_millis(20);
         let mut last = ShardCallError::Deadline;
         let mut not_here = 0;
+        let mut disk_full_since: Option<Instant> = None;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -328,10 +338,16 @@ impl Shards {
             }
             // One attempt may hang on a cut-off leader; keep time for the others.
             let attempt = left.min(WRITE_ATTEMPT);
-            let res = match self.node(&target) {
-                Ok(n) => n.write_batch(req.clone(), attempt).await,
-                Err(e) => Err(e),
-            };
+            let (res, answered) = self.hedged_write(&req, replicas, &target, attempt).await;
+            if answered != target {
+                // The leader did not answer in time but another replica did: avoid it for a
+                // moment, go through the one that answered meanwhile.
+                tracing::info!(collection, shard, slow = %target, via = %answered,
+                    "write answered through another replica");
+                metrics::counter!("coordinator_write_hedges_total").increment(1);
+                self.routing.mark_down(&target);
+                target = answered;
+            }
             let e = match res {
                 Ok(r) => {
                     // Through a forwarding follower: the next batches go to the leader it
@@ -355,6 +371,22 @@ impl Shards {
                     tracing::info!(collection, shard, node = %target, %why,
                         "write reached a node without the shard; trying the next replica");
                     target = self.routing.next_replica(replicas, &target);
+                    continue;
+                }
+                // Nothing was proposed. A full leader hands off within an election timeout or
+                // two, and then answers NotLeader naming the new one; until then ask again.
+                Err(e @ ShardCallError::DiskFull { .. }) => {
+                    let since = *disk_full_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= DISK_FULL_WAIT || left <= Duration::from_millis(250) {
+                        metrics::counter!("coordinator_write_failures_total").increment(1);
+                        tracing::warn!(collection, shard, node = %target, error = %e,
+                                       "write refused: disk full");
+                        return Err(shard_error(collection, shard, e));
+                    }
+                    tracing::info!(collection, shard, node = %target, error = %e,
+                                   "write refused for a full disk; asking again");
+                    tokio::time::sleep(Duration::from_millis(250).min(left)).await;
+                    last = e;
                     continue;
                 }
                 // Bad input or a missing shard: retrying cannot help.
@@ -389,6 +421,55 @@ impl Shards {
                 }
             }
             last = e;
+        }
+    }
+
+    /// One write attempt at `target`, sent again through the next replica when `target` has
+    /// not answered within `WRITE_HEDGE`; also returns who answered. An error from the second
+    /// replica does not end the attempt (the first may still answer) unless it names another
+    /// leader than `target`.
+    async fn hedged_write(
+        &self,
+        req: &WriteBatchRequest,
+        replicas: &[String],
+        target: &str,
+        attempt: Duration,
+    ) -> (
+        std::result::Result<WriteBatchResponse, ShardCallError>,
+        String,
+    ) {
+        let first = async {
+            match self.node(target) {
+                Ok(n) => n.write_batch(req.clone(), attempt).await,
+                Err(e) => Err(e),
+            }
+        };
+        tokio::pin!(first);
+        let other = self.routing.next_replica(replicas, target);
+        let hedge = WRITE_HEDGE.min(attempt);
+        tokio::select! {
+            r = &mut first => return (r, target.to_owned()),
+            () = tokio::time::sleep(hedge), if other != target => {}
+        }
+        let second = async {
+            match self.node(&other) {
+                Ok(n) => {
+                    n.write_batch(req.clone(), attempt.saturating_sub(hedge))
+                        .await
+                }
+                Err(e) => Err(e),
+            }
+        };
+        tokio::pin!(second);
+        tokio::select! {
+            r = &mut first => (r, target.to_owned()),
+            r = &mut second => match r {
+                Ok(r) => (Ok(r), other.clone()),
+                // It names another leader: the first was not it, go there.
+                Err(e) if matches!(&e, ShardCallError::NotLeader { leader: Some((_, a)) }
+                    if a != target) => (Err(e), other.clone()),
+                Err(_) => (first.await, target.to_owned()),
+            },
         }
     }
 

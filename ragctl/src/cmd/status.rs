@@ -88,7 +88,7 @@ pub async fn status(cli: &Cli, json: bool) -> Result<()> {
         .await?
         .into_inner();
     if json {
-        let nodes: Vec<_> = st.nodes.iter().map(|n| serde_json::json!({"address": n.address, "role": node_kind_name(n.kind()), "health": n.health, "shards": n.shards, "leaders": n.leaders})).collect();
+        let nodes: Vec<_> = st.nodes.iter().map(|n| serde_json::json!({"address": n.address, "role": node_kind_name(n.kind()), "health": n.health, "shards": n.shards, "leaders": n.leaders, "disk_full": n.disk_full})).collect();
         let cols: Vec<_> = st
             .collections
             .iter()
@@ -106,7 +106,7 @@ pub async fn status(cli: &Cli, json: bool) -> Result<()> {
     }
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED)
-        .set_header(["role", "address", "health", "shards", "leaders"]);
+        .set_header(["role", "address", "health", "shards", "leaders", "disk"]);
     for n in &st.nodes {
         t.add_row([
             node_kind_name(n.kind()).to_string(),
@@ -114,6 +114,11 @@ pub async fn status(cli: &Cli, json: bool) -> Result<()> {
             n.health.clone(),
             n.shards.to_string(),
             n.leaders.to_string(),
+            if n.disk_full.is_empty() {
+                String::new()
+            } else {
+                format!("FULL: {}", n.disk_full)
+            },
         ]);
     }
     println!("{t}");

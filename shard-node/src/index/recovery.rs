@@ -138,8 +138,10 @@ pub fn open_bm25(key: &ShardKey, dir: &Path, writer_memory: usize) -> Result<Bm2
     Bm25Index::open(dir, writer_memory)
 }
 
-/// Replays op-log entries newer than BM25's committed seq, or rebuilds BM25 from RocksDB when
-/// the log does not reach back that far.
+/// Replays op-log entries newer than BM25's committed seq through `applied`, or rebuilds BM25
+/// from RocksDB when the log does not reach back that far. (The log may already hold entries
+/// past `applied` when the index worker restarts its writer while the Raft thread applies on:
+/// their own jobs follow.)
 pub fn catch_up_bm25(key: &ShardKey, store: &Store, bm25: &Bm25Index, applied: u64) -> Result<()> {
     let committed = bm25.committed_seq()?;
     if committed >= applied {
@@ -147,10 +149,10 @@ pub fn catch_up_bm25(key: &ShardKey, store: &Store, bm25: &Bm25Index, applied: u
     }
     let log = store.oplog_after(key, committed)?;
     let contiguous = log.first().is_some_and(|(s, _)| *s == committed + 1)
-        && log.last().is_some_and(|(s, _)| *s == applied);
+        && log.last().is_some_and(|(s, _)| *s >= applied);
     if contiguous {
         tracing::info!(shard = %key, from = committed + 1, to = applied, "replaying op log into bm25");
-        for (_, req) in &log {
+        for (_, req) in log.iter().take_while(|(s, _)| *s <= applied) {
             bm25.stage(&req.writes)?;
         }
     } else {

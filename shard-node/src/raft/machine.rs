@@ -47,8 +47,19 @@ impl StateMachine for Shard {
         }
         let path = snapshot::generated_path(&self.snap_dir, &self.key, index, term);
         let started = std::time::Instant::now();
-        let g = snapshot::generate(self.store(), &self.dumps, &self.key, index, &path)
-            .map_err(|e| SnapshotError::Fatal(fatal(self, e)))?;
+        let g = snapshot::generate(self.store(), &self.dumps, &self.key, index, &path).map_err(
+            |e| match e {
+                // A full disk or another I/O failure writing the file: raft-rs asks again
+                // later (any other answer stops the member).
+                ShardError::Io(_) | ShardError::Storage(_) => {
+                    let _ = std::fs::remove_file(&path);
+                    tracing::warn!(shard = %self.key, index, error = %e,
+                        "snapshot not generated; raft asks again later");
+                    SnapshotError::NotYet
+                }
+                e => SnapshotError::Fatal(fatal(self, e)),
+            },
+        )?;
         snapshot::remove_others(&self.snap_dir, "gen", &self.key, Some(&path));
         let (dump_seq, dump_bytes) = g.dump.unzip();
         tracing::info!(shard = %self.key, index, term, to, records = g.records,

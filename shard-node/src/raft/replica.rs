@@ -14,11 +14,13 @@ use super::machine::ShardResponse;
 use super::transport::ShardTransport;
 use crate::error::{Result, ShardError};
 use crate::shard::Shard;
+use crate::space::Space;
 
 pub struct Replica {
     pub shard: Arc<Shard>,
     member: Member<ShardResponse>,
     transport: Arc<ShardTransport>,
+    space: Arc<Space>,
 }
 
 impl Replica {
@@ -29,6 +31,7 @@ impl Replica {
         log: RocksLog,
         opts: Options,
         transport: Arc<ShardTransport>,
+        space: Arc<Space>,
     ) -> Result<Arc<Self>> {
         let key = shard.key.clone();
         let mailbox = ragcluster_raft::mailbox();
@@ -53,6 +56,7 @@ impl Replica {
             shard,
             member,
             transport,
+            space,
         }))
     }
 
@@ -101,17 +105,21 @@ impl Replica {
     }
 
     /// Proposes a write batch and answers once it is committed, applied here and visible to
-    /// searches.
+    /// searches. Refused before anything is proposed when a full disk (here, or on too many
+    /// voters) would keep it from committing.
     pub async fn write(
         &self,
         mut req: WriteBatchRequest,
         timeout: Duration,
     ) -> Result<WriteBatchResponse> {
         self.serving()?;
-        if !self.status().is_leader() {
+        let st = self.status();
+        if !st.is_leader() {
             return Err(ShardError::NotLeader(self.leader_hint()));
         }
         self.shard.validate(&mut req)?;
+        self.space
+            .writable(&self.shard.key, &st.voters, |id| self.leader_address(id))?;
         let deadline = Instant::now() + timeout;
         let data = RaftCommand {
             proposed_at_ms: ragcluster_raft::now_ms(),

@@ -163,6 +163,7 @@ impl ShardRpc for ShardService {
         Ok(Response::new(NodeInfoResponse {
             node_id: self.node.node_id(),
             shards,
+            disk_full: self.node.space().full().unwrap_or_default(),
         }))
     }
 
@@ -461,6 +462,13 @@ impl ShardRpc for ShardService {
         msg.merge_from_bytes(&rm.message)
             .map_err(|e| Status::invalid_argument(format!("raft message: {e}")))?;
         let shard = self.shard(rm.shard.as_ref())?;
+        if let Some(why) = self.node.space().full() {
+            // The leader sends it again once this node has room (it asks after each report).
+            return Err(Status::resource_exhausted(format!(
+                "shard node {} takes no snapshot: {why}",
+                self.node.node_id()
+            )));
+        }
         let meta = msg.get_snapshot().get_metadata().clone();
         let desc = crate::raft::snapshot::Descriptor::decode(&msg.get_snapshot().data)?;
         let dir = shard.snap_dir.clone();

@@ -172,6 +172,30 @@ impl Joined {
     }
 }
 
+/// A coordinator's flags: where it listens and keeps its catalog, its seed shard nodes and
+/// model worker, and the embedding model's tokenizer.
+fn coordinator_args(
+    listen: &str,
+    data_dir: &std::path::Path,
+    shards: &[Proc],
+    model_worker: &Proc,
+    model: &std::path::Path,
+) -> Vec<String> {
+    let seeds: Vec<String> = shards.iter().map(|s| s.grpc.clone()).collect();
+    vec![
+        "--listen".into(),
+        listen.into(),
+        "--data-dir".into(),
+        data_dir.display().to_string(),
+        "--shard-nodes".into(),
+        seeds.join(","),
+        "--model-worker".into(),
+        model_worker.grpc.clone(),
+        "--embedding-tokenizer".into(),
+        model.join("tokenizer.json").display().to_string(),
+    ]
+}
+
 /// A whole local cluster in a temporary directory.
 pub struct Cluster {
     pub dir: tempfile::TempDir,
@@ -222,6 +246,10 @@ pub struct Options<'a> {
     /// The first coordinator is the `colocated` binary: one more shard node in its process
     /// (configured by `shard_config` too), besides the `shard_nodes` separate ones.
     pub colocated: bool,
+    /// The shard nodes also heartbeat to the first coordinator (then on a fixed port), as
+    /// members started with `coordinators` do: they learn from its answers which peers' disks
+    /// are full.
+    pub shard_heartbeats: bool,
 }
 
 impl Options<'_> {
@@ -279,6 +307,7 @@ impl Cluster {
             generation: false,
             model_worker_config: None,
             colocated: false,
+            shard_heartbeats: false,
         })
     }
 
@@ -292,6 +321,91 @@ impl Cluster {
             coordinator_config: None,
             generation: true,
             model_worker_config: None,
+            colocated: false,
+            shard_heartbeats: false,
+        })
+    }
+
+    /// A cluster on hosts of `net` (`crate::netns`): the coordinator and the model worker on
+    /// host 0, shard node `i` alone on host `i + 1` (configured by `shard_config`), every
+    /// process listening on its host's address, so iptables rules and netem between hosts act
+    /// on real traffic between processes.
+    pub fn start_in(
+        net: &crate::netns::Net,
+        shard_nodes: usize,
+        shard_config: Option<&str>,
+    ) -> Result<Self> {
+        let dir = tempfile::Builder::new()
+            .prefix("ragcluster-test-netns-")
+            .tempdir()?;
+        let config = match shard_config {
+            Some(t) => {
+                let p = dir.path().join("shard-node.toml");
+                std::fs::write(&p, t)?;
+                Some(p)
+            }
+            None => None,
+        };
+        let model = embed_model()?;
+        let h0 = net.addr(0);
+        let mw = Proc::start_in(
+            &net.ns(0),
+            &h0,
+            "model-worker",
+            "model-worker",
+            vec![
+                "--listen".into(),
+                format!("{h0}:0"),
+                "--embed-model".into(),
+                model.display().to_string(),
+            ],
+            dir.path(),
+            Duration::from_secs(300),
+        )?;
+        let mut shards = Vec::new();
+        for i in 0..shard_nodes {
+            let host = net.addr(i + 1);
+            let name = format!("shard-{i}");
+            let mut args = vec![
+                "--listen".into(),
+                format!("{host}:0"),
+                "--data-dir".into(),
+                dir.path().join(&name).join("data").display().to_string(),
+            ];
+            if let Some(c) = &config {
+                args.extend(["--config".into(), c.display().to_string()]);
+            }
+            shards.push(Proc::start_in(
+                &net.ns(i + 1),
+                &host,
+                &name,
+                "shard-node",
+                args,
+                dir.path(),
+                Duration::from_secs(120),
+            )?);
+        }
+        let coordinator = Proc::start_in(
+            &net.ns(0),
+            &h0,
+            "coordinator",
+            "coordinator",
+            coordinator_args(
+                &format!("{h0}:0"),
+                &dir.path().join("coordinator/data"),
+                &shards,
+                &mw,
+                &model,
+            ),
+            dir.path(),
+            Duration::from_secs(60),
+        )?;
+        Ok(Self {
+            dir,
+            model_worker: mw,
+            shards,
+            coordinator,
+            more_coordinators: Vec::new(),
             colocated: false,
         })
     }
@@ -332,22 +446,25 @@ impl Cluster {
         } else {
             Proc::model_worker(dir.path(), false, mw_config.as_deref())?
         };
-        let mut shards = Vec::new();
-        for i in 0..o.shard_nodes {
-            shards.push(Proc::shard_node_with(
-                &format!("shard-{i}"),
-                dir.path(),
-                config.as_deref(),
-            )?);
-        }
-        // Coordinators must know each other's addresses up front: fixed ports when replicated.
-        let ports: Vec<u16> = if o.coordinators > 1 {
+        // Coordinators must know each other's addresses up front, and heartbeating shard
+        // nodes theirs: fixed ports then.
+        let ports: Vec<u16> = if o.coordinators > 1 || o.shard_heartbeats {
             (0..o.coordinators)
                 .map(|_| free_port())
                 .collect::<Result<_>>()?
         } else {
             vec![0]
         };
+        let mut shards = Vec::new();
+        for i in 0..o.shard_nodes {
+            let name = format!("shard-{i}");
+            shards.push(if o.shard_heartbeats {
+                let first = format!("http://127.0.0.1:{}", ports[0]);
+                Proc::joining_shard_node(&name, dir.path(), &first, config.as_deref())?
+            } else {
+                Proc::shard_node_with(&name, dir.path(), config.as_deref())?
+            });
+        }
         let peers = ports
             .iter()
             .enumerate()
@@ -361,22 +478,13 @@ impl Cluster {
             } else {
                 format!("coordinator-{}", i + 1)
             };
-            let mut args = vec![
-                "--listen".into(),
-                format!("127.0.0.1:{port}"),
-                "--data-dir".into(),
-                dir.path().join(&name).join("data").display().to_string(),
-                "--shard-nodes".into(),
-                shards
-                    .iter()
-                    .map(|s| s.grpc.clone())
-                    .collect::<Vec<_>>()
-                    .join(","),
-                "--model-worker".into(),
-                mw.grpc.clone(),
-                "--embedding-tokenizer".into(),
-                model.join("tokenizer.json").display().to_string(),
-            ];
+            let mut args = coordinator_args(
+                &format!("127.0.0.1:{port}"),
+                &dir.path().join(&name).join("data"),
+                &shards,
+                &mw,
+                &model,
+            );
             if o.coordinators > 1 {
                 args.extend([
                     "--node-id".into(),

@@ -29,6 +29,8 @@ pub struct Proc {
     child: Option<Child>,
     pub grpc: String,
     pub metrics: String,
+    /// Network namespace the process runs in (`ip netns exec`), listening on `host`.
+    netns: Option<(String, String)>,
 }
 
 impl Proc {
@@ -40,6 +42,32 @@ impl Proc {
         dir: &Path,
         timeout: Duration,
     ) -> Result<Self> {
+        Self::launched(name, bin, args, dir, timeout, None)
+    }
+
+    /// As `start`, inside network namespace `ns` (made by the test: `crate::netns`), its
+    /// metrics endpoint on `host` too so the test reaches both from outside.
+    pub fn start_in(
+        ns: &str,
+        host: &str,
+        name: &str,
+        bin: &str,
+        args: Vec<String>,
+        dir: &Path,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let netns = Some((ns.to_owned(), host.to_owned()));
+        Self::launched(name, bin, args, dir, timeout, netns)
+    }
+
+    fn launched(
+        name: &str,
+        bin: &str,
+        args: Vec<String>,
+        dir: &Path,
+        timeout: Duration,
+        netns: Option<(String, String)>,
+    ) -> Result<Self> {
         let mut p = Proc {
             name: name.to_owned(),
             bin: bin_dir().join(bin),
@@ -48,6 +76,7 @@ impl Proc {
             child: None,
             grpc: String::new(),
             metrics: String::new(),
+            netns,
         };
         p.launch(timeout)?;
         Ok(p)
@@ -219,7 +248,17 @@ impl Proc {
         let mut args = self.args.clone();
         args.push("--port-file".into());
         args.push(self.port_file().display().to_string());
-        let child = Command::new(&self.bin)
+        let mut cmd = match &self.netns {
+            // `ip netns exec` enters the namespace and execs the binary: the child is it.
+            Some((ns, host)) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&self.bin);
+                c.env("RAGCLUSTER__TELEMETRY__METRICS_LISTEN", format!("{host}:0"));
+                c
+            }
+            None => Command::new(&self.bin),
+        };
+        let child = cmd
             .args(&args)
             .env("RUST_BACKTRACE", "1")
             .stdin(Stdio::null())
@@ -321,7 +360,7 @@ impl Proc {
     pub fn restart_elsewhere(&mut self, timeout: Duration) -> Result<()> {
         self.kill9();
         if let Some(i) = self.args.iter().position(|a| a == "--listen") {
-            self.args[i + 1] = "127.0.0.1:0".into();
+            self.args[i + 1] = format!("{}:0", self.host());
         }
         let before = self.grpc.clone();
         self.launch(timeout)?;
@@ -333,13 +372,18 @@ impl Proc {
         Ok(())
     }
 
+    /// The address the process listens on: loopback, or its namespace's.
+    fn host(&self) -> &str {
+        self.netns.as_ref().map_or("127.0.0.1", |n| n.1.as_str())
+    }
+
     /// Starts again with the same arguments, on the same port when it had one.
     pub fn restart(&mut self, timeout: Duration) -> Result<()> {
         self.kill9();
         if let Some(port) = self.grpc.rsplit(':').next().map(str::to_owned)
             && let Some(i) = self.args.iter().position(|a| a == "--listen")
         {
-            self.args[i + 1] = format!("127.0.0.1:{port}");
+            self.args[i + 1] = format!("{}:{port}", self.host());
         }
         self.launch(timeout)
     }

@@ -123,6 +123,13 @@ impl Bm25Index {
         doc
     }
 
+    /// Drops what is staged and starts a fresh tantivy writer at the last commit: a failed
+    /// commit (a full disk) or a killed indexing thread leaves the old one unusable.
+    pub fn restart_writer(&self) -> Result<()> {
+        self.writer.lock().rollback()?;
+        Ok(())
+    }
+
     /// Removes every document (before a rebuild from RocksDB).
     pub fn clear(&self) -> Result<()> {
         self.writer.lock().delete_all_documents()?;
@@ -131,6 +138,11 @@ impl Bm25Index {
 
     /// Commits staged changes durably with `seq` as payload and makes them searchable.
     pub fn commit(&self, seq: u64) -> Result<()> {
+        // A commit failing as on a full disk (the fault tests arm it on one node).
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("bm25_commit_enospc", |_| Err(ShardError::Io(
+            std::io::Error::from_raw_os_error(28)
+        )));
         {
             let mut w = self.writer.lock();
             let mut prepared = w.prepare_commit()?;

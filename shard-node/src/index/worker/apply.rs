@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::{Committing, Job, Worker, crash_point};
-use crate::error::Result;
+use crate::error::{Result, ShardError};
 use crate::index::{point, recovery};
 use crate::storage::ShardMeta;
 
@@ -47,7 +47,12 @@ impl Worker {
     /// Applies a group of jobs and commits it when due (a rebuilt index at once).
     pub(super) fn apply_group(&mut self, jobs: Vec<Job>) -> Result<()> {
         let rebuilt = jobs.iter().any(|j| matches!(j, Job::Rebuild { .. }));
-        self.at = self.apply(jobs)?;
+        let last = jobs.last().map_or(self.at, Job::seq);
+        let applied = self.apply(jobs);
+        // HNSW took the whole group even when tantivy failed part-way (it stages last): a
+        // BM25 restart (`restart`) brings tantivy to the same seq.
+        self.at = self.at.max(last);
+        applied?;
         crash_point!("index_apply_staged");
         if rebuilt || self.commit_is_due() {
             self.commit()?;
@@ -94,8 +99,9 @@ impl Worker {
         Ok(())
     }
 
-    /// Applies a group of jobs under the update lock: HNSW at once (or held beside the graph),
-    /// tantivy staged (committed by `commit`). Returns the group's last seq.
+    /// Applies a group of jobs under the update lock: HNSW at once (or held beside the graph)
+    /// for the whole group, then tantivy staged (committed by `commit`), so a tantivy failure
+    /// leaves only tantivy behind. Returns the group's last seq.
     fn apply(&mut self, jobs: Vec<Job>) -> Result<u64> {
         let started = Instant::now();
         let n = jobs.len();
@@ -107,6 +113,8 @@ impl Worker {
             .iter()
             .rposition(|j| matches!(j, Job::Rebuild { .. }))
             .unwrap_or(0);
+        let mut batches = Vec::new();
+        let mut rebuild_bm25 = false;
         for job in jobs.into_iter().skip(from) {
             match job {
                 Job::Batch {
@@ -122,13 +130,24 @@ impl Worker {
                     let defers = self.defers();
                     self.policy.following.place(&ix.hnsw, defers, points, seq);
                     ix.hnsw.remove(&removed);
-                    ix.bm25.stage(&writes)?;
-                    self.staged.chunks += writes.iter().map(|w| w.chunks.len()).sum::<usize>();
-                    self.staged.batches += 1;
+                    batches.push(writes);
                 }
                 Job::Skip(_) | Job::DumpNow | Job::Adopt(_) => {}
-                Job::Rebuild { seq, dump } => self.restore(seq, dump)?,
+                Job::Rebuild { seq, dump } => {
+                    // A graph that cannot be restored is not tantivy's to repair.
+                    self.restore_graph(seq, dump)
+                        .map_err(|e| ShardError::Corrupt(format!("graph not restored: {e}")))?;
+                    rebuild_bm25 = true;
+                }
             }
+        }
+        if rebuild_bm25 {
+            self.restore_bm25(last)?;
+        }
+        for writes in &batches {
+            ix.bm25.stage(writes)?;
+            self.staged.chunks += writes.iter().map(|w| w.chunks.len()).sum::<usize>();
+            self.staged.batches += 1;
         }
         let per_group = self.policy.following.per_group();
         if !self.defers() && per_group > 0 {
@@ -143,11 +162,11 @@ impl Worker {
         Ok(last)
     }
 
-    /// Brings both indexes to a snapshot installed at `seq`. The replica's own dumps
-    /// describe a state the snapshot replaced and go; the graph is loaded from the dump the
-    /// snapshot shipped and caught up from the op-log entries it carried (as at open), or
-    /// rebuilt from RocksDB. BM25 is rebuilt.
-    fn restore(&mut self, seq: u64, dump: Option<u64>) -> Result<()> {
+    /// Brings the graph to a snapshot installed at `seq`. The replica's own dumps describe a
+    /// state the snapshot replaced and go; the graph is loaded from the dump the snapshot
+    /// shipped and caught up from the op-log entries it carried (as at open), or rebuilt
+    /// from RocksDB. BM25 is rebuilt next (`restore_bm25`).
+    fn restore_graph(&mut self, seq: u64, dump: Option<u64>) -> Result<()> {
         let t = Instant::now();
         if !dump.is_some_and(|d| self.dumps.adopt_received(d)) {
             self.dumps.remove_except(None);
@@ -172,16 +191,23 @@ impl Worker {
             .dumped
             .store(state.dumped.unwrap_or(0), Ordering::Release);
         self.state = state;
-        let graph_ms = t.elapsed().as_millis() as u64;
         crash_point!("index_restore_graph_loaded");
+        metrics::counter!("shard_snapshot_graphs_total", "graph" => source).increment(1);
+        tracing::info!(shard = %self.key, seq, graph = source, points = hnsw.counts().0,
+            ms = t.elapsed().as_millis() as u64, "graph brought to an installed snapshot");
+        Ok(())
+    }
+
+    /// Rebuilds BM25 from RocksDB after a snapshot was installed (staged; committed with the
+    /// group it came in).
+    fn restore_bm25(&mut self, seq: u64) -> Result<()> {
+        let t = Instant::now();
         self.indexes.bm25.clear()?;
         self.store.for_each_chunk(&self.key, false, |c| {
             self.indexes.bm25.stage_chunks(std::slice::from_ref(&c))
         })?;
-        metrics::counter!("shard_snapshot_graphs_total", "graph" => source).increment(1);
-        tracing::info!(shard = %self.key, seq, graph = source, points = hnsw.counts().0,
-            graph_ms, ms = t.elapsed().as_millis() as u64,
-            "indexes brought to an installed snapshot");
+        tracing::info!(shard = %self.key, seq, ms = t.elapsed().as_millis() as u64,
+            "bm25 rebuilt for an installed snapshot");
         Ok(())
     }
 }

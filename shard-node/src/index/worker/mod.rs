@@ -39,6 +39,7 @@ pub use holding::Following;
 mod apply;
 mod holding;
 mod maintenance;
+mod restart;
 #[cfg(test)]
 mod tests;
 
@@ -144,6 +145,10 @@ struct Shared {
     following: AtomicBool,
     /// Seq of the dump the graph comes from (0: none), for the leader to ship a newer one.
     dumped: AtomicU64,
+    /// Why BM25 is being restarted (`restart`), while it is.
+    degraded: Mutex<Option<String>>,
+    /// Set by `stop`: a BM25 restart waiting for space gives up.
+    stopping: AtomicBool,
 }
 
 /// The thread's state, which the pipeline and the maintenance tasks share.
@@ -261,23 +266,31 @@ impl IndexWorker {
         }
         let mut rx = self.visible.clone();
         let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, rx.wait_for(|v| *v >= seq)).await {
-            Ok(Ok(_)) => Ok(()),
-            _ if self.failed.load(Ordering::Acquire) => Err(ShardError::Unavailable(
+        if let Ok(Ok(_)) = tokio::time::timeout(left, rx.wait_for(|v| *v >= seq)).await {
+            return Ok(());
+        }
+        let restarting = self.shared.degraded.lock().clone();
+        Err(ShardError::Unavailable(match restarting {
+            Some(why) => format!(
+                "entry {seq} is durable; it becomes searchable once the shard's BM25 writer, \
+                 restarting after a failed update, catches up ({why})"
+            ),
+            None if self.failed.load(Ordering::Acquire) => {
                 "the shard's indexes failed to update; the write is durable and is indexed \
                  again when the node restarts"
-                    .into(),
-            )),
-            _ => Err(ShardError::Unavailable(format!(
+                    .into()
+            }
+            None => format!(
                 "entry {seq} is durable but not yet searchable after {} ms",
                 left.as_millis()
-            ))),
-        }
+            ),
+        }))
     }
 
     /// Finishes the queued jobs and stops the thread; with `dump`, writes an HNSW dump first if
     /// the graph changed since the last one (a clean shutdown then restarts without replay).
     pub fn stop(&self, dump: bool) {
+        self.shared.stopping.store(true, Ordering::Release);
         if dump {
             self.dump_on_stop.store(true, Ordering::Release);
         }
@@ -333,7 +346,9 @@ impl Worker {
                     if !self.commit_is_due() {
                         self.idle();
                     } else if let Err(e) = self.commit() {
-                        return self.fail(failed, e);
+                        if let Err(e) = self.restart_bm25(e) {
+                            return self.fail(failed, e);
+                        }
                     } else {
                         self.trim_oplog();
                     }
@@ -345,7 +360,10 @@ impl Worker {
             };
             let (jobs, asked, adopt) = group(first, &rx);
             let wrote = !jobs.is_empty();
-            if wrote && let Err(e) = self.apply_group(jobs) {
+            if wrote
+                && let Err(e) = self.apply_group(jobs)
+                && let Err(e) = self.restart_bm25(e)
+            {
                 return self.fail(failed, e);
             }
             self.after_group(wrote, asked, adopt);
@@ -368,7 +386,8 @@ impl Worker {
         self.policy.following.enabled && self.shared.following.load(Ordering::Acquire)
     }
 
-    /// The worker stops on an index error: writes then get a clear UNAVAILABLE.
+    /// The worker stops when it panicked, or was stopped while restarting BM25: writes then
+    /// get a clear UNAVAILABLE.
     fn fail(&self, failed: &AtomicBool, e: ShardError) {
         tracing::error!(shard = %self.key, error = %e,
             "index update failed; writes stay durable and are re-indexed at restart");
