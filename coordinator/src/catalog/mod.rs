@@ -477,3 +477,55 @@ impl Drop for Catalog {
         self.stop();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lone coordinator whose data directory counts as full (a threshold above any free
+    /// space) refuses catalog changes with RESOURCE_EXHAUSTED, naming itself and the cause,
+    /// and the catalog is unchanged.
+    #[tokio::test]
+    async fn a_full_disk_refuses_catalog_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let catalog = Catalog::open(
+            &CatalogOptions {
+                node_id: 1,
+                members: BTreeMap::from([(1, "http://127.0.0.1:1".to_owned())]),
+                data_dir: dir.path().to_owned(),
+                tick: Duration::from_millis(10),
+                election_ticks: 10,
+                heartbeat_ticks: 2,
+                log_gc_threshold: 100,
+                disk: ragcluster_common::disk::DiskPolicy {
+                    min_free: u64::MAX,
+                    reserve: 0,
+                    interval: Duration::from_secs(3600),
+                },
+            },
+            &tokio::runtime::Handle::current(),
+            None,
+        )
+        .unwrap();
+        assert!(matches!(
+            catalog.wait_leader(Duration::from_secs(5)).await,
+            Leader::Me
+        ));
+        let c = CollectionInfo {
+            name: "c".into(),
+            shard_count: 1,
+            replication_factor: 1,
+            ..Default::default()
+        };
+        let e = catalog.insert(c, Duration::from_secs(2)).await.unwrap_err();
+        assert_eq!(e.to_status_code(), tonic::Code::ResourceExhausted, "{e}");
+        assert!(
+            e.to_string()
+                .contains("coordinator 1 refuses catalog changes"),
+            "{e}"
+        );
+        assert!(e.retry_after_ms().is_some());
+        assert!(catalog.list().is_empty());
+        assert!(catalog.disk_full().is_some());
+    }
+}
