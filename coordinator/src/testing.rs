@@ -29,25 +29,30 @@ pub const INTERVAL: Duration = Duration::from_millis(50);
 /// Silence after which a member is DOWN.
 pub const DOWN_AFTER: Duration = Duration::from_millis(300);
 
+/// A lone coordinator's catalog in `dir` (fast ticks), its disk never counting as full.
+pub fn lone_catalog(dir: &std::path::Path) -> CatalogOptions {
+    CatalogOptions {
+        node_id: 1,
+        members: BTreeMap::from([(1, "http://127.0.0.1:1".to_owned())]),
+        data_dir: dir.to_owned(),
+        tick: Duration::from_millis(10),
+        election_ticks: 10,
+        heartbeat_ticks: 2,
+        log_gc_threshold: 100,
+        disk: ragcluster_common::disk::DiskPolicy {
+            min_free: 0,
+            reserve: 0,
+            interval: Duration::from_secs(1),
+        },
+    }
+}
+
 /// `n` scripted shard nodes `http://127.0.0.1:17100`... with ids 11, 12, ..., not registered
 /// yet, and a one-coordinator catalog that leads.
 pub async fn fixture(n: usize) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let catalog = Catalog::open(
-        &CatalogOptions {
-            node_id: 1,
-            members: BTreeMap::from([(1, "http://127.0.0.1:1".to_owned())]),
-            data_dir: dir.path().to_owned(),
-            tick: Duration::from_millis(10),
-            election_ticks: 10,
-            heartbeat_ticks: 2,
-            log_gc_threshold: 100,
-            disk: ragcluster_common::disk::DiskPolicy {
-                min_free: 0,
-                reserve: 0,
-                interval: Duration::from_secs(1),
-            },
-        },
+        &lone_catalog(dir.path()),
         &tokio::runtime::Handle::current(),
         None,
     )

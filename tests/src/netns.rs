@@ -113,32 +113,20 @@ impl Net {
         format!("{}.{}", self.subnet, i + 1)
     }
 
-    /// The host an address ("http://10.x.y.z:port" or bare) belongs to.
-    pub fn host_of(&self, address: &str) -> Option<usize> {
-        let a = address.trim_start_matches("http://");
-        let ip = a.split(':').next()?;
-        let last: usize = ip
-            .strip_prefix(&format!("{}.", self.subnet))?
-            .parse()
-            .ok()?;
-        (1..=self.hosts).contains(&last).then(|| last - 1)
+    /// Runs `command` (words separated by spaces) inside host `i`'s namespace.
+    fn on(&self, i: usize, command: &str) -> Result<()> {
+        let ns = self.ns(i);
+        let mut args = vec!["ip", "netns", "exec", &ns];
+        args.extend(command.split_whitespace());
+        run(&args)
     }
 
     /// Host `i` drops what comes from host `from` (one way: `from` still hears `i`).
     pub fn drop_from(&self, i: usize, from: usize) -> Result<()> {
-        run(&[
-            "ip",
-            "netns",
-            "exec",
-            &self.ns(i),
-            "iptables",
-            "-A",
-            "INPUT",
-            "-s",
-            &self.addr(from),
-            "-j",
-            "DROP",
-        ])
+        self.on(
+            i,
+            &format!("iptables -A INPUT -s {} -j DROP", self.addr(from)),
+        )
     }
 
     /// Hosts `a` and `b` no longer hear each other.
@@ -149,45 +137,24 @@ impl Net {
 
     /// Host `i` drops each packet it receives with probability `p` (iptables `statistic`).
     pub fn lossy(&self, i: usize, p: f64) -> Result<()> {
-        run(&[
-            "ip",
-            "netns",
-            "exec",
-            &self.ns(i),
-            "iptables",
-            "-A",
-            "INPUT",
-            "-m",
-            "statistic",
-            "--mode",
-            "random",
-            "--probability",
-            &p.to_string(),
-            "-j",
-            "DROP",
-        ])
+        self.on(
+            i,
+            &format!("iptables -A INPUT -m statistic --mode random --probability {p} -j DROP"),
+        )
     }
 
     /// Loss and delay on host `i`'s interface (`tc netem`), e.g. "delay 40ms 10ms loss 5%".
     /// Err where the kernel has no netem (`sch_netem` not built or loaded).
     pub fn netem(&self, i: usize, spec: &str) -> Result<()> {
-        let ns = self.ns(i);
-        let mut args = vec![
-            "ip", "netns", "exec", &ns, "tc", "qdisc", "replace", "dev", "eth0", "root", "netem",
-        ];
-        args.extend(spec.split_whitespace());
-        run(&args)
+        self.on(i, &format!("tc qdisc replace dev eth0 root netem {spec}"))
     }
 
     /// Every rule and qdisc removed: all hosts hear each other again.
     pub fn heal(&self) -> Result<()> {
         for i in 0..self.hosts {
-            let ns = self.ns(i);
-            run(&["ip", "netns", "exec", &ns, "iptables", "-F", "INPUT"])?;
+            self.on(i, "iptables -F INPUT")?;
             // No netem qdisc is not an error worth reporting.
-            let _ = run(&[
-                "ip", "netns", "exec", &ns, "tc", "qdisc", "del", "dev", "eth0", "root",
-            ]);
+            let _ = self.on(i, "tc qdisc del dev eth0 root");
         }
         Ok(())
     }

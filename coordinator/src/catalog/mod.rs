@@ -488,25 +488,9 @@ mod tests {
     #[tokio::test]
     async fn a_full_disk_refuses_catalog_changes() {
         let dir = tempfile::tempdir().unwrap();
-        let catalog = Catalog::open(
-            &CatalogOptions {
-                node_id: 1,
-                members: BTreeMap::from([(1, "http://127.0.0.1:1".to_owned())]),
-                data_dir: dir.path().to_owned(),
-                tick: Duration::from_millis(10),
-                election_ticks: 10,
-                heartbeat_ticks: 2,
-                log_gc_threshold: 100,
-                disk: ragcluster_common::disk::DiskPolicy {
-                    min_free: u64::MAX,
-                    reserve: 0,
-                    interval: Duration::from_secs(3600),
-                },
-            },
-            &tokio::runtime::Handle::current(),
-            None,
-        )
-        .unwrap();
+        let mut opts = crate::testing::lone_catalog(dir.path());
+        opts.disk.min_free = u64::MAX;
+        let catalog = Catalog::open(&opts, &tokio::runtime::Handle::current(), None).unwrap();
         assert!(matches!(
             catalog.wait_leader(Duration::from_secs(5)).await,
             Leader::Me
