@@ -37,11 +37,11 @@ NVRTC_LIB := $(HOME)/.cache/ragcluster-nvrtc/lib
 test:             ## every test, layer by layer (scripts/test.sh): time per layer and skips at the end
 	bash scripts/test.sh
 
-test-faults:       ## Raft fault schedules with linearizability checks: 200 random seeds (CI runs 20); index-task crash points: 45 seeds (CI runs 9); damaged files; full disks; network partitions between namespaces: 3 rounds (CI runs 1)
+test-faults:       ## Raft fault schedules with linearizability checks: 200 random seeds (CI runs 20); index-task crash points: 45 seeds (CI runs 9); damaged files (WAL, SST, tantivy, HNSW); full disks; wall-clock jumps; network partitions between namespaces: 3 rounds (CI runs 1)
 	cargo build --release --workspace $(TEST_FEATURES)
 	RAGCLUSTER_FAULT_SEEDS=200 cargo test --release --workspace $(TEST_FEATURES) --test raft -- --nocapture
 	RAGCLUSTER_CRASH_SEEDS=45 cargo test --release --workspace $(TEST_FEATURES) --test crash_recovery -- --nocapture
-	cargo test --release --workspace $(TEST_FEATURES) --test damaged --test disk_full -- --nocapture
+	cargo test --release --workspace $(TEST_FEATURES) --test damaged --test disk_full --test clock -- --nocapture
 	RAGCLUSTER_NET_ROUNDS=3 cargo test --release --workspace $(TEST_FEATURES) --test partitions -- --nocapture
 
 test-sim:          ## deterministic Raft simulation: 5000 seeds (CI runs 500); SEED=N reruns one seed with a trace

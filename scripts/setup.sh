@@ -14,6 +14,8 @@ command -v clang >/dev/null 2>&1 || need_apt+=(clang)
 command -v unzip >/dev/null 2>&1 || need_apt+=(unzip)
 # scripts/dev-certs.sh (TLS certificates for the security tests and development clusters).
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
+# libfaketime: tests/tests/clock.rs steps one shard node's wall clock (LD_PRELOAD).
+dpkg -s faketime >/dev/null 2>&1 || need_apt+=(faketime)
 if [ ${#need_apt[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
@@ -22,7 +24,8 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-bash scripts/fetch-models.sh
+# The defaults plus Qwen2.5-Coder-0.5B (model-worker/tests/qwen2.rs); qwen1.5b and nomic on request.
+bash scripts/fetch-models.sh default qwen0.5b
 
 # Python packages of three checks: pytrec_eval (trec_eval's C code) checks our retrieval
 # metrics in tests/tests/eval.rs; helm-python-sdk (Helm v4's Go SDK, no helm binary) and

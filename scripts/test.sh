@@ -30,7 +30,7 @@ cargo build --release --workspace "${features[@]}" || exit 1
 # Test targets of the tests crate by layer; any file not named here is a process test.
 models_tests=(llama_batch llama_cuda)
 inproc_tests=(inproc bm25_global)
-fault_tests=(raft crash_recovery damaged disk_full partitions)
+fault_tests=(raft crash_recovery damaged disk_full partitions clock)
 process_tests=()
 for f in tests/tests/*.rs; do
   t="$(basename "$f" .rs)"
@@ -63,7 +63,7 @@ layer() {
 layer unit --workspace --lib --bins ";;" --workspace --doc ";;" --workspace --test architecture
 layer simulation --workspace --test sim
 # shellcheck disable=SC2046
-layer models --workspace --test reference $(tests_args "${models_tests[@]}")
+layer models --workspace --test reference --test qwen2 $(tests_args "${models_tests[@]}")
 # shellcheck disable=SC2046
 layer in-process --workspace $(tests_args "${inproc_tests[@]}")
 # shellcheck disable=SC2046

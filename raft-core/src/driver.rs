@@ -127,6 +127,12 @@ impl<R: Send + 'static> Member<R> {
         self.send(Msg::Campaign)
     }
 
+    /// Fails the member with `why` (see `Msg::Fail`): it stops stepping messages at once and
+    /// its status says why.
+    pub fn fail(&self, why: String) {
+        let _ = self.tx.send(Msg::Fail(why));
+    }
+
     /// Asks the member to publish a fresh status.
     pub fn wake(&self) {
         let _ = self.tx.send(Msg::Wake);

@@ -35,6 +35,10 @@ pub enum Msg<R> {
     },
     /// Nothing to do but publish a fresh status (the state machine made progress).
     Wake,
+    /// Fail the member with this reason, as if its log had lost acknowledged entries: its
+    /// replica found its own data damaged (a checksum that no longer holds) and must be
+    /// rebuilt from its peers, so it may neither vote nor serve meanwhile.
+    Fail(String),
     Stop,
 }
 

@@ -75,14 +75,10 @@ enum Waiter<R> {
 
 impl<R> Waiter<R> {
     fn fail(self, e: RaftError) {
-        match self {
-            Waiter::Entry(_, r) => {
-                let _ = r.send(Err(e));
-            }
-            Waiter::Conf(_, r) => {
-                let _ = r.send(Err(e));
-            }
-        }
+        let _ = match self {
+            Waiter::Entry(_, r) => r.send(Err(e)).is_ok(),
+            Waiter::Conf(_, r) => r.send(Err(e)).is_ok(),
+        };
     }
 }
 
@@ -247,6 +243,7 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
 
     pub fn handle(&mut self, m: Msg<M::Response>) {
         match m {
+            Msg::Fail(why) => self.lost = self.lost.take().or(Some(why)),
             Msg::Raft(msg) => {
                 if self.lost.is_some() {
                     return;

@@ -104,6 +104,14 @@ pub struct ShardNodeConfig {
     /// Between two looks at the free space.
     #[serde(with = "humantime_serde")]
     pub disk_check_interval: std::time::Duration,
+    /// Between two passes of the background scrub, which reads every RocksDB file with its
+    /// block checksums verified (files not verified yet are checked at every open). A damaged
+    /// file takes the replicas with keys in it out of service, to be rebuilt from their peers.
+    /// 0: no background scrub.
+    #[serde(with = "humantime_serde")]
+    pub scrub_interval: std::time::Duration,
+    /// The scrub reads at most this many bytes a second. 0: no limit.
+    pub scrub_bytes_per_sec: u64,
 }
 
 impl Default for ShardNodeConfig {
@@ -137,6 +145,8 @@ impl Default for ShardNodeConfig {
             disk_min_free_bytes: 256 << 20,
             disk_reserve_bytes: 64 << 20,
             disk_check_interval: std::time::Duration::from_millis(500),
+            scrub_interval: std::time::Duration::from_secs(3600),
+            scrub_bytes_per_sec: 16 << 20,
         }
     }
 }

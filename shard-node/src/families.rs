@@ -67,6 +67,31 @@ pub fn all() -> Vec<Family> {
             "leaderships handed to replicas with room because this node's disk was full",
         ),
         (
+            "shard_scrub_files_total",
+            Counter,
+            "RocksDB files read whole with their block checksums verified (at open and by the scrub)",
+        ),
+        (
+            "shard_scrub_bytes_total",
+            Counter,
+            "bytes of keys and values read by those verifications",
+        ),
+        (
+            "shard_scrub_passes_total",
+            Counter,
+            "background scrub passes over every live RocksDB file",
+        ),
+        (
+            "shard_scrub_damaged_files_total",
+            Counter,
+            "RocksDB files the background scrub found failing their checksums",
+        ),
+        (
+            "shard_store_salvages_total",
+            Counter,
+            "opens that rebuilt RocksDB without a damaged file (its shards rebuilt from peers)",
+        ),
+        (
             "shard_bm25_writer_restarts_total",
             Counter,
             "BM25 index writers restarted after a failed update (e.g. a full disk), with the \

@@ -108,6 +108,7 @@ pub async fn start_sharing_metrics(
     );
     let reaper = spawn_reaper(node.clone());
     let handoff = spawn_disk_handoff(node.clone(), cfg.raft_tick * cfg.raft_election_ticks as u32);
+    let scrubber = spawn_scrub(&node, &cfg)?;
     let follower = {
         let node = node.clone();
         raft::graph_follow::spawn(
@@ -172,7 +173,11 @@ pub async fn start_sharing_metrics(
             }
             served?;
             tracing::info!("grpc drained; flushing indexes");
-            tokio::task::spawn_blocking(move || node.flush()).await??;
+            tokio::task::spawn_blocking(move || {
+                drop(scrubber);
+                node.flush()
+            })
+            .await??;
             Ok(())
         })
     };
@@ -221,6 +226,30 @@ fn spawn_disk_handoff(node: Arc<Node>, election: Duration) -> tokio::task::JoinH
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
     })
+}
+
+/// The background scrub of the node's RocksDB (`storage::scrub`), unless turned off.
+fn spawn_scrub(
+    node: &Arc<Node>,
+    cfg: &ShardNodeConfig,
+) -> std::io::Result<Option<crate::storage::scrub::Scrubber>> {
+    if cfg.scrub_interval.is_zero() {
+        return Ok(None);
+    }
+    let (keys, hit) = (node.clone(), node.clone());
+    crate::storage::scrub::Scrubber::spawn(
+        node.store_handle(),
+        cfg.scrub_interval,
+        cfg.scrub_bytes_per_sec,
+        move || {
+            keys.replicas()
+                .iter()
+                .map(|r| r.shard.key.clone())
+                .collect()
+        },
+        move |d| hit.take_out_damaged(d),
+    )
+    .map(Some)
 }
 
 /// After `shutdown`: leaderships first (while this node still serves Raft, the other replicas

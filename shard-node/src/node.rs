@@ -61,7 +61,9 @@ impl Node {
         std::fs::create_dir_all(&cfg.data_dir)?;
         // Before RocksDB: the reserve is taken while there is room.
         let guard = DiskGuard::start(&cfg.data_dir, cfg.disk_policy())?;
-        let store = Arc::new(Store::open(&cfg.data_dir.join("rocksdb"), cfg.sync_writes)?);
+        let (store, salvaged) =
+            crate::storage::open_checked(&cfg.data_dir.join("rocksdb"), cfg.sync_writes)?;
+        let store = Arc::new(store);
         let node_id = store.node_id()?;
         let space = Arc::new(Space::new(guard, node_id));
         let snap_dir = cfg.data_dir.join("snap");
@@ -93,8 +95,14 @@ impl Node {
             cfg,
         };
         for (key, meta) in node.store.list_shards()? {
-            if node.store.raft_log(&key).exists().map_err(raft_store)? {
-                node.start_replica(key, meta, false)?;
+            if let Some(why) = node.store.damaged(&key)? {
+                // Its indexes were built from data the salvage dropped.
+                for dir in [node.bm25_dir(&key), node.hnsw_dir(&key)] {
+                    let _ = std::fs::remove_dir_all(dir);
+                }
+                node.start_replica(key, meta, false, Some(why))?;
+            } else if node.store.raft_log(&key).exists().map_err(raft_store)? {
+                node.start_replica(key, meta, false, None)?;
             } else {
                 // Parameters without Raft state: a create that crashed half-way; it never
                 // acknowledged anything.
@@ -102,7 +110,12 @@ impl Node {
                 node.store.drop_shard(&key)?;
             }
         }
-        tracing::info!(node_id, replicas = node.shard_count(), "node open");
+        tracing::info!(
+            node_id,
+            replicas = node.shard_count(),
+            salvaged = salvaged.is_some(),
+            "node open"
+        );
         Ok(node)
     }
 
@@ -194,7 +207,13 @@ impl Node {
             .join(key.shard.to_string())
     }
 
-    fn start_replica(&self, key: ShardKey, meta: ShardMeta, campaign: bool) -> Result<()> {
+    fn start_replica(
+        &self,
+        key: ShardKey,
+        meta: ShardMeta,
+        campaign: bool,
+        damaged: Option<String>,
+    ) -> Result<()> {
         let opts = ShardOptions {
             bm25_writer_memory: self.cfg.bm25_writer_memory,
             compaction: Compaction {
@@ -241,7 +260,14 @@ impl Node {
             metrics_prefix: "raft",
         };
         let log = self.store.raft_log(&key);
-        let replica = Replica::start(shard, log, raft, self.transport.clone(), self.space.clone())?;
+        let replica = Replica::start(
+            shard,
+            log,
+            raft,
+            self.transport.clone(),
+            self.space.clone(),
+            damaged,
+        )?;
         self.replicas.write().insert(key, replica);
         Ok(())
     }
@@ -306,7 +332,7 @@ impl Node {
         // The first peer is the preferred leader: it campaigns at once instead of waiting out
         // an election timeout.
         let campaign = !req.join && voters.first() == Some(&self.node_id);
-        self.start_replica(key, req.meta, campaign)
+        self.start_replica(key, req.meta, campaign, None)
     }
 
     pub fn drop_shard(&self, key: &ShardKey) -> Result<()> {
@@ -357,6 +383,26 @@ impl Node {
 
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    pub fn store_handle(&self) -> Arc<Store> {
+        self.store.clone()
+    }
+
+    /// Takes the replicas with keys in a damaged file out of service (the scrub found it):
+    /// the catalog leader rebuilds them from their peers, and the next open salvages the
+    /// store without the file.
+    pub fn take_out_damaged(&self, d: &crate::storage::scrub::Damage) {
+        for key in &d.shards {
+            if let Ok(r) = self.replica(key) {
+                r.fail(d.to_string());
+            }
+        }
+        if d.node_records {
+            tracing::error!(file = %d.file,
+                "the damaged file may hold this node's own records (id, peers); the next open \
+                 refuses to start if they are unreadable");
+        }
     }
 
     /// Publishes per-shard index sizes and RocksDB figures as Prometheus gauges.

@@ -69,6 +69,8 @@ pub struct Shard {
     /// When a snapshot last asked the index worker for a fresh dump: (the newest dump then,
     /// time).
     dump_asked: parking_lot::Mutex<Option<(Option<u64>, Instant)>>,
+    /// Stamps for the entries this replica proposes (see `shard::clock`).
+    pub(crate) clock: clock::LogClock,
 }
 
 /// A snapshot waits for a fresh HNSW dump when more points than this changed since the last
@@ -156,6 +158,7 @@ impl Shard {
             dumps,
             applied: AtomicU64::new(applied),
             documents: AtomicU64::new(documents),
+            clock: Default::default(),
             snap_dir: dirs.snap.to_path_buf(),
             dump_asked: Default::default(),
         })
@@ -241,6 +244,7 @@ impl Shard {
         mut req: WriteBatchRequest,
         proposed_at_ms: u64,
     ) -> Result<std::result::Result<WriteBatchResponse, ShardError>> {
+        self.clock.applied(proposed_at_ms);
         if !req.request_id.is_empty()
             && let Some(mut first) = self.store.request_result(&self.key, &req.request_id)?
         {
@@ -618,5 +622,6 @@ impl Shard {
     }
 }
 
+pub mod clock;
 #[cfg(test)]
 mod tests;

@@ -20,65 +20,16 @@
 //! start is printed beside the election timeout (goal: at most two). Rounds:
 //! `RAGCLUSTER_NET_ROUNDS` (CI 1, `make test-faults` 3).
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use ragcluster_common::skip::{SkipReason, skipped};
-use ragcluster_proto::v1::*;
 use ragcluster_tests::Cluster;
 use ragcluster_tests::cluster::replicas::*;
 use ragcluster_tests::linearizability::recorder::Recorder;
 use ragcluster_tests::netns::Net;
 use tokio::sync::Mutex;
-
-/// Acknowledged and attempted document ids, and when each acknowledged call ended.
-#[derive(Default)]
-struct Writes {
-    acked: BTreeSet<u64>,
-    attempted: BTreeSet<u64>,
-    ok_at: Vec<Instant>,
-}
-
-/// One document per call, one call at a time, until `stop`.
-async fn writer(
-    mut cc: coordinator_client::CoordinatorClient<tonic::transport::Channel>,
-    w: Arc<Mutex<Writes>>,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-) {
-    let mut id = 1_000_000u64;
-    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-        id += 1;
-        w.lock().await.attempted.insert(id);
-        let mut req = tonic::Request::new(UpsertDocumentsRequest {
-            collection: "net".into(),
-            documents: vec![doc(id)],
-        });
-        req.set_timeout(Duration::from_secs(3));
-        if cc.upsert_documents(req).await.is_ok() {
-            let mut g = w.lock().await;
-            g.acked.insert(id);
-            g.ok_at.push(Instant::now());
-        } else {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
-/// The longest time without an acknowledged write from `from` on, among the gaps that begin
-/// before `until` (a gap that begins at `from` is counted from there).
-fn window(ok_at: &[Instant], from: Instant, until: Instant) -> Duration {
-    let mut last = from;
-    let mut longest = Duration::ZERO;
-    for t in ok_at.iter().filter(|t| **t > from) {
-        if last < until {
-            longest = longest.max(t.duration_since(last));
-        }
-        last = *t;
-    }
-    longest
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn partitions_between_hosts_lose_nothing_and_stay_linearizable() -> Result<()> {
@@ -111,7 +62,7 @@ async fn partitions_between_hosts_lose_nothing_and_stay_linearizable() -> Result
     }
     let recorder = Recorder::start(&cc, "netlin", 3, 3, 67);
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let task = tokio::spawn(writer(cc.clone(), w.clone(), stop.clone()));
+    let task = tokio::spawn(writer(cc.clone(), "net", w.clone(), stop.clone()));
     let kinds = [
         "symmetric",
         "leader_deaf",
@@ -173,22 +124,7 @@ async fn partitions_between_hosts_lose_nothing_and_stay_linearizable() -> Result
     task.await?;
     let lin = recorder.finish().await.context("linearizability")?;
     let g = w.lock().await;
-    converged(&c, "net", &g.acked, &g.attempted).await?;
-    eprintln!(
-        "{} of {} writes acknowledged, all on every replica; linearizable: {} keys, {} \
-         operations ({} of unknown outcome), {} EVENTUAL reads went back of {}",
-        g.acked.len(),
-        g.attempted.len(),
-        lin.keys,
-        lin.ops,
-        lin.unknown,
-        lin.eventual_regressions,
-        lin.eventual_reads
-    );
-    for p in c.shards.iter().chain([&c.coordinator]) {
-        let log = std::fs::read_to_string(p.log())?;
-        anyhow::ensure!(!log.contains("panicked at"), "{} panicked", p.name);
-    }
+    settled(&c, "net", &g, &lin).await?;
     drop(c);
     drop(net);
     Ok(())

@@ -25,16 +25,22 @@ pub struct Replica {
 
 impl Replica {
     /// Starts the replica's member; its mailbox is registered with the transport first so no
-    /// message for it is lost.
+    /// message for it is lost. With `damaged`, the member is failed before it reads any
+    /// message (its data was found damaged at open): it never votes, leads or serves, and the
+    /// catalog leader rebuilds it from its peers.
     pub fn start(
         shard: Arc<Shard>,
         log: RocksLog,
         opts: Options,
         transport: Arc<ShardTransport>,
         space: Arc<Space>,
+        damaged: Option<String>,
     ) -> Result<Arc<Self>> {
         let key = shard.key.clone();
         let mailbox = ragcluster_raft::mailbox();
+        if let Some(why) = damaged {
+            let _ = mailbox.0.send(ragcluster_raft::Msg::Fail(why));
+        }
         transport.register(key.clone(), mailbox.0.clone());
         let member = Member::start(
             opts,
@@ -62,6 +68,12 @@ impl Replica {
 
     pub fn status(&self) -> Status {
         self.member.status()
+    }
+
+    /// Takes the replica out of service for `why` (the scrub found its data damaged): the
+    /// member stops, and the catalog leader rebuilds the replica from its peers.
+    pub fn fail(&self, why: String) {
+        self.member.fail(why);
     }
 
     /// Whether the replica may serve: not once its Raft member failed (`Status::failed`),
@@ -122,7 +134,7 @@ impl Replica {
             .writable(&self.shard.key, &st.voters, |id| self.leader_address(id))?;
         let deadline = Instant::now() + timeout;
         let data = RaftCommand {
-            proposed_at_ms: ragcluster_raft::now_ms(),
+            proposed_at_ms: self.shard.clock.stamp(),
             batch: Some(req),
         }
         .encode_to_vec();

@@ -11,6 +11,7 @@
 //! | `docs`   | doc id           | the document's chunk ids (u32-length-prefixed)   |
 //! | `meta`   | `r` request id   | ts (u64 BE) + first `WriteBatchResponse` (dedupe) |
 //! | `meta`   | `q` ts + id      | empty: request ids in time order, for pruning    |
+//! | `meta`   | `x`              | why a salvage dropped the shard's data (`salvage`) |
 //! | `oplog`  | seq (u64 BE)     | the `WriteBatchRequest` applied at that seq      |
 //! | `raft`   | `h` / `c` / `t`  | hard state, conf state, truncated (index, term)  |
 //! | `raft`   | `e` index (BE)   | a Raft log entry (`eraftpb.Entry`)               |
@@ -37,7 +38,10 @@ use rocksdb::{
 
 use crate::error::{Result, ShardError};
 
+mod salvage;
+pub mod scrub;
 mod snapshot;
+pub use salvage::open_checked;
 pub use snapshot::{SECTION_END, StoreSnapshot};
 
 const CF_META: &str = "meta";
@@ -180,6 +184,8 @@ pub struct BatchEffect {
 pub struct Store {
     db: std::sync::Arc<DB>,
     sync: bool,
+    /// Set when the scrub found a damaged file: compactions asked for here would meet it.
+    damaged: std::sync::atomic::AtomicBool,
 }
 
 impl Store {
@@ -197,7 +203,14 @@ impl Store {
         Ok(Self {
             db: std::sync::Arc::new(db),
             sync,
+            damaged: Default::default(),
         })
+    }
+
+    /// Notes that a live file is damaged (see `damaged`).
+    pub fn mark_damaged(&self) {
+        self.damaged
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     fn cf(&self, name: &str) -> &rocksdb::ColumnFamily {
@@ -653,6 +666,11 @@ impl Store {
             b.delete_range_cf(self.cf(cf), key.prefix(), key.end());
         }
         self.write(b)?;
+        if self.damaged.load(std::sync::atomic::Ordering::Acquire) {
+            // Left to the salvage at the next open (a compaction meeting the file would stop
+            // the database's writes).
+            return Ok(());
+        }
         let (start, end) = (key.prefix(), key.end());
         for cf in ALL_CFS {
             self.db
@@ -687,8 +705,15 @@ impl Store {
             .sum()
     }
 
+    /// At a graceful stop: the WAL synced, then the memtables written to SST files (and
+    /// checked at the next open) so that open replays little.
     pub fn flush(&self) -> Result<()> {
         self.db.flush_wal(true)?;
+        let cfs: Vec<_> = ALL_CFS.iter().map(|n| self.cf(n)).collect();
+        // Best effort (a full disk): the synced WAL holds everything anyway.
+        if let Err(e) = self.db.flush_cfs_opt(&cfs, &Default::default()) {
+            tracing::warn!(error = %e, "memtables not flushed at stop; the next open replays the WAL");
+        }
         Ok(())
     }
 }

@@ -31,6 +31,8 @@ pub struct Proc {
     pub metrics: String,
     /// Network namespace the process runs in (`ip netns exec`), listening on `host`.
     netns: Option<(String, String)>,
+    /// Extra environment of the next start (`restart`), e.g. libfaketime's.
+    pub env: Vec<(String, String)>,
 }
 
 impl Proc {
@@ -77,6 +79,7 @@ impl Proc {
             grpc: String::new(),
             metrics: String::new(),
             netns,
+            env: Vec::new(),
         };
         p.launch(timeout)?;
         Ok(p)
@@ -261,6 +264,7 @@ impl Proc {
         let child = cmd
             .args(&args)
             .env("RUST_BACKTRACE", "1")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

@@ -274,3 +274,79 @@ pub async fn converged(
     }
     Ok(())
 }
+
+/// Acknowledged and attempted document ids, and when each acknowledged call ended.
+#[derive(Default)]
+pub struct Writes {
+    pub acked: BTreeSet<u64>,
+    pub attempted: BTreeSet<u64>,
+    pub ok_at: Vec<Instant>,
+}
+
+/// One document of `coll` per call, one call at a time, until `stop`.
+pub async fn writer(
+    mut cc: CoordinatorClient<Channel>,
+    coll: &'static str,
+    w: std::sync::Arc<tokio::sync::Mutex<Writes>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    let mut id = 1_000_000u64;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        id += 1;
+        w.lock().await.attempted.insert(id);
+        let mut req = tonic::Request::new(UpsertDocumentsRequest {
+            collection: coll.into(),
+            documents: vec![doc(id)],
+        });
+        req.set_timeout(Duration::from_secs(3));
+        if cc.upsert_documents(req).await.is_ok() {
+            let mut g = w.lock().await;
+            g.acked.insert(id);
+            g.ok_at.push(Instant::now());
+        } else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// The longest time without an acknowledged write from `from` on, among the gaps that begin
+/// before `until` (a gap that begins at `from` is counted from there).
+pub fn window(ok_at: &[Instant], from: Instant, until: Instant) -> Duration {
+    let mut last = from;
+    let mut longest = Duration::ZERO;
+    for t in ok_at.iter().filter(|t| **t > from) {
+        if last < until {
+            longest = longest.max(t.duration_since(last));
+        }
+        last = *t;
+    }
+    longest
+}
+
+/// After a fault run: every acknowledged write on every replica, what the linearizability
+/// check found printed, and no process of the cluster logged a panic (Rust's "panicked at";
+/// tantivy's error text "...or panicked." is not one).
+pub async fn settled(
+    c: &Cluster,
+    coll: &str,
+    w: &Writes,
+    lin: &crate::linearizability::recorder::Checked,
+) -> Result<()> {
+    converged(c, coll, &w.acked, &w.attempted).await?;
+    eprintln!(
+        "{} of {} writes acknowledged, all on every replica; linearizable: {} keys, {} \
+         operations ({} of unknown outcome), {} EVENTUAL reads went back of {}",
+        w.acked.len(),
+        w.attempted.len(),
+        lin.keys,
+        lin.ops,
+        lin.unknown,
+        lin.eventual_regressions,
+        lin.eventual_reads
+    );
+    for p in c.shards.iter().chain([&c.coordinator]) {
+        let log = std::fs::read_to_string(p.log())?;
+        ensure!(!log.contains("panicked at"), "{} panicked", p.name);
+    }
+    Ok(())
+}

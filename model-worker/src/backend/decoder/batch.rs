@@ -26,6 +26,8 @@ pub(super) struct Layer {
     pub(super) down: QMatMul,
     pub(super) attn_norm: Vec<f32>,
     pub(super) ffn_norm: Vec<f32>,
+    /// Biases of q, k and v (qwen2), added after the projection.
+    pub(super) qkv_bias: Option<[Vec<f32>; 3]>,
 }
 
 /// The weights, shared by every sequence.
@@ -38,6 +40,9 @@ pub struct LlamaModel {
     /// cos / sin of position x frequency, `context` x `head_dim / 2`.
     pub(super) cos: Vec<f32>,
     pub(super) sin: Vec<f32>,
+    /// RoPE over the two halves of each head (NeoX, qwen2) instead of adjacent pairs (GGUF
+    /// llama, whose q/k weights are permuted for it).
+    pub(super) neox: bool,
 }
 
 /// One sequence's keys and values: per layer, position-major rows of `kv_heads * head_dim`.
@@ -104,11 +109,16 @@ impl LlamaModel {
         }
         for (l, layer) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &layer.attn_norm, d.eps);
-            let [mut q, mut k, v]: [Vec<f32>; 3] = layer
+            let [mut q, mut k, mut v]: [Vec<f32>; 3] = layer
                 .qkv
                 .apply(&h, n, d.hidden)?
                 .try_into()
                 .map_err(|_| ModelError::Inference("q/k/v projection".into()))?;
+            if let Some(b) = &layer.qkv_bias {
+                for (m, b) in [&mut q, &mut k, &mut v].into_iter().zip(b) {
+                    m.chunks_exact_mut(b.len()).for_each(|r| add(r, b));
+                }
+            }
             for (i, &pos) in positions.iter().enumerate() {
                 self.rope(&mut q[i * d.hidden..(i + 1) * d.hidden], pos);
                 self.rope(&mut k[i * d.kv_width()..(i + 1) * d.kv_width()], pos);
@@ -147,19 +157,22 @@ impl LlamaModel {
         Ok(logits.chunks(d.vocab).map(<[f32]>::to_vec).collect())
     }
 
-    /// Rotates consecutive pairs of every head in `x` by the angles of `pos` (GGUF llama
-    /// weights are permuted for this interleaved form).
+    /// Rotates every head in `x` by the angles of `pos`: adjacent pairs (GGUF llama weights
+    /// are permuted for this interleaved form) or, with `neox`, element i with i + half.
     fn rope(&self, x: &mut [f32], pos: usize) {
         let half = self.dims.head_dim / 2;
         let (cos, sin) = (
             &self.cos[pos * half..(pos + 1) * half],
             &self.sin[pos * half..(pos + 1) * half],
         );
+        // Which two elements of a head rotate together at frequency i.
+        let (stride, apart) = if self.neox { (1, half) } else { (2, 1) };
         for head in x.chunks_exact_mut(self.dims.head_dim) {
             for i in 0..half {
-                let (a, b) = (head[2 * i], head[2 * i + 1]);
-                head[2 * i] = a * cos[i] - b * sin[i];
-                head[2 * i + 1] = a * sin[i] + b * cos[i];
+                let (ia, ib) = (stride * i, stride * i + apart);
+                let (a, b) = (head[ia], head[ib]);
+                head[ia] = a * cos[i] - b * sin[i];
+                head[ib] = a * sin[i] + b * cos[i];
             }
         }
     }

@@ -1,4 +1,6 @@
-//! Reading a llama GGUF's weights into the CPU decoder's layout (`batch`).
+//! Reading a llama or qwen2 GGUF's weights into the CPU decoder's layout (`batch`). The two
+//! differ in what the decoder must know: qwen2 has biases on q, k and v, rotates the halves
+//! of each head (NeoX RoPE, its weights not permuted), and keeps its keys under `qwen2.`.
 
 use std::path::Path;
 
@@ -23,17 +25,31 @@ impl LlamaModel {
                 .get(k)
                 .ok_or_else(|| ModelError::Inference(format!("GGUF metadata {k} missing")))
         };
-        let num =
-            |k: &str| -> Result<usize, ModelError> { Ok(md(k)?.to_u32().map_err(infer)? as usize) };
-        let hidden = num("llama.embedding_length")?;
-        let heads = num("llama.attention.head_count")?;
-        let kv_heads = num("llama.attention.head_count_kv")?;
-        let blocks = num("llama.block_count")?;
-        let head_dim = num("llama.rope.dimension_count")?;
-        let eps = md("llama.attention.layer_norm_rms_epsilon")?
+        let arch = md("general.architecture")?
+            .to_string()
+            .map_err(infer)?
+            .clone();
+        if arch != "llama" && arch != "qwen2" {
+            return Err(ModelError::Inference(format!(
+                "architecture {arch:?}: llama and qwen2 GGUFs are served"
+            )));
+        }
+        let key = |k: &str| format!("{arch}.{k}");
+        let num = |k: &str| -> Result<usize, ModelError> {
+            Ok(md(&key(k))?.to_u32().map_err(infer)? as usize)
+        };
+        let hidden = num("embedding_length")?;
+        let heads = num("attention.head_count")?;
+        let kv_heads = num("attention.head_count_kv")?;
+        let blocks = num("block_count")?;
+        let head_dim = match num("rope.dimension_count") {
+            Ok(d) => d,
+            Err(_) => hidden / heads.max(1),
+        };
+        let eps = md(&key("attention.layer_norm_rms_epsilon"))?
             .to_f32()
             .map_err(infer)?;
-        let base = md("llama.rope.freq_base")
+        let base = md(&key("rope.freq_base"))
             .and_then(|v| v.to_f32().map_err(infer))
             .unwrap_or(10_000.0);
         if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || head_dim * heads != hidden {
@@ -59,8 +75,15 @@ impl LlamaModel {
         };
         let mut layers = Vec::with_capacity(blocks);
         for i in 0..blocks {
+            let qkv_bias = if arch == "qwen2" {
+                let mut b = |n: &str| vector(&tensor(&format!("blk.{i}.{n}.bias"))?);
+                Some([b("attn_q")?, b("attn_k")?, b("attn_v")?])
+            } else {
+                None
+            };
             let mut w = |n: &str| tensor(&format!("blk.{i}.{n}.weight"));
             layers.push(Layer {
+                qkv_bias,
                 qkv: Group::new(vec![
                     mm(w("attn_q")?)?,
                     mm(w("attn_k")?)?,
@@ -99,6 +122,7 @@ impl LlamaModel {
             output,
             cos,
             sin,
+            neox: arch == "qwen2",
         })
     }
 }

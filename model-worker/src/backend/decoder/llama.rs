@@ -75,9 +75,9 @@ impl LlamaGenerator {
             .and_then(|v| v.to_string().ok())
             .cloned()
             .unwrap_or_default();
-        if arch != "llama" {
+        if arch != "llama" && arch != "qwen2" {
             return Err(load_err(format!(
-                "architecture {arch:?}: only llama GGUF models are served"
+                "architecture {arch:?}: llama and qwen2 GGUF models are served"
             )));
         }
         let mut tokenizer = Tokenizer::from_gguf(&content)

@@ -184,6 +184,11 @@ fn dims(content: &gguf_file::Content, context: usize) -> Result<(Dims, usize, f3
             .get(k)
             .ok_or_else(|| err(format!("GGUF metadata {k} missing")))
     };
+    if md("general.architecture")?.to_string()? != "llama" {
+        return Err(err(
+            "the CUDA decoder runs llama GGUFs only (qwen2: biases, NeoX RoPE)",
+        ));
+    }
     let num = |k: &str| -> Result<usize, ModelError> { Ok(md(k)?.to_u32()? as usize) };
     let hidden = num("llama.embedding_length")?;
     let heads = num("llama.attention.head_count")?;

@@ -1,0 +1,160 @@
+//! Qwen2.5-Coder-0.5B-Instruct (a qwen2 Q4_K_M GGUF: q/k/v biases, NeoX RoPE, GQA 14/2,
+//! ChatML) on the CPU decoder: it loads, and greedy decoding answers a question from a
+//! context it cannot know otherwise, in the words of the context. (`scripts/setup.sh` fetches
+//! the file; the llama path is covered by SmolLM2's tests.)
+
+use std::path::PathBuf;
+
+use model_worker::backend::decoder::llama::{GenParams, LlamaGenerator};
+use ragcluster_common::skip::{SkipReason, skipped};
+
+const FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+
+/// The model file, or None (the skip recorded for `test`) where it was not fetched.
+fn model(test: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("RAGCLUSTER_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"))
+        .join(FILE);
+    if !path.exists() {
+        let why = format!(
+            "{} missing: scripts/fetch-models.sh qwen0.5b",
+            path.display()
+        );
+        skipped(SkipReason::NotSetUp, test, &why);
+        return None;
+    }
+    Some(path)
+}
+
+fn answer(g: &LlamaGenerator, question: &str) -> String {
+    let prompt = g.prompt_tokens(question, "", &[], false, "").unwrap();
+    let params = GenParams {
+        max_tokens: 24,
+        temperature: 0.0,
+        top_p: 1.0,
+        stop: Vec::new(),
+        seed: 0,
+    };
+    let mut out = String::new();
+    g.generate(&prompt, &params, |p| {
+        out.push_str(&p.text);
+        true
+    })
+    .unwrap();
+    out
+}
+
+#[test]
+fn qwen2_answers_from_the_context() {
+    let Some(path) = model("qwen2_answers_from_the_context") else {
+        return;
+    };
+    let g = LlamaGenerator::load("qwen0.5b", &path).unwrap();
+    let a = answer(
+        &g,
+        "Context: The lighthouse of Varnholm was built in 1873 by the engineer Edda Quist.\n\
+         Answer using only the context, with a short phrase.\n\
+         Question: Who built the lighthouse of Varnholm?",
+    );
+    eprintln!("qwen0.5b: {a:?}");
+    assert!(a.contains("Edda Quist"), "{a:?}");
+    let a = answer(
+        &g,
+        "Context: The lighthouse of Varnholm was built in 1873 by the engineer Edda Quist.\n\
+         Answer using only the context, with a short phrase.\n\
+         Question: In which year was the lighthouse of Varnholm built?",
+    );
+    eprintln!("qwen0.5b: {a:?}");
+    assert!(a.contains("1873"), "{a:?}");
+}
+
+/// The batched decoder against an independent implementation on the same file, candle's
+/// quantized qwen2 (same quantized weights): the next-token logits after a ChatML prompt agree
+/// (cosine >= 0.999, same top token) at the prompt's end and after three more tokens.
+#[test]
+fn qwen2_matches_candle_quantized_qwen2() {
+    use candle_core::{Device, Tensor};
+    use candle_transformers::models::quantized_qwen2::ModelWeights;
+    use model_worker::backend::decoder::{Row, load};
+
+    let Some(path) = model("qwen2_matches_candle_quantized_qwen2") else {
+        return;
+    };
+    let g = LlamaGenerator::load("qwen0.5b", &path).unwrap();
+    let prompt = g
+        .prompt_tokens(
+            "Why do retrieval systems rerank their candidates?",
+            "",
+            &[],
+            false,
+            "",
+        )
+        .unwrap();
+    let ours = load(&path, 4096).unwrap();
+    let mut f = std::fs::File::open(&path).unwrap();
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+    let mut theirs = ModelWeights::from_gguf(content, &mut f, &Device::Cpu).unwrap();
+    let argmax = |v: &[f32]| {
+        v.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i as u32)
+            .unwrap()
+    };
+    let cosine = |a: &[f32], b: &[f32]| {
+        let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+        let n = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        dot / (n(a) * n(b))
+    };
+    let mut cache = ours.new_cache();
+    let rows: Vec<Row> = prompt.iter().map(|&token| Row { seq: 0, token }).collect();
+    let mut a = ours
+        .forward(&rows, &mut [&mut cache], &[rows.len() - 1])
+        .unwrap()
+        .remove(0);
+    let input = Tensor::new(prompt.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let mut b = theirs
+        .forward(&input, 0)
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    for step in 0..4 {
+        let c = cosine(&a, &b);
+        eprintln!(
+            "step {step}: cosine {c:.6}, top {} / {}",
+            argmax(&a),
+            argmax(&b)
+        );
+        assert!(c >= 0.999, "step {step}: cosine {c}");
+        assert_eq!(argmax(&a), argmax(&b), "step {step}");
+        let next = argmax(&a);
+        a = ours
+            .forward(
+                &[Row {
+                    seq: 0,
+                    token: next,
+                }],
+                &mut [&mut cache],
+                &[0],
+            )
+            .unwrap()
+            .remove(0);
+        let input = Tensor::new(&[next], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        b = theirs
+            .forward(&input, prompt.len() + step)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+    }
+}
