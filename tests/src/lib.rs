@@ -72,8 +72,12 @@ pub fn embed_model() -> Result<PathBuf> {
 
 /// BEIR datasets shipped beside the checkout (`../shared/datasets`).
 /// The SmolLM2-135M-Instruct GGUF fetched by scripts/fetch-models.sh.
+/// The generator of the tests and benches: SmolLM2-135M, or the GGUF file (a path, or a name
+/// in the models directory) that `RAGCLUSTER_GENERATE_MODEL` names.
 pub fn generate_model() -> Result<PathBuf> {
-    let p = models_dir().join("smollm2-135m-instruct.Q4_1.gguf");
+    let name = std::env::var_os("RAGCLUSTER_GENERATE_MODEL")
+        .unwrap_or_else(|| "smollm2-135m-instruct.Q4_1.gguf".into());
+    let p = models_dir().join(name);
     anyhow::ensure!(
         p.exists(),
         "{} missing: run scripts/fetch-models.sh",
