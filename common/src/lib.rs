@@ -7,7 +7,8 @@
 //! data directories (`disk`), the batching of
 //! queued calls onto a long-lived stream (`batch`), and the word-cached BERT tokenizer that
 //! the coordinator's chunkers and the model worker's Embed calls share (`tokens`), and how a
-//! test that cannot run on this machine says so (`skip`).
+//! test that cannot run on this machine says so (`skip`), and the generation prompt's defaults
+//! and chunk tags (`prompt`) that flows and `ragctl eval answers --oracle` share.
 //! It must not depend on any process crate.
 
 pub mod batch;
@@ -17,6 +18,7 @@ pub mod disk;
 pub mod families;
 pub mod membership;
 pub mod names;
+pub mod prompt;
 pub mod server;
 pub mod skip;
 pub mod telemetry;

@@ -41,11 +41,12 @@ struct Flags {
     #[arg(long)]
     #[serde(skip)]
     embed_model: Option<PathBuf>,
-    /// Path of a llama-architecture GGUF model to serve for Generate (added to
-    /// model_worker.models as kind "generate", named after the file).
+    /// Path of a GGUF generator (llama or qwen2 architecture) to serve for Generate, named
+    /// after the file; repeat the flag to serve several, the first being the default
+    /// (replaces the generate models of model_worker.models).
     #[arg(long)]
     #[serde(skip)]
-    generate_model: Option<PathBuf>,
+    generate_model: Vec<PathBuf>,
     /// Path of a rerank model (added to model_worker.models as kind "rerank", named after the
     /// file): an HF cross-encoder directory, a BERT directory (MaxSim) or a GGUF (LLM yes/no).
     #[arg(long)]
@@ -74,12 +75,14 @@ fn main() -> anyhow::Result<()> {
         cfg.models
             .insert(0, ModelSpec::new(&name, "embed", path.clone()));
     }
-    if let Some(path) = &flags.generate_model {
+    if !flags.generate_model.is_empty() {
+        cfg.models.retain(|m| m.kind != "generate");
+    }
+    for path in &flags.generate_model {
         let name = path
             .file_stem()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "generate".into());
-        cfg.models.retain(|m| m.kind != "generate");
         cfg.models
             .push(ModelSpec::new(&name, "generate", path.clone()));
     }

@@ -74,27 +74,59 @@ fn qwen2_answers_from_the_context() {
 /// (cosine >= 0.999, same top token) at the prompt's end and after three more tokens.
 #[test]
 fn qwen2_matches_candle_quantized_qwen2() {
-    use candle_core::{Device, Tensor};
+    use candle_core::Device;
     use candle_transformers::models::quantized_qwen2::ModelWeights;
-    use model_worker::backend::decoder::{Row, load};
+    use model_worker::backend::decoder::load;
 
     let Some(path) = model("qwen2_matches_candle_quantized_qwen2") else {
         return;
     };
     let g = LlamaGenerator::load("qwen0.5b", &path).unwrap();
-    let prompt = g
-        .prompt_tokens(
+    let ours = load(&path, 4096).unwrap();
+    // A short question, and a cited-answer prompt of ~600 tokens over several KV pages.
+    let long = format!(
+        "<chunk id=\"1\">Raft\n{}</chunk>\n\nUsing the chunks above, answer in one or two \
+         sentences and cite the chunk numbers like [1].\nQuestion: How is a leader elected?",
+        "A follower that hears nothing from a leader for an election timeout becomes a \
+         candidate, increments its term and asks the others for votes; a candidate that \
+         gathers votes from a majority becomes the leader for that term. "
+            .repeat(6)
+    );
+    let prompts = [
+        g.prompt_tokens(
             "Why do retrieval systems rerank their candidates?",
             "",
             &[],
             false,
             "",
         )
-        .unwrap();
-    let ours = load(&path, 4096).unwrap();
-    let mut f = std::fs::File::open(&path).unwrap();
-    let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
-    let mut theirs = ModelWeights::from_gguf(content, &mut f, &Device::Cpu).unwrap();
+        .unwrap(),
+        g.prompt_tokens(
+            &long,
+            "You are a helpful assistant. Answer using only the numbered chunks.",
+            &[],
+            false,
+            "",
+        )
+        .unwrap(),
+    ];
+    for prompt in prompts {
+        let mut f = std::fs::File::open(&path).unwrap();
+        let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+        let theirs = ModelWeights::from_gguf(content, &mut f, &Device::Cpu).unwrap();
+        eprintln!("prompt of {} tokens", prompt.len());
+        agree(&ours, theirs, &prompt);
+    }
+}
+
+/// Greedy steps of both implementations from `prompt`: logits agree at every step.
+fn agree(
+    ours: &model_worker::backend::decoder::LlamaModel,
+    mut theirs: candle_transformers::models::quantized_qwen2::ModelWeights,
+    prompt: &[u32],
+) {
+    use candle_core::{Device, Tensor};
+    use model_worker::backend::decoder::Row;
     let argmax = |v: &[f32]| {
         v.iter()
             .enumerate()
@@ -113,7 +145,7 @@ fn qwen2_matches_candle_quantized_qwen2() {
         .forward(&rows, &mut [&mut cache], &[rows.len() - 1])
         .unwrap()
         .remove(0);
-    let input = Tensor::new(prompt.as_slice(), &Device::Cpu)
+    let input = Tensor::new(prompt, &Device::Cpu)
         .unwrap()
         .unsqueeze(0)
         .unwrap();

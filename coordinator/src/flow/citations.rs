@@ -1,16 +1,19 @@
 //! Chunk-tagged prompts and the citations of an answer.
 //!
 //! Contexts go into the prompt as `<chunk id="n">title > section\ntext</chunk>` (the seeds'
-//! chunk-tagged prompt) and the generator is told to cite them as `[n]`. Afterwards every
+//! chunk-tagged prompt); a flow's template may tell the generator to cite them as `[n]` (the
+//! default one does not: small models then answer "[1]" and nothing else). Afterwards every
 //! marker in the answer (`[2]`, `[1, 3]`, `[chunk 2]`) is checked against the contexts that
 //! were actually given: a number outside them is dropped and counted. Each kept citation
 //! carries the answer sentence it supports and the span of the cited chunk that overlaps it
 //! most. When a (small) model cites nothing, sentences are attributed to the context
 //! sentence with the largest word overlap and flagged `attributed`, never presented as the
-//! model's own citation.
+//! model's own citation; a short answer ("Yes.") is read together with its question.
 
 use std::collections::HashSet;
 
+use ragcluster_common::prompt::chunk_tag;
+pub use ragcluster_common::prompt::fill;
 use ragcluster_proto::v1::Citation;
 use unicode_segmentation::UnicodeSegmentation;
 
@@ -25,13 +28,7 @@ pub fn render(contexts: &[Passage]) -> (String, usize) {
     let mut out = String::new();
     let mut used = 0;
     for (i, p) in contexts.iter().take(MAX_CONTEXTS).enumerate() {
-        let label = match (p.title.is_empty(), p.section.is_empty()) {
-            (true, true) => String::new(),
-            (false, true) => format!("{}\n", p.title),
-            (true, false) => format!("{}\n", p.section),
-            (false, false) => format!("{} > {}\n", p.title, p.section),
-        };
-        let tag = format!("<chunk id=\"{}\">{label}{}</chunk>\n", i + 1, p.text.trim());
+        let tag = chunk_tag(i + 1, &p.title, &p.section, &p.text);
         if used > 0 && out.len() + tag.len() > MAX_CONTEXT_CHARS {
             break;
         }
@@ -39,15 +36,6 @@ pub fn render(contexts: &[Passage]) -> (String, usize) {
         used += 1;
     }
     (out.trim_end().to_owned(), used)
-}
-
-/// Replaces `{name}` placeholders.
-pub fn fill(template: &str, vars: &[(&str, &str)]) -> String {
-    let mut out = template.to_owned();
-    for (k, v) in vars {
-        out = out.replace(&format!("{{{k}}}"), v);
-    }
-    out
 }
 
 /// A citation marker found in the answer: the numbers it names and its byte range.
@@ -161,8 +149,55 @@ fn cite(
 /// Minimum share of an answer sentence's words found in a context sentence for attribution.
 pub const ATTRIBUTION_OVERLAP: f32 = 0.5;
 
-/// The validated citations of `answer` and how many markers were dropped.
-pub fn extract(answer: &str, contexts: &[Passage]) -> (Vec<Citation>, u32) {
+/// Answer sentences with fewer content words than this ("Yes.", "Helsinki.") are attributed
+/// as an answer to the question: the question's words join the claim.
+const SHORT_CLAIM: usize = 3;
+
+/// The context an uncited answer sentence comes from, and the words it was matched on: the
+/// context sentence sharing at least `ATTRIBUTION_OVERLAP` of the sentence's words; failing
+/// that, the context holding every content word of the sentence (yes/no aside) whose whole
+/// text shares that much of the sentence and its question together ("18 years" to "How long
+/// was his legal career?" spans no single sentence's wording).
+fn attribute(
+    sentence: &str,
+    question: &str,
+    contexts: &[Passage],
+) -> Option<(usize, HashSet<String>)> {
+    let own = words(sentence);
+    let mut claim = own.clone();
+    if own.len() < SHORT_CLAIM {
+        claim.extend(words(question));
+    }
+    if claim.len() < SHORT_CLAIM {
+        return None;
+    }
+    let best = contexts
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (i, best_span(&claim, &c.text).2))
+        .max_by(|a, b| a.1.total_cmp(&b.1));
+    if let Some((i, o)) = best
+        && o >= ATTRIBUTION_OVERLAP
+    {
+        return Some((i, claim));
+    }
+    let answer: HashSet<String> = own
+        .into_iter()
+        .filter(|w| w != "yes" && w != "no")
+        .collect();
+    claim.extend(words(question));
+    let (i, o) = contexts
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (i, words(&c.text)))
+        .filter(|(_, w)| answer.is_subset(w))
+        .map(|(i, w)| (i, overlap(&claim, &w)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))?;
+    (o >= ATTRIBUTION_OVERLAP).then_some((i, claim))
+}
+
+/// The validated citations of `answer` to `question` and how many markers were dropped.
+pub fn extract(answer: &str, question: &str, contexts: &[Passage]) -> (Vec<Citation>, u32) {
     let sents = sentences(answer);
     let sentence_of = |pos: usize| {
         sents
@@ -194,20 +229,10 @@ pub fn extract(answer: &str, contexts: &[Passage]) -> (Vec<Citation>, u32) {
         }
     }
     if out.is_empty() && !contexts.is_empty() {
-        // No usable marker: attribute each sentence to the best-overlapping context sentence.
+        // No usable marker (small generators answer better when not asked to cite): attribute
+        // each sentence to the best-overlapping context sentence.
         for sent in sents {
-            let claim = words(&answer[sent.0..sent.1]);
-            if claim.len() < 3 {
-                continue;
-            }
-            let best = contexts
-                .iter()
-                .enumerate()
-                .map(|(i, c)| (i, best_span(&claim, &c.text).2))
-                .max_by(|a, b| a.1.total_cmp(&b.1));
-            if let Some((i, o)) = best
-                && o >= ATTRIBUTION_OVERLAP
-            {
+            if let Some((i, claim)) = attribute(&answer[sent.0..sent.1], question, contexts) {
                 out.push(cite(i as u32 + 1, sent, &contexts[i], &claim, true));
             }
         }
@@ -238,7 +263,7 @@ mod tests {
             p("b#0", "BM25 saturates term frequency with k1."),
         ];
         let ans = "A leader is elected by majority vote [1]. BM25 uses k1 [2, 3]. See [chunk 9].";
-        let (c, dropped) = extract(ans, &ctx);
+        let (c, dropped) = extract(ans, "", &ctx);
         assert_eq!(dropped, 2, "3 and 9 were never given");
         assert_eq!(c.len(), 2);
         assert_eq!(c[0].number, 1);
@@ -260,6 +285,7 @@ mod tests {
         )];
         let (c, dropped) = extract(
             "Raft elects its leader by a majority vote. Bananas are yellow fruit.",
+            "",
             &ctx,
         );
         assert_eq!(dropped, 0);
@@ -268,6 +294,43 @@ mod tests {
         assert_eq!(
             c[0].span,
             "Raft elects a leader by majority vote among servers."
+        );
+    }
+
+    #[test]
+    fn a_short_answer_is_attributed_with_its_question() {
+        let ctx = vec![
+            p("a#0", "Kangaroos eat grass."),
+            p(
+                "b#0",
+                "Lincoln was born in Kentucky. Abraham Lincoln was the sixteenth President of \
+                 the United States.",
+            ),
+        ];
+        let q = "Was Abraham Lincoln the sixteenth President of the United States?";
+        let (c, _) = extract("Yes.", q, &ctx);
+        assert_eq!(c.len(), 1);
+        assert!(c[0].attributed);
+        assert_eq!(c[0].chunk_id, "b#0");
+        assert_eq!(
+            c[0].span,
+            "Abraham Lincoln was the sixteenth President of the United States."
+        );
+        // Without a question a bare "Yes." says too little to attribute.
+        assert!(extract("Yes.", "", &ctx).0.is_empty());
+        // A phrase matched across sentences: the chunk holding it that the question fits.
+        let ctx = vec![
+            p("a#0", "Lincoln practised law. It lasted 18 years in all."),
+            p("b#0", "Grant served 8 years as president."),
+        ];
+        let (c, _) = extract("18 years", "How long did Lincoln practise law?", &ctx);
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].chunk_id, "a#0");
+        // Nothing attributed to a chunk that lacks the answer's words.
+        assert!(
+            extract("23 years", "How long did Lincoln practise law?", &ctx)
+                .0
+                .is_empty()
         );
     }
 

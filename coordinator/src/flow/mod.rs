@@ -386,7 +386,7 @@ fn finish(run: &Run, flow: &Flow, ctx: &Ctx, status: &str) -> AskResult {
     } else {
         &ctx.chunks
     };
-    let (citations, dropped) = citations::extract(&answer, contexts);
+    let (citations, dropped) = citations::extract(&answer, &run.question, contexts);
     if dropped > 0 {
         metrics::counter!("coordinator_ask_citations_dropped_total").increment(u64::from(dropped));
     }

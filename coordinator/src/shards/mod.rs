@@ -446,17 +446,16 @@ impl Shards {
         };
         tokio::pin!(first);
         let other = self.routing.next_replica(replicas, target);
-        let hedge = WRITE_HEDGE.min(attempt);
+        // A hedge needs time of its own: an attempt shorter than the hedge delay is not
+        // hedged (a second call sent with no time left would outrun the caller's deadline).
+        let hedged = other != target && attempt > WRITE_HEDGE;
         tokio::select! {
             r = &mut first => return (r, target.to_owned()),
-            () = tokio::time::sleep(hedge), if other != target => {}
+            () = tokio::time::sleep(WRITE_HEDGE), if hedged => {}
         }
         let second = async {
             match self.node(&other) {
-                Ok(n) => {
-                    n.write_batch(req.clone(), attempt.saturating_sub(hedge))
-                        .await
-                }
+                Ok(n) => n.write_batch(req.clone(), attempt - WRITE_HEDGE).await,
                 Err(e) => Err(e),
             }
         };

@@ -330,6 +330,10 @@ impl ScriptedNode {
             request_id: request_id.to_owned(),
             timeout,
         });
+        if timeout.is_zero() {
+            // As gRPC does: a call sent with no time left fails at once.
+            return Err(ShardCallError::Deadline);
+        }
         let mut waited = Duration::ZERO;
         loop {
             let next = self

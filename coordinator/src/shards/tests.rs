@@ -247,6 +247,27 @@ async fn a_callers_tiny_deadline_does_not_steer_others_away_from_a_replica() {
 }
 
 #[tokio::test]
+async fn a_hung_leader_is_hedged_through_a_follower_only_when_time_allows() {
+    // Two seconds to spare: after the hedge delay the batch also goes through n1, which
+    // answers; the same request id on both, and n0 is passed over from then on.
+    let (conn, ns) = ScriptedConnector::with_nodes(3);
+    let s = Shards::new(conn);
+    ns[0].script("write_batch", [Answer::Delay(Duration::from_secs(5))]);
+    let started = Instant::now();
+    write(&s, Duration::from_secs(2)).await.unwrap();
+    assert!(started.elapsed() < Duration::from_millis(1900));
+    assert_eq!(ns[1].count("write_batch"), 1);
+    assert_eq!(ns[0].calls()[0].request_id, ns[1].calls()[0].request_id);
+    assert!(ns[1].calls()[0].timeout <= Duration::from_secs(1));
+    // Less time than the hedge delay: no second call that could only outrun the deadline.
+    let (conn, ns) = ScriptedConnector::with_nodes(3);
+    let s = Shards::new(conn);
+    ns[0].script("write_batch", [Answer::Delay(Duration::from_secs(5))]);
+    write(&s, Duration::from_millis(300)).await.unwrap_err();
+    assert_eq!(ns[1].count("write_batch") + ns[2].count("write_batch"), 0);
+}
+
+#[tokio::test]
 async fn a_read_no_replica_serves_names_the_shard() {
     let (conn, ns) = ScriptedConnector::with_nodes(2);
     let s = Shards::new(conn);

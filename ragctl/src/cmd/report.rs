@@ -1,6 +1,6 @@
-//! The self-contained HTML reports of `ragctl eval retrieval` (the summary table, a grouped
-//! bar chart of every metric across configurations, the per-query nDCG@10 distribution of
-//! each configuration, and latency) and of `ragctl optimize` (every trial, one score chart
+//! The self-contained HTML reports of `ragctl eval retrieval` and `ragctl eval answers` (the
+//! summary table, a grouped bar chart of every metric across configurations, the per-query
+//! distribution of one metric (nDCG@10, token F1) for each configuration, and latency) and of `ragctl optimize` (every trial, one score chart
 //! per node with its winner, score against latency). Charts are SVG drawn with plotters (SVG
 //! backend only: no system font or image libraries) and inlined, so the file opens anywhere
 //! offline.
@@ -159,7 +159,13 @@ fn esc(s: &str) -> String {
 }
 
 /// The whole report as one HTML document.
-pub fn html(title: &str, configs: &[Config], metrics: &[String]) -> Result<String> {
+/// `per_query` names the metric whose per-query distribution is drawn.
+pub fn html(
+    title: &str,
+    configs: &[Config],
+    metrics: &[String],
+    per_query: &str,
+) -> Result<String> {
     let mut rows = String::new();
     for c in configs {
         rows.push_str(&format!("<tr><td>{}</td>", esc(&c.name)));
@@ -185,7 +191,7 @@ table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;te
 <h2>Metrics</h2>\n{bars}\n<h2>Per-query distribution</h2>\n{dist}\n</body></html>\n",
         t = esc(title),
         bars = metric_bars(configs, metrics)?,
-        dist = distribution(configs, "ndcg@10")?,
+        dist = distribution(configs, per_query)?,
     ))
 }
 

@@ -339,14 +339,9 @@ pub const OPERATORS: &[&str] = &[
     "active",
 ];
 
-/// Context first, the instruction and question last: SmolLM2-135M echoed the prompt when
-/// the question came right after the chunks without an instruction (measured on
-/// docs/sample; this wording answered all three test questions without echoing).
-pub const DEFAULT_SYSTEM: &str =
-    "You are a helpful assistant. Answer using only the numbered chunks and cite them like [1].";
-pub const DEFAULT_PROMPT: &str = "{contexts}\n\nUsing the chunks above, answer in one or two sentences and cite the chunk numbers like [1].\nQuestion: {question}";
-/// Generation stops here by default: a small model may go on to invent the next question.
-pub const DEFAULT_STOP: &str = "\nQuestion:";
+/// The generation prompt's defaults live in `ragcluster_common::prompt` (the oracle reader of
+/// `ragctl eval answers` asks the same way).
+pub use ragcluster_common::prompt::{DEFAULT_PROMPT, DEFAULT_STOP, DEFAULT_SYSTEM};
 pub(super) const REWRITE: &str = "Rewrite this search query so that it is specific and self-contained. Reply with the rewritten query only.\n\nQuery: {query}";
 pub(super) const HYDE: &str =
     "Write a short passage that answers the question.\n\nQuestion: {query}";

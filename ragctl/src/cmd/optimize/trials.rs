@@ -134,6 +134,7 @@ pub(super) async fn run_trial(
                         mw.clone(),
                         &a.collection,
                         FlowRef::Inline(flow),
+                        "",
                         item,
                         with_llm_judge,
                     )

@@ -3,6 +3,9 @@
 //! their best chunk; the metrics of `ragctl::eval::metrics` are averaged over queries.
 //! Writes `per_query.jsonl`, `summary.json`, one TREC run file per configuration (for
 //! trec_eval / pytrec_eval) and `report.html` (charts) into `--out`, and prints a table.
+//! `ragctl eval answers` lives in `answers`.
+
+mod answers;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
@@ -14,48 +17,26 @@ use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use ragcluster_common::client::KeyedChannel;
 use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
-use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::*;
 use ragctl::client::ask_result;
-use ragctl::eval::answers::{self, QaItem};
 use ragctl::eval::beir::{self, BeirDoc};
 use ragctl::eval::metrics;
 use serde_json::json;
+
+pub(crate) use answers::{ANSWER_METRICS, FlowRef, model_worker, score_answer};
+pub use answers::{AnswersArgs, run as answers};
 
 #[derive(clap::Subcommand)]
 pub enum EvalCmd {
     /// Retrieval quality (nDCG@10, recall, MRR, MAP, context precision, latency) on a BEIR
     /// dataset, for search configurations or retrieval flows.
     Retrieval(RetrievalArgs),
-    /// Answer quality of a flow on a QA file (JSON lines: question, answer, key_facts,
-    /// gold_chunk_ids, gold_doc_ids): ROUGE-L, token F1, SemScore, key-fact score, final
-    /// score (UniversalRAG eq. 5-8), citation precision, optional LLM judge (1-5).
+    /// Answer quality of a flow on a QA file (JSON lines: question, answer, answers, yes_no,
+    /// key_facts, gold_chunk_ids, gold_doc_ids): exact match, token F1 and ROUGE-L (short
+    /// answers), yes/no accuracy, SemScore, key-fact and final score (UniversalRAG eq. 5-8),
+    /// gold article retrieved / cited, citation precision, optional LLM judge (1-5); per
+    /// generator model, end to end and with the oracle paragraph (--oracle).
     Answers(AnswersArgs),
-}
-
-#[derive(clap::Args)]
-pub struct AnswersArgs {
-    /// QA file: JSON lines with question, gold answers and gold_doc_ids.
-    #[arg(long)]
-    qa: PathBuf,
-    /// Collection the questions are asked against.
-    #[arg(long, default_value = "docs")]
-    collection: String,
-    /// The flow answering (default: the collection's).
-    #[arg(long, default_value = "")]
-    flow: String,
-    /// Also score every answer 1-5 with the model worker's generator (G-Eval style).
-    #[arg(long)]
-    judge: bool,
-    /// Model worker for SemScore embeddings and the judge (default: the local cluster's).
-    #[arg(long)]
-    pub model_worker: Option<String>,
-    /// Only the first N questions.
-    #[arg(long)]
-    limit: Option<usize>,
-    /// Directory for the report (JSON, HTML and TREC run files).
-    #[arg(long, default_value = "eval-out")]
-    out: PathBuf,
 }
 
 #[derive(clap::Args)]
@@ -445,200 +426,13 @@ pub async fn retrieval(client: CoordinatorClient<KeyedChannel>, a: &RetrievalArg
     );
     std::fs::write(
         a.out.join("report.html"),
-        crate::cmd::report::html(&title, &charts, &names)?,
+        crate::cmd::report::html(&title, &charts, &names, "ndcg@10")?,
     )?;
     println!("{table}");
     println!(
         "{} queries; per-query results, run files and summary.json in {}",
         queries.len(),
         a.out.display()
-    );
-    Ok(())
-}
-
-const JUDGE: &str = "Rate the answer to the question against the reference answer for correctness and completeness, on a scale from 1 (wrong) to 5 (fully correct). Reply with the number only.";
-
-/// The answer metrics `ragctl eval answers` reports (and `ragctl optimize` can maximise).
-pub(crate) const ANSWER_METRICS: [&str; 7] = [
-    "rouge_l",
-    "token_f1",
-    "sem_score",
-    "key_fact",
-    "final_score",
-    "citation_precision",
-    "judge",
-];
-
-/// A client of the model worker at `addr` (SemScore embeddings, the judge).
-pub(crate) async fn model_worker(addr: Option<String>) -> Result<ModelWorkerClient<KeyedChannel>> {
-    let addr = addr.context("no model worker: pass --model-worker (needed for SemScore)")?;
-    Ok(ModelWorkerClient::new(
-        crate::connect(&addr, std::time::Duration::from_secs(5))
-            .await
-            .with_context(|| format!("cannot reach the model worker at {addr}"))?,
-    ))
-}
-
-fn mean(v: &[f64]) -> Option<f64> {
-    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
-}
-
-/// Where an answer comes from: a named flow (empty = the collection's) or an inline one.
-#[derive(Clone, Copy)]
-pub(crate) enum FlowRef<'a> {
-    Named(&'a str),
-    Inline(&'a str),
-}
-
-/// One question through Ask, scored against its gold answer: the row of `answers.jsonl`
-/// (answer, every answer metric that applies) and the time the Ask took.
-pub(crate) async fn score_answer(
-    mut c: CoordinatorClient<KeyedChannel>,
-    mut mw: ModelWorkerClient<KeyedChannel>,
-    collection: &str,
-    flow: FlowRef<'_>,
-    item: &QaItem,
-    judge: bool,
-) -> Result<(serde_json::Value, f64)> {
-    let t = Instant::now();
-    let (flow, inline_flow) = match flow {
-        FlowRef::Named(n) => (n.to_string(), String::new()),
-        FlowRef::Inline(f) => (String::new(), f.to_string()),
-    };
-    let r = ask_result(
-        &mut c,
-        AskRequest {
-            collection: collection.into(),
-            question: item.question.clone(),
-            flow,
-            inline_flow,
-            ..Default::default()
-        },
-    )
-    .await?;
-    let ms = t.elapsed().as_secs_f64() * 1e3;
-    let emb = mw
-        .embed(EmbedRequest {
-            texts: vec![
-                if r.answer.is_empty() {
-                    " ".into()
-                } else {
-                    r.answer.clone()
-                },
-                item.answer.clone(),
-            ],
-            ..Default::default()
-        })
-        .await?
-        .into_inner()
-        .embeddings;
-    let s_cos = answers::sem_score(&emb[0].values, &emb[1].values);
-    let cited: Vec<(String, String)> = r
-        .citations
-        .iter()
-        .map(|c| (c.chunk_id.clone(), c.doc_id.clone()))
-        .collect();
-    let mut row = json!({
-        "question": item.question, "answer": r.answer, "gold": item.answer, "status": r.status,
-        "latency_ms": ms, "rouge_l": answers::rouge_l(&r.answer, &item.answer),
-        "token_f1": answers::token_f1(&r.answer, &item.answer), "sem_score": s_cos,
-        "citations": cited.len(),
-    });
-    if let Some(k) = answers::key_fact_score(&r.answer, &item.key_facts) {
-        row["key_fact"] = json!(k);
-        row["final_score"] = json!(answers::final_score(s_cos, k));
-    }
-    if let Some(p) = answers::citation_precision(&cited, item) {
-        row["citation_precision"] = json!(p);
-    }
-    if judge {
-        let mut s = mw
-            .generate(GenerateRequest {
-                system: JUDGE.into(),
-                prompt: format!(
-                    "Question: {}\nReference answer: {}\nAnswer: {}\nScore (1-5):",
-                    item.question, item.answer, r.answer
-                ),
-                max_tokens: 4,
-                ..Default::default()
-            })
-            .await?
-            .into_inner();
-        let mut reply = String::new();
-        while let Some(m) = s.next().await {
-            reply.push_str(&m?.text);
-        }
-        if let Some(j) = answers::judge_score(&reply) {
-            row["judge"] = json!(j);
-        }
-    }
-    Ok((row, ms))
-}
-
-pub async fn answers(
-    client: CoordinatorClient<KeyedChannel>,
-    mw: ModelWorkerClient<KeyedChannel>,
-    a: &AnswersArgs,
-) -> Result<()> {
-    let items: Vec<QaItem> = beir::read_jsonl(&a.qa, a.limit.unwrap_or(usize::MAX))?;
-    if items.is_empty() {
-        bail!("{}: no questions", a.qa.display());
-    }
-    std::fs::create_dir_all(&a.out)?;
-    let mut cols: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
-    let mut lat = Vec::new();
-    let mut lines = String::new();
-    let b = bar(items.len(), "questions")?;
-    for item in &items {
-        let (row, ms) = score_answer(
-            client.clone(),
-            mw.clone(),
-            &a.collection,
-            FlowRef::Named(&a.flow),
-            item,
-            a.judge,
-        )
-        .await?;
-        lat.push(ms);
-        for k in ANSWER_METRICS {
-            if let Some(v) = row[k].as_f64() {
-                cols.entry(k).or_default().push(v);
-            }
-        }
-        lines.push_str(&row.to_string());
-        lines.push('\n');
-        b.inc(1);
-    }
-    b.finish_and_clear();
-    std::fs::write(a.out.join("answers.jsonl"), lines)?;
-    let (p50, p99) = (
-        percentile(&mut lat.clone(), 50.0),
-        percentile(&mut lat, 99.0),
-    );
-    let mut table = Table::new();
-    table.load_preset(UTF8_FULL_CONDENSED);
-    table.set_header(["metric", "mean", "questions"]);
-    let mut summary = serde_json::Map::new();
-    for (k, v) in &cols {
-        let m = mean(v).unwrap_or(0.0);
-        table.add_row(vec![k.to_string(), format!("{m:.4}"), v.len().to_string()]);
-        summary.insert(k.to_string(), json!({"mean": m, "n": v.len()}));
-    }
-    table.add_row(vec![
-        "latency p50 / p99 ms".into(),
-        format!("{p50:.0} / {p99:.0}"),
-        items.len().to_string(),
-    ]);
-    let summary = json!({"qa": a.qa.display().to_string(), "collection": a.collection, "flow": a.flow,
-                         "questions": items.len(), "metrics": summary, "latency_ms": {"p50": p50, "p99": p99}});
-    std::fs::write(
-        a.out.join("answers-summary.json"),
-        serde_json::to_string_pretty(&summary)?,
-    )?;
-    println!("{table}");
-    println!(
-        "per-question results in {}",
-        a.out.join("answers.jsonl").display()
     );
     Ok(())
 }
