@@ -187,9 +187,12 @@ def check(name, out_dir):
             fail(f"{name}: [{section}.tls]")
     if merged["auth"]["enabled"] != cfg["coordinator"].get("auth", {}).get("enabled", False):
         fail(f"{name}: [coordinator.auth]")
-    devices = {m["device"] for m in cfg["model_worker"]["models"]}
-    if devices != {"cuda" if gpu["enabled"] else "cpu"}:
-        fail(f"{name}: model devices {devices}")
+    # A model's own device wins (the qwen2 generator says "auto"); the others follow gpu.enabled.
+    by_values = {m["name"]: m.get("device") for m in merged["modelWorker"]["models"]}
+    want = "cuda" if gpu["enabled"] else "cpu"
+    for m in cfg["model_worker"]["models"]:
+        if m["device"] != (by_values.get(m["name"]) or want):
+            fail(f"{name}: model {m['name']} on device {m['device']}")
     d = pathlib.Path(out_dir) / name
     d.mkdir(parents=True, exist_ok=True)
     (d / "ragcluster.toml").write_text(toml_text)

@@ -221,6 +221,11 @@ fn eval_answers_on_the_sample() -> Result<()> {
     let s: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("answers-summary.json"))?)?;
     ensure!(s["questions"] == 6);
+    // One configuration: the named flow with the worker's default generator.
+    let configs = s["configurations"].as_object().context("configurations")?;
+    ensure!(configs.len() == 1, "{s}");
+    let c = configs.values().next().context("a configuration")?;
+    ensure!(out.join("report.html").exists());
     for k in [
         "rouge_l",
         "token_f1",
@@ -228,7 +233,7 @@ fn eval_answers_on_the_sample() -> Result<()> {
         "key_fact",
         "final_score",
     ] {
-        let m = &s["metrics"][k];
+        let m = &c["metrics"][k];
         ensure!(m["n"] == 6, "{k}: {m}");
         ensure!(
             (0.0..=1.0).contains(&m["mean"].as_f64().context(k)?),
@@ -238,7 +243,7 @@ fn eval_answers_on_the_sample() -> Result<()> {
     // Answers are about the right topic: SemScore against the gold answers is well above
     // unrelated text (MiniLM cosines of unrelated sentences sit near 0.1).
     ensure!(
-        s["metrics"]["sem_score"]["mean"].as_f64().unwrap_or(0.0) > 0.4,
+        c["metrics"]["sem_score"]["mean"].as_f64().unwrap_or(0.0) > 0.4,
         "{s}"
     );
     let rows = std::fs::read_to_string(out.join("answers.jsonl"))?;

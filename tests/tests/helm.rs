@@ -44,7 +44,8 @@ fn chart_renders_valid_objects_and_configs() -> Result<()> {
         &workspace().join("deploy/compose/ragcluster.toml"),
         "coordinator",
     )?;
-    ensure!(compose.shard_nodes.len() == 3 && models == 3);
+    // MiniLM embeddings, MiniLM MaxSim, the Qwen2.5 0.5B and SmolLM2 generators.
+    ensure!(compose.shard_nodes.len() == 3 && models == 4);
     ensure!(compose_shard.coordinators == ["http://coordinator:7000"]);
 
     let Some(python) = python_with("helm_python, kubernetes_validate, yaml") else {
