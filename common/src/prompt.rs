@@ -36,6 +36,34 @@ pub fn fill(template: &str, vars: &[(&str, &str)]) -> String {
     out
 }
 
+/// The citation markers of an answer (`[2]`, `[1, 3]`, `[chunk 2]`): the numbers each names
+/// and its byte range. Shared by the coordinator's citation check and `ragctl eval answers`,
+/// which scores answers without them.
+pub fn citation_markers(answer: &str) -> Vec<(Vec<u32>, usize, usize)> {
+    let b = answer.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'['
+            && let Some(len) = answer[i + 1..].find(']')
+        {
+            let inner = &answer[i + 1..i + 1 + len];
+            let inner = inner.trim().trim_start_matches("chunk").trim();
+            let nums: Option<Vec<u32>> = inner
+                .split(',')
+                .map(|p| p.trim().parse::<u32>().ok())
+                .collect();
+            if let Some(nums) = nums.filter(|n| !n.is_empty() && len <= 24) {
+                out.push((nums, i, i + len + 2));
+                i += len + 2;
+                continue;
+            }
+        }
+        i += 1;
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,8 +12,8 @@
 
 use std::collections::HashSet;
 
-use ragcluster_common::prompt::chunk_tag;
 pub use ragcluster_common::prompt::fill;
+use ragcluster_common::prompt::{chunk_tag, citation_markers as markers};
 use ragcluster_proto::v1::Citation;
 use unicode_segmentation::UnicodeSegmentation;
 
@@ -36,32 +36,6 @@ pub fn render(contexts: &[Passage]) -> (String, usize) {
         used += 1;
     }
     (out.trim_end().to_owned(), used)
-}
-
-/// A citation marker found in the answer: the numbers it names and its byte range.
-fn markers(answer: &str) -> Vec<(Vec<u32>, usize, usize)> {
-    let b = answer.as_bytes();
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'['
-            && let Some(len) = answer[i + 1..].find(']')
-        {
-            let inner = &answer[i + 1..i + 1 + len];
-            let inner = inner.trim().trim_start_matches("chunk").trim();
-            let nums: Option<Vec<u32>> = inner
-                .split(',')
-                .map(|p| p.trim().parse::<u32>().ok())
-                .collect();
-            if let Some(nums) = nums.filter(|n| !n.is_empty() && len <= 24) {
-                out.push((nums, i, i + len + 2));
-                i += len + 2;
-                continue;
-            }
-        }
-        i += 1;
-    }
-    out
 }
 
 /// Renumbers `[n]` markers of an answer through `map` (old number -> new), dropping markers

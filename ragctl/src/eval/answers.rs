@@ -136,24 +136,12 @@ pub fn yes_no(answer: &str) -> Option<bool> {
 /// of what is scored against the gold text.
 pub fn strip_citations(answer: &str) -> String {
     let mut out = String::with_capacity(answer.len());
-    let mut rest = answer;
-    while let Some(i) = rest.find('[') {
-        let Some(len) = rest[i + 1..].find(']') else {
-            break;
-        };
-        let inner = &rest[i + 1..i + 1 + len];
-        let marker = inner.trim().trim_start_matches("chunk").trim();
-        let is_marker = !marker.is_empty()
-            && marker
-                .chars()
-                .all(|c| c.is_ascii_digit() || c == ',' || c.is_whitespace());
-        out.push_str(&rest[..i]);
-        if !is_marker {
-            out.push_str(&rest[i..i + len + 2]);
-        }
-        rest = &rest[i + len + 2..];
+    let mut last = 0;
+    for (_, start, end) in ragcluster_common::prompt::citation_markers(answer) {
+        out.push_str(&answer[last..start]);
+        last = end;
     }
-    out.push_str(rest);
+    out.push_str(&answer[last..]);
     out.split_whitespace()
         .collect::<Vec<_>>()
         .join(" ")
