@@ -42,18 +42,27 @@ pub struct TermCache {
 }
 
 /// The shard's own statistics, the body field's through a `TermCache`.
+///
+/// Searches of two generations run side by side (one took its searcher just before a commit
+/// reloaded the reader), so the cache holds the newest generation only and a search reads or
+/// fills it only while it holds the search's own: an entry of another generation has other
+/// segments (its ordinals and document frequency belong to them), and a stale "absent here"
+/// would hide a document the newer generation holds.
 pub struct LocalStats<'a> {
     searcher: &'a Searcher,
     body: Field,
     cache: &'a Mutex<TermCache>,
+    generation: u64,
 }
 
 impl<'a> LocalStats<'a> {
-    /// Starts the cache over when `searcher` is a newer generation than it holds.
+    /// Starts the cache over when `searcher` is a newer generation than it holds (or the
+    /// cache is full); an older searcher leaves it alone and looks its terms up uncached.
     pub fn new(searcher: &'a Searcher, body: Field, cache: &'a Mutex<TermCache>) -> Self {
         let generation = searcher.generation().generation_id();
         let mut c = cache.lock();
-        if c.generation != generation || c.terms.len() >= TERM_CACHE_TERMS {
+        let newer = generation > c.generation;
+        if newer || (generation == c.generation && c.terms.len() >= TERM_CACHE_TERMS) {
             *c = TermCache {
                 generation,
                 ..Default::default()
@@ -64,7 +73,14 @@ impl<'a> LocalStats<'a> {
             searcher,
             body,
             cache,
+            generation,
         }
+    }
+
+    /// The cache, when it holds this search's generation.
+    fn cached(&self) -> Option<parking_lot::MutexGuard<'a, TermCache>> {
+        let c = self.cache.lock();
+        (c.generation == self.generation).then_some(c)
     }
 
     pub fn searcher(&self) -> &'a Searcher {
@@ -73,8 +89,8 @@ impl<'a> LocalStats<'a> {
 
     /// Term `term` of the body field, looked up once per generation.
     pub fn entry(&self, term: &Term) -> tantivy::Result<Arc<TermEntry>> {
-        if let Some(e) = self.cache.lock().terms.get(term) {
-            return Ok(e.clone());
+        if let Some(e) = self.cached().and_then(|c| c.terms.get(term).cloned()) {
+            return Ok(e);
         }
         let mut infos = Vec::with_capacity(self.searcher.segment_readers().len());
         let mut doc_freq = 0u64;
@@ -84,7 +100,9 @@ impl<'a> LocalStats<'a> {
             infos.push(info);
         }
         let e = Arc::new(TermEntry { infos, doc_freq });
-        self.cache.lock().terms.insert(term.clone(), e.clone());
+        if let Some(mut c) = self.cached() {
+            c.terms.insert(term.clone(), e.clone());
+        }
         Ok(e)
     }
 }
@@ -94,11 +112,13 @@ impl Bm25StatisticsProvider for LocalStats<'_> {
         if field != self.body {
             return Bm25StatisticsProvider::total_num_tokens(self.searcher, field);
         }
-        if let Some(n) = self.cache.lock().total_tokens {
+        if let Some(n) = self.cached().and_then(|c| c.total_tokens) {
             return Ok(n);
         }
         let n = Bm25StatisticsProvider::total_num_tokens(self.searcher, field)?;
-        self.cache.lock().total_tokens = Some(n);
+        if let Some(mut c) = self.cached() {
+            c.total_tokens = Some(n);
+        }
         Ok(n)
     }
 
