@@ -50,7 +50,9 @@ pub struct ModelWorkerConfig {
     /// How quantized GGUF weights are held: "f32" (dequantized at load, 4 bytes per weight:
     /// concurrent streams and prompts fastest, as candle's CPU matmul batches rows well only
     /// in f32), "f16" (2 bytes: one lone stream decodes ~25% faster, many streams ~2x slower)
-    /// or "none" (kept quantized: least memory, prompts ~7x slower). `genbench` compares them.
+    /// or "none" (kept quantized at the file's size, multiplied by the integer kernels of
+    /// `decoder::quant`: one stream decodes ~2x faster than f32, prompts ~0.6x). `genbench`
+    /// and `cpudecodebench` compare them.
     pub dequantize: String,
     pub port_file: Option<PathBuf>,
     /// Mutual TLS (`[model_worker.tls]`) for the gRPC port and `http_listen`: with a

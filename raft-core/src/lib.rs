@@ -20,6 +20,7 @@ pub mod error;
 pub mod machine;
 pub mod mailbox;
 pub mod node;
+mod read_ctx;
 pub mod status;
 pub mod storage;
 pub mod transport;

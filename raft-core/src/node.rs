@@ -23,6 +23,7 @@ use tokio::sync::watch;
 use crate::error::{Fatal, RaftError};
 use crate::machine::StateMachine;
 use crate::mailbox::{Msg, Reply};
+use crate::read_ctx;
 use crate::status::{Role, Status};
 use crate::storage::{LogStore, RaftLog};
 use crate::transport::Outbox;
@@ -91,11 +92,7 @@ pub struct RaftNode<L: LogStore, M: StateMachine> {
     waiters: BTreeMap<u64, Waiter<M::Response>>,
     reads: HashMap<u64, Reply<u64>>,
     read_seq: u64,
-    /// Random per member instance, sent with every read-index request beside its seq: seqs
-    /// start over when the process restarts, and raft-rs matches answers by context alone (a
-    /// leader's answer to the previous process, delivered late, must not release a read of
-    /// this one), and dedupes pending requests by context across all followers.
-    read_nonce: u64,
+    read_nonce: u64, // random per instance, in every read-index context (`read_ctx`)
     /// Ticks since start (re-asks pending read indexes every heartbeat).
     ticks: u64,
     /// The tick each peer was last heard from. raft-rs clears every follower's `recent_active`
@@ -242,7 +239,7 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
         {
             let pending: Vec<u64> = self.reads.keys().copied().collect();
             for seq in pending {
-                self.raw.read_index(self.read_ctx(seq));
+                self.raw.read_index(read_ctx::encode(self.read_nonce, seq));
             }
         }
     }
@@ -291,7 +288,8 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
                     return;
                 }
                 self.read_seq += 1;
-                self.raw.read_index(self.read_ctx(self.read_seq));
+                self.raw
+                    .read_index(read_ctx::encode(self.read_nonce, self.read_seq));
                 self.reads.insert(self.read_seq, reply);
             }
             Msg::TransferLeader(to) => self.raw.transfer_leader(to),
@@ -551,26 +549,11 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
         Ok(())
     }
 
-    /// The context of read-index request `seq`: this instance's nonce, then the seq.
-    fn read_ctx(&self, seq: u64) -> Vec<u8> {
-        let mut ctx = Vec::with_capacity(16);
-        ctx.extend_from_slice(&self.read_nonce.to_be_bytes());
-        ctx.extend_from_slice(&seq.to_be_bytes());
-        ctx
-    }
-
     /// A read-index answer: released once applied, if it answers a request of this instance.
     fn on_read_state(&mut self, index: u64, ctx: &[u8]) {
-        let (Some(nonce), Some(seq)) = (ctx.get(..8), ctx.get(8..)) else {
-            return;
-        };
-        let Ok(seq) = <[u8; 8]>::try_from(seq) else {
-            return;
-        };
-        if nonce != self.read_nonce.to_be_bytes() {
-            return;
-        }
-        if let Some(reply) = self.reads.remove(&u64::from_be_bytes(seq)) {
+        if let Some(seq) = read_ctx::decode(self.read_nonce, ctx)
+            && let Some(reply) = self.reads.remove(&seq)
+        {
             self.applied_reads.push((index, reply));
         }
     }

@@ -9,21 +9,20 @@
 //! (RMSNorm, RoPE, attention over the row's own cache, SiLU gate) are plain loops over
 //! contiguous buffers. A prompt is the same thing: many rows of one sequence.
 
-use candle_core::quantized::QMatMul;
-use candle_core::{CpuStorage, Device, Module, Storage, Tensor};
 use rayon::prelude::*;
 
-use super::{Dims, Row, positions, skinny};
+use super::weights::{Embedding, Group, Matrix};
+use super::{Dims, Row, positions};
 use crate::backend::simd::{exp_fast, lane_dot, vectorized};
 use crate::error::ModelError;
 
 pub(super) struct Layer {
     /// q, k, v.
     pub(super) qkv: Group,
-    pub(super) wo: QMatMul,
+    pub(super) wo: Matrix,
     /// gate, up.
     pub(super) gate_up: Group,
-    pub(super) down: QMatMul,
+    pub(super) down: Matrix,
     pub(super) attn_norm: Vec<f32>,
     pub(super) ffn_norm: Vec<f32>,
     /// Biases of q, k and v (qwen2), added after the projection.
@@ -33,10 +32,10 @@ pub(super) struct Layer {
 /// The weights, shared by every sequence.
 pub struct LlamaModel {
     pub dims: Dims,
-    pub(super) embed: Vec<f32>,
+    pub(super) embed: Embedding,
     pub(super) layers: Vec<Layer>,
     pub(super) norm: Vec<f32>,
-    pub(super) output: QMatMul,
+    pub(super) output: Matrix,
     /// cos / sin of position x frequency, `context` x `head_dim / 2`.
     pub(super) cos: Vec<f32>,
     pub(super) sin: Vec<f32>,
@@ -72,7 +71,7 @@ impl LlamaModel {
     /// Whether the weights stay quantized (`dequantize = "none"`): products then round the
     /// activations to 8 bits (candle's Q8_1 dot products).
     pub fn quantized(&self) -> bool {
-        matches!(self.output, QMatMul::QTensor(_))
+        self.output.quantized()
     }
 
     /// A fresh cache for one sequence.
@@ -105,7 +104,7 @@ impl LlamaModel {
                     "token id {t} out of vocabulary"
                 )));
             }
-            x.extend_from_slice(&self.embed[t * d.hidden..(t + 1) * d.hidden]);
+            self.embed.push_row(t, &mut x);
         }
         for (l, layer) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &layer.attn_norm, d.eps);
@@ -129,7 +128,7 @@ impl LlamaModel {
                 c.v[l].extend_from_slice(&v[i * d.kv_width()..(i + 1) * d.kv_width()]);
             }
             let attn = self.attention(rows, &positions, caches, l, &q);
-            let o = matmul(&layer.wo, &attn, n, d.hidden)?;
+            let o = layer.wo.apply(&attn, n, d.hidden)?;
             add(&mut x, &o);
             let h = rms_norm(&x, &layer.ffn_norm, d.eps);
             let [g, u]: [Vec<f32>; 2] = layer
@@ -142,7 +141,7 @@ impl LlamaModel {
                 .zip(&u)
                 .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
                 .collect();
-            let down = matmul(&layer.down, &a, n, a.len() / n)?;
+            let down = layer.down.apply(&a, n, a.len() / n)?;
             add(&mut x, &down);
         }
         for c in caches.iter_mut() {
@@ -153,7 +152,7 @@ impl LlamaModel {
             last.extend_from_slice(&x[i * d.hidden..(i + 1) * d.hidden]);
         }
         let last = rms_norm(&last, &self.norm, d.eps);
-        let logits = matmul(&self.output, &last, want.len(), d.hidden)?;
+        let logits = self.output.apply(&last, want.len(), d.hidden)?;
         Ok(logits.chunks(d.vocab).map(<[f32]>::to_vec).collect())
     }
 
@@ -272,93 +271,6 @@ impl pulp::WithSimd for AttendGroup<'_> {
             }
         }
     }
-}
-
-/// Weight matrices applied to the same input. When candle holds them dense (dequantized
-/// weights) they are stacked into one matrix at load, so one matmul call (one pass of the
-/// thread pool) replaces two or three; quantized ones stay apart.
-pub(super) enum Group {
-    Fused { w: QMatMul, widths: Vec<usize> },
-    Apart(Vec<QMatMul>),
-}
-
-impl Group {
-    pub(super) fn new(parts: Vec<QMatMul>) -> Result<Self, ModelError> {
-        let dense: Option<Vec<&Tensor>> = parts
-            .iter()
-            .map(|p| match p {
-                QMatMul::Tensor(t) | QMatMul::TensorF16(t) => Some(t),
-                QMatMul::QTensor(_) => None,
-            })
-            .collect();
-        let Some(ts) = dense.filter(|ts| ts.iter().all(|t| t.dtype() == ts[0].dtype())) else {
-            return Ok(Self::Apart(parts));
-        };
-        let widths = ts
-            .iter()
-            .map(|t| t.dim(0))
-            .collect::<candle_core::Result<Vec<_>>>()
-            .map_err(infer)?;
-        let stacked = Tensor::cat(&ts, 0).map_err(infer)?;
-        let w = match parts[0] {
-            QMatMul::TensorF16(_) => QMatMul::TensorF16(stacked),
-            _ => QMatMul::Tensor(stacked),
-        };
-        Ok(Self::Fused { w, widths })
-    }
-
-    /// Each matrix's output for `x` (rows x cols), row-major.
-    fn apply(&self, x: &[f32], rows: usize, cols: usize) -> Result<Vec<Vec<f32>>, ModelError> {
-        let (w, widths) = match self {
-            Self::Apart(ws) => return ws.iter().map(|w| matmul(w, x, rows, cols)).collect(),
-            Self::Fused { w, widths } => (w, widths),
-        };
-        let y = matmul(w, x, rows, cols)?;
-        let total: usize = widths.iter().sum();
-        let mut out: Vec<Vec<f32>> = widths
-            .iter()
-            .map(|w| Vec::with_capacity(w * rows))
-            .collect();
-        for row in y.chunks_exact(total) {
-            let mut at = 0;
-            for (o, w) in out.iter_mut().zip(widths) {
-                o.extend_from_slice(&row[at..at + w]);
-                at += w;
-            }
-        }
-        Ok(out)
-    }
-}
-
-/// `x` (rows x cols) times a weight matrix: dense weights and few rows (decode steps) through
-/// the skinny kernel, everything else through candle.
-fn matmul(w: &QMatMul, x: &[f32], rows: usize, cols: usize) -> Result<Vec<f32>, ModelError> {
-    if rows <= skinny::MAX_ROWS
-        && let QMatMul::Tensor(t) | QMatMul::TensorF16(t) = w
-        && let Some(y) = skinny_matmul(t, x, rows, cols)
-    {
-        return Ok(y);
-    }
-    let t = Tensor::from_slice(x, (rows, cols), &Device::Cpu).map_err(infer)?;
-    w.forward(&t)
-        .and_then(|y| y.flatten_all()?.to_vec1::<f32>())
-        .map_err(infer)
-}
-
-/// The skinny kernel over a dense candle weight `(n, cols)`, read in place.
-fn skinny_matmul(w: &Tensor, x: &[f32], rows: usize, cols: usize) -> Option<Vec<f32>> {
-    let (n, k) = w.dims2().ok()?;
-    if k != cols {
-        return None;
-    }
-    let (storage, layout) = w.storage_and_layout();
-    let (start, end) = layout.contiguous_offsets()?;
-    let weights = match &*storage {
-        Storage::Cpu(CpuStorage::F32(v)) => skinny::Weights::F32(&v[start..end]),
-        Storage::Cpu(CpuStorage::F16(v)) => skinny::Weights::F16(&v[start..end]),
-        _ => return None,
-    };
-    skinny::matmul(weights, n, k, x, rows)
 }
 
 fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {

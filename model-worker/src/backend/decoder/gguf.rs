@@ -5,10 +5,11 @@
 use std::path::Path;
 
 use candle_core::Device;
-use candle_core::quantized::{QMatMul, gguf_file};
+use candle_core::quantized::gguf_file;
 
 use super::Dims;
-use super::batch::{Group, Layer, LlamaModel, infer};
+use super::batch::{Layer, LlamaModel, infer};
+use super::weights::{Embedding, Group, Matrix};
 use crate::error::ModelError;
 
 impl LlamaModel {
@@ -57,45 +58,45 @@ impl LlamaModel {
                 "unsupported shapes: {heads} heads, {kv_heads} kv heads, head dim {head_dim}, hidden {hidden}"
             )));
         }
-        let mut tensor = |name: &str| content.tensor(reader, name, &dev).map_err(infer);
-        let vector = |t: &candle_core::quantized::QTensor| -> Result<Vec<f32>, ModelError> {
-            t.dequantize(&dev)
+        let vector = |reader: &mut R, name: &str| -> Result<Vec<f32>, ModelError> {
+            content
+                .tensor(reader, name, &dev)
+                .and_then(|t| t.dequantize(&dev))
                 .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
                 .map_err(infer)
         };
-        let mm = |t| QMatMul::from_qtensor(t).map_err(infer);
-        let embed_q = tensor("token_embd.weight")?;
-        let embed = vector(&embed_q)?;
-        let vocab = embed.len() / hidden;
-        let norm = vector(&tensor("output_norm.weight")?)?;
-        // Tied embeddings when the file has no output matrix (SmolLM2).
-        let output = match tensor("output.weight") {
-            Ok(t) => mm(t)?,
-            Err(_) => mm(embed_q)?,
-        };
+        let norm = vector(reader, "output_norm.weight")?;
         let mut layers = Vec::with_capacity(blocks);
         for i in 0..blocks {
+            let name = |n: &str| format!("blk.{i}.{n}");
             let qkv_bias = if arch == "qwen2" {
-                let mut b = |n: &str| vector(&tensor(&format!("blk.{i}.{n}.bias"))?);
-                Some([b("attn_q")?, b("attn_k")?, b("attn_v")?])
+                Some([
+                    vector(reader, &name("attn_q.bias"))?,
+                    vector(reader, &name("attn_k.bias"))?,
+                    vector(reader, &name("attn_v.bias"))?,
+                ])
             } else {
                 None
             };
-            let mut w = |n: &str| tensor(&format!("blk.{i}.{n}.weight"));
+            let mut w = |n: &str| Matrix::read(content, reader, &name(&format!("{n}.weight")));
             layers.push(Layer {
                 qkv_bias,
-                qkv: Group::new(vec![
-                    mm(w("attn_q")?)?,
-                    mm(w("attn_k")?)?,
-                    mm(w("attn_v")?)?,
-                ])?,
-                wo: mm(w("attn_output")?)?,
-                gate_up: Group::new(vec![mm(w("ffn_gate")?)?, mm(w("ffn_up")?)?])?,
-                down: mm(w("ffn_down")?)?,
-                attn_norm: vector(&w("attn_norm")?)?,
-                ffn_norm: vector(&w("ffn_norm")?)?,
+                qkv: Group::new(vec![w("attn_q")?, w("attn_k")?, w("attn_v")?])?,
+                wo: w("attn_output")?,
+                gate_up: Group::new(vec![w("ffn_gate")?, w("ffn_up")?])?,
+                down: w("ffn_down")?,
+                attn_norm: vector(reader, &name("attn_norm.weight"))?,
+                ffn_norm: vector(reader, &name("ffn_norm.weight"))?,
             });
         }
+        let embed = Embedding::read(content, reader, "token_embd.weight")?;
+        let vocab = embed.vocab();
+        let output = if content.tensor_infos.contains_key("output.weight") {
+            Matrix::read(content, reader, "output.weight")?
+        } else {
+            // Tied embeddings when the file has no output matrix (SmolLM2).
+            embed.tied(content, reader, "token_embd.weight")?
+        };
         let half = head_dim / 2;
         let (mut cos, mut sin) = (Vec::with_capacity(context * half), Vec::new());
         for pos in 0..context {

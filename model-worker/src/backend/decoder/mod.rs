@@ -12,8 +12,10 @@ pub mod engine;
 mod gguf;
 pub mod llama;
 pub mod placed;
+pub mod quant;
 pub mod sampling;
 mod skinny;
+mod weights;
 
 pub use batch::{KvCache, LlamaModel};
 pub use gguf::load;
