@@ -51,7 +51,7 @@ pub struct ModelWorkerConfig {
     /// concurrent streams and prompts fastest, as candle's CPU matmul batches rows well only
     /// in f32), "f16" (2 bytes: one lone stream decodes ~25% faster, many streams ~2x slower)
     /// or "none" (kept quantized at the file's size, multiplied by the integer kernels of
-    /// `decoder::quant`: one stream decodes ~2x faster than f32, prompts ~0.6x). `genbench`
+    /// `decoder::quant`: one stream decodes ~2.4x faster than f32, prompts ~0.8x). `genbench`
     /// and `cpudecodebench` compare them.
     pub dequantize: String,
     pub port_file: Option<PathBuf>,
