@@ -35,6 +35,28 @@ fn vnni() -> bool {
     }
 }
 
+/// Instruction sets of the kernels, narrowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Isa {
+    Scalar,
+    Avx2,
+    Vnni,
+    Avx512,
+}
+
+/// The widest kernel to use: the CPU's best, or narrower with `RAGCLUSTER_CPU_KERNEL`
+/// (`scalar`, `avx2`, `avx-vnni`, `avx-512`), so one machine measures the kernels other CPUs
+/// run (`cpudecodebench`). Read once.
+fn widest() -> Isa {
+    static WIDEST: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+    *WIDEST.get_or_init(|| match std::env::var("RAGCLUSTER_CPU_KERNEL").as_deref() {
+        Ok("scalar") => Isa::Scalar,
+        Ok("avx2") => Isa::Avx2,
+        Ok("avx-vnni") => Isa::Vnni,
+        _ => Isa::Avx512,
+    })
+}
+
 /// For each weight row i of `w` (rows of `row_bytes`) and activation row r of `a`:
 /// `out[i * a.m + r] = dot(row i, a row r)`.
 pub fn rows(format: Format, w: &[u8], row_bytes: usize, a: &Q8Rows, out: &mut [f32]) {
@@ -43,15 +65,16 @@ pub fn rows(format: Format, w: &[u8], row_bytes: usize, a: &Q8Rows, out: &mut [f
     {
         // SAFETY (all): the features checked; every row of `w` holds k / block_elems blocks
         // of `format` (QMatrix::new checked the sizes) and `a` rows of k values.
-        if super::avx512::supported() && super::avx512::fits(a.k) {
+        let most = widest();
+        if most >= Isa::Avx512 && super::avx512::supported() && super::avx512::fits(a.k) {
             unsafe { super::avx512::rows(format, w, row_bytes, a, out) };
             return;
         }
-        if vnni() {
+        if most >= Isa::Vnni && vnni() {
             unsafe { vnni::rows(format, w, row_bytes, a, out) };
             return;
         }
-        if supported() {
+        if most >= Isa::Avx2 && supported() {
             unsafe { plain::rows(format, w, row_bytes, a, out) };
             return;
         }
@@ -94,6 +117,19 @@ pub(super) mod shared {
         let s = _mm_add_ps(lo, _mm256_extractf128_ps(v, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+    }
+
+    /// Bytes ahead of the block being read that the loops prefetch: a decode step streams
+    /// every weight once, and without it the first load of each block waits on memory
+    /// (decode 17 -> 27 tokens/s on the AVX-512 kernels).
+    const PREFETCH_BYTES: usize = 1024;
+
+    /// A hint only: past the row it reads the next row, past the matrix nothing (prefetches
+    /// do not fault).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn prefetch(p: *const u8) {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES).cast());
     }
 
     /// The little-endian f16 at `b[at..at + 2]`, converted by F16C.
@@ -147,7 +183,7 @@ macro_rules! kernels {
             use super::super::Q8Rows;
             use super::super::blocks::{Format, scale_min_k4};
             use super::dots::$dot as dot;
-            use super::shared::{f16, hsum, nibbles};
+            use super::shared::{f16, hsum, nibbles, prefetch};
 
             /// # Safety
             /// The target features; `w` whole rows of `format` over `a.k` values.
@@ -287,6 +323,7 @@ macro_rules! kernels {
                 unsafe fn q8_0(self, row: &[u8], offs: &mut [f32]) -> ([__m256; R], bool) {
                     let mut acc = [_mm256_setzero_ps(); R];
                     for (blk, b) in row.as_chunks::<34>().0.iter().enumerate() {
+                        prefetch(b.as_ptr());
                         let d = f16(b, 0);
                         // SAFETY: a block is 34 bytes: the f16 scale, then 32 values.
                         let w = unsafe { _mm256_loadu_si256(b.as_ptr().add(2).cast()) };
@@ -315,6 +352,7 @@ macro_rules! kernels {
                 ) -> ([__m256; R], bool) {
                     let mut acc = [_mm256_setzero_ps(); R];
                     for (blk, b) in row.as_chunks::<N>().0.iter().enumerate() {
+                        prefetch(b.as_ptr());
                         let d = f16(b, 0);
                         // SAFETY: the last 16 bytes of each block are its nibbles.
                         let nib = unsafe { nibbles(b.as_ptr().add(N - 16)) };
@@ -341,6 +379,8 @@ macro_rules! kernels {
                     let mut acc = [_mm256_setzero_ps(); R];
                     let mask = _mm256_set1_epi8(0xF);
                     for (sb, b) in row.as_chunks::<144>().0.iter().enumerate() {
+                        prefetch(b.as_ptr());
+                        prefetch(b.as_ptr().wrapping_add(64));
                         let (d, dmin) = (f16(b, 0), f16(b, 2));
                         let scales = &b[4..16];
                         for pair in 0..4 {
@@ -370,6 +410,9 @@ macro_rules! kernels {
                     let mut acc = [_mm256_setzero_ps(); R];
                     let (m4, m3) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(3));
                     for (sb, b) in row.as_chunks::<210>().0.iter().enumerate() {
+                        prefetch(b.as_ptr());
+                        prefetch(b.as_ptr().wrapping_add(64));
+                        prefetch(b.as_ptr().wrapping_add(128));
                         let d = f16(b, 208);
                         let sc = &b[192..208];
                         for s in 0..8 {
