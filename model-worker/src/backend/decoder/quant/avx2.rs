@@ -185,33 +185,7 @@ macro_rules! kernels {
             use super::dots::$dot as dot;
             use super::shared::{f16, hsum, nibbles, prefetch};
 
-            /// # Safety
-            /// The target features; `w` whole rows of `format` over `a.k` values.
-            #[target_feature(enable = $feat)]
-            pub unsafe fn rows(
-                format: Format,
-                w: &[u8],
-                row_bytes: usize,
-                a: &Q8Rows,
-                out: &mut [f32],
-            ) {
-                let mut offs = vec![0f32; 2 * a.blocks_per_row()];
-                for (r0, tile) in a.tiles() {
-                    let t = (format, w, row_bytes, a, r0);
-                    // SAFETY: as for this function; rows r0..r0 + tile exist in `a`.
-                    unsafe {
-                        match tile {
-                            8 => tile_rows::<8>(t, out, &mut offs),
-                            4 => tile_rows::<4>(t, out, &mut offs),
-                            3 => tile_rows::<3>(t, out, &mut offs),
-                            2 => tile_rows::<2>(t, out, &mut offs),
-                            _ => tile_rows::<1>(t, out, &mut offs),
-                        }
-                    }
-                }
-            }
-
-            type Job<'a> = (Format, &'a [u8], usize, &'a Q8Rows, usize);
+            rows_over_tiles!($feat);
 
             #[target_feature(enable = $feat)]
             unsafe fn tile_rows<const R: usize>(job: Job<'_>, out: &mut [f32], offs: &mut [f32]) {

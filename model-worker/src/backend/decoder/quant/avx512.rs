@@ -49,29 +49,10 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::Q8Rows;
+    use super::super::avx2::shared::{f16, nibbles, prefetch};
     use super::super::blocks::{Format, scale_min_k4};
 
-    /// # Safety
-    /// As `super::rows`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")]
-    pub unsafe fn rows(format: Format, w: &[u8], row_bytes: usize, a: &Q8Rows, out: &mut [f32]) {
-        let mut offs = vec![0f32; 2 * a.blocks_per_row()];
-        for (r0, tile) in a.tiles() {
-            let t = (format, w, row_bytes, a, r0);
-            // SAFETY: as for this function; rows r0..r0 + tile exist in `a`.
-            unsafe {
-                match tile {
-                    8 => tile_rows::<8>(t, out, &mut offs),
-                    4 => tile_rows::<4>(t, out, &mut offs),
-                    3 => tile_rows::<3>(t, out, &mut offs),
-                    2 => tile_rows::<2>(t, out, &mut offs),
-                    _ => tile_rows::<1>(t, out, &mut offs),
-                }
-            }
-        }
-    }
-
-    type Job<'a> = (Format, &'a [u8], usize, &'a Q8Rows, usize);
+    rows_over_tiles!("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma");
 
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")]
     unsafe fn tile_rows<const R: usize>(job: Job<'_>, out: &mut [f32], offs: &mut [f32]) {
@@ -102,19 +83,6 @@ mod x86 {
         /// The tile's values and scales (`Q8Rows` layout).
         qs: *const i8,
         d: *const f32,
-    }
-
-    /// Bytes ahead of the block being read that the loops prefetch: a decode step streams
-    /// every weight once, and the first load of each block otherwise waits on memory (the
-    /// hardware prefetcher alone leaves the bandwidth half used, as in `skinny`).
-    const PREFETCH_BYTES: usize = 1024;
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")]
-    fn prefetch(p: *const u8) {
-        // A hint only: past the row it reads the next row, past the matrix nothing
-        // (prefetches do not fault).
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES).cast());
     }
 
     /// Two 256-bit halves as one register.
@@ -337,24 +305,6 @@ mod x86 {
             }
             acc
         }
-    }
-
-    /// The little-endian f16 at `b[at..at + 2]`, converted by F16C.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")]
-    fn f16(b: &[u8], at: usize) -> f32 {
-        let h = u16::from_le_bytes([b[at], b[at + 1]]);
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))))
-    }
-
-    /// 16 bytes of nibbles as 32 bytes: low nibbles first, then high ones.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")]
-    unsafe fn nibbles(p: *const u8) -> __m256i {
-        // SAFETY: the caller passes 16 readable bytes.
-        let x = unsafe { _mm_loadu_si128(p.cast()) };
-        let m = _mm_set1_epi8(0xF);
-        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m), _mm_and_si128(x, m))
     }
 
     /// The 32 bits of `x` as 32 bytes, 0xFF where the bit is set (byte i = bit i).

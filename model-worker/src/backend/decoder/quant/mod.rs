@@ -12,6 +12,43 @@
 //! (`avx512` two sub-blocks per instruction where the CPU has AVX-512 VNNI).
 //! Anything else, or a CPU without AVX2, stays with candle's `QMatMul`.
 
+/// The driver of every integer kernel module (`$feat` its target features): activation rows
+/// tile by tile (`Q8Rows::tiles`), each through the module's `tile_rows::<R>`, with one
+/// buffer for a weight row's offsets.
+macro_rules! rows_over_tiles {
+    ($feat:literal) => {
+        /// # Safety
+        /// The target features; `w` whole rows of `format` over `a.k` values.
+        #[target_feature(enable = $feat)]
+        pub unsafe fn rows(
+            format: Format,
+            w: &[u8],
+            row_bytes: usize,
+            a: &Q8Rows,
+            out: &mut [f32],
+        ) {
+            let mut offs = vec![0f32; 2 * a.blocks_per_row()];
+            for (r0, tile) in a.tiles() {
+                let t = (format, w, row_bytes, a, r0);
+                // SAFETY: as for this function; rows r0..r0 + tile exist in `a`.
+                unsafe {
+                    match tile {
+                        8 => tile_rows::<8>(t, out, &mut offs),
+                        4 => tile_rows::<4>(t, out, &mut offs),
+                        3 => tile_rows::<3>(t, out, &mut offs),
+                        2 => tile_rows::<2>(t, out, &mut offs),
+                        _ => tile_rows::<1>(t, out, &mut offs),
+                    }
+                }
+            }
+        }
+
+        /// What a tile's product reads: format, weight rows, bytes per row, activations, first
+        /// activation row.
+        type Job<'a> = (Format, &'a [u8], usize, &'a Q8Rows, usize);
+    };
+}
+
 mod avx2;
 mod avx512;
 pub mod blocks;
