@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: images compose-up compose-down setup build build-demo demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-cpu-decode bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-engines bench-bm25 bench-tokenize bench-ingest bench-chunking bench-sampling
+.PHONY: images compose-up compose-down setup build build-demo demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-cpu-decode bench-embed-nomic bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-engines bench-bm25 bench-tokenize bench-ingest bench-chunking bench-sampling
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -94,6 +94,9 @@ bench-raft: build ## write throughput + commit latency (rf 1 vs 3), snapshot tra
 
 bench-cpu-decode: build  ## the CPU decoder (quantized kernels and f32) against llama.cpp's llama-bench on the same GGUF: pp512 / tg128 tokens/s, memory
 	$(BIN)/cpudecodebench --prompt 512 --tokens 128 --llama-bench "$$(bash scripts/build-llama-bench.sh)"
+
+bench-embed-nomic: build  ## nomic-embed-text-v1.5 on our CPU encoder against llama.cpp's llama-embedding on the same GGUF: passages/s, tokens/s, cosine agreement
+	$(BIN)/nomicbench --passages 256 --llama-embedding "$$(dirname "$$(bash scripts/build-llama-bench.sh)")/llama-embedding"
 
 bench-gen: build  ## generation tokens/s, 1 vs 8 streams, f16 / f32 / quantized weights
 	$(BIN)/genbench

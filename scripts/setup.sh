@@ -24,8 +24,9 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-# The defaults plus Qwen2.5-Coder-0.5B (model-worker/tests/qwen2.rs); qwen1.5b and nomic on request.
-bash scripts/fetch-models.sh default qwen0.5b
+# The defaults plus Qwen2.5-Coder-0.5B (model-worker/tests/qwen2.rs) and nomic-embed-text-v1.5
+# (model-worker/tests/nomic.rs); qwen1.5b on request.
+bash scripts/fetch-models.sh default qwen0.5b nomic
 
 # Python packages of three checks: pytrec_eval (trec_eval's C code) checks our retrieval
 # metrics in tests/tests/eval.rs; helm-python-sdk (Helm v4's Go SDK, no helm binary) and

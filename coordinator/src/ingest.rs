@@ -228,7 +228,9 @@ impl Ingestor {
         let vectors = if texts.is_empty() {
             Vec::new()
         } else {
-            self.models.embed(&info.embedding_model, texts).await?
+            self.models
+                .embed(&info.embedding_model, texts, EmbedInput::Document)
+                .await?
         };
         let embed_took = t_embed.elapsed();
         let per_shard = writes(docs, vectors, info.shard_count);

@@ -399,8 +399,14 @@ impl Models {
 
     /// Embeds texts with `model`: cached vectors where the cache has them (each distinct text
     /// of the rest embedded once), the rest through the workers, `batch` texts per call with
-    /// `concurrency` calls in flight.
-    pub async fn embed(&self, model: &str, texts: Vec<String>) -> Result<Vec<Vec<f32>>> {
+    /// `concurrency` calls in flight. `input` says whether the texts are queries or documents
+    /// (the worker adds the model's task prefix); queries are cached apart from documents.
+    pub async fn embed(
+        &self,
+        model: &str,
+        texts: Vec<String>,
+        input: EmbedInput,
+    ) -> Result<Vec<Vec<f32>>> {
         let mut meta = self.meta(model);
         // A model not listed yet (just started, a worker just joined): list now, not in 10 s.
         let retry = self
@@ -413,9 +419,14 @@ impl Models {
         }
         let batch = self.batch_for(meta.as_ref());
         let (Some(_), Some(revision)) = (&self.cache, meta.and_then(|m| m.revision)) else {
-            return Ok(self.embed_calls(model, texts, batch).await?.0);
+            return Ok(self.embed_calls(model, texts, input, batch).await?.0);
         };
-        let (texts, keys) = keys_of(model, &revision, texts).await?;
+        // A query's vector is keyed apart (revisions are hex: no document key is "…/query").
+        let keyed = match input {
+            EmbedInput::Query => format!("{revision}/query"),
+            _ => revision.clone(),
+        };
+        let (texts, keys) = keys_of(model, &keyed, texts).await?;
         let cache = self.cache.as_ref().expect("checked above");
         let mut out: Vec<Option<Arc<[f32]>>> = cache.get_many(&keys);
         // The misses, each distinct text once, and where each answer goes.
@@ -435,7 +446,7 @@ impl Models {
             wanted.push((i, slot));
         }
         if !todo.is_empty() {
-            let (vectors, revisions) = self.embed_calls(model, todo, batch).await?;
+            let (vectors, revisions) = self.embed_calls(model, todo, input, batch).await?;
             let vectors: Vec<Arc<[f32]>> = vectors.into_iter().map(Arc::from).collect();
             // Only vectors of the revision keyed by are kept (a worker replaced meanwhile
             // answers with another).
@@ -458,6 +469,7 @@ impl Models {
         &self,
         model: &str,
         texts: Vec<String>,
+        input: EmbedInput,
         batch: usize,
     ) -> Result<(Vec<Vec<f32>>, Vec<String>)> {
         let n = texts.len();
@@ -475,6 +487,7 @@ impl Models {
                                 EmbedRequest {
                                     model: model.to_owned(),
                                     texts: b.clone(),
+                                    input: input.into(),
                                 },
                                 timeout,
                             );

@@ -241,6 +241,19 @@ impl Drop for Batcher {
 
 impl Batcher {
     pub fn start(name: String, backend: Box<dyn Encoder>, cfg: BatchConfig) -> Self {
+        Self::start_probed(name, backend, cfg, &[])
+    }
+
+    /// As `start`, after one forward over `probe` whose speed seeds the measured rate: the
+    /// backlog check then holds from the first request. Without it a cold worker admits
+    /// everything, and a slow model (nomic-embed on two cores, ~600 tokens/s) let a burst of
+    /// ingest calls queue minutes of work that then ran past their deadlines.
+    pub fn start_probed(
+        name: String,
+        mut backend: Box<dyn Encoder>,
+        cfg: BatchConfig,
+        probe: &[Seq],
+    ) -> Self {
         let queue = Arc::new(Queue {
             name: name.clone(),
             cap: cfg.max_queue.max(1),
@@ -248,6 +261,14 @@ impl Batcher {
             ready: Condvar::new(),
             rate: AtomicU64::new(0),
         });
+        if !probe.is_empty() {
+            let refs: Vec<&Seq> = probe.iter().collect();
+            let t = Instant::now();
+            match backend.forward(&refs) {
+                Ok(_) => queue.observe(probe.iter().map(|s| s.ids.len()).sum(), t.elapsed()),
+                Err(e) => tracing::warn!(model = %name, error = %e, "rate probe failed"),
+            }
+        }
         {
             let queue = queue.clone();
             let name = name.clone();

@@ -78,7 +78,8 @@ pub struct ModelSpec {
     /// "embed" (BERT sentence embeddings), "rerank" or "generate" (llama-architecture GGUF,
     /// or a remote OpenAI-compatible server with `endpoint`).
     pub kind: String,
-    /// embed: HF-format directory (config.json, tokenizer.json, model.safetensors);
+    /// embed: HF-format directory (config.json, tokenizer.json, model.safetensors) or a
+    /// nomic-bert .gguf (its own tokenizer; CPU only);
     /// rerank: such a directory (a BertForSequenceClassification cross-encoder, or any BERT
     /// encoder for MaxSim) or a .gguf generator (LLM yes/no relevance);
     /// generate: a .gguf file (tokenizer and chat template come from its metadata).

@@ -13,7 +13,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use ragcluster_proto::v1::{ChatMessage, GenerateRequest, GenerateResponse};
+use ragcluster_proto::v1::{ChatMessage, EmbedInput, GenerateRequest, GenerateResponse};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
@@ -106,8 +106,19 @@ async fn embeddings(
             .ok_or_else(|| bad("input must be a string or a list of strings"))?,
         _ => return Err(bad("input must be a string or a list of strings")),
     };
+    // Cohere's and Voyage's `input_type` ("query" / "document"): which task prefix the model
+    // gets; OpenAI's API has no such field, so it is optional.
+    let input = match v["input_type"].as_str() {
+        None | Some("document") => EmbedInput::Document,
+        Some("query") => EmbedInput::Query,
+        Some(other) => {
+            return Err(bad(format!(
+                "input_type must be \"query\" or \"document\", not {other:?}"
+            )));
+        }
+    };
     let out = reg
-        .embed(v["model"].as_str().unwrap_or_default(), texts, None)
+        .embed(v["model"].as_str().unwrap_or_default(), texts, input, None)
         .await?;
     let data: Vec<Value> = out
         .vectors

@@ -36,11 +36,12 @@ struct Flags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     port_file: Option<PathBuf>,
-    /// Path of the default embedding model directory (replaces model_worker.models with one
-    /// all-MiniLM-L6-v2-style embed model at this path).
+    /// Path of an embedding model: an HF directory (all-MiniLM-L6-v2) or a nomic-bert
+    /// .gguf, named after the directory or the file's stem; repeat the flag to serve several,
+    /// the first being the default (replaces the embed models of model_worker.models).
     #[arg(long)]
     #[serde(skip)]
-    embed_model: Option<PathBuf>,
+    embed_model: Vec<PathBuf>,
     /// Path of a GGUF generator (llama or qwen2 architecture) to serve for Generate, named
     /// after the file; repeat the flag to serve several, the first being the default
     /// (replaces the generate models of model_worker.models).
@@ -66,14 +67,19 @@ fn main() -> anyhow::Result<()> {
     let file = flags.config.as_deref();
     let tel = TelemetryConfig::load(file, &flags.telemetry)?;
     let mut cfg: ModelWorkerConfig = load_section(file, "model_worker", &flags)?;
-    if let Some(path) = &flags.embed_model {
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "embed".into());
+    if !flags.embed_model.is_empty() {
         cfg.models.retain(|m| m.kind != "embed");
+    }
+    for (i, path) in flags.embed_model.iter().enumerate() {
+        let name = if path.is_dir() {
+            path.file_name()
+        } else {
+            path.file_stem()
+        }
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "embed".into());
         cfg.models
-            .insert(0, ModelSpec::new(&name, "embed", path.clone()));
+            .insert(i, ModelSpec::new(&name, "embed", path.clone()));
     }
     if !flags.generate_model.is_empty() {
         cfg.models.retain(|m| m.kind != "generate");

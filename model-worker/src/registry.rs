@@ -7,12 +7,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use ragcluster_proto::v1::{GenerateRequest, GenerateResponse, ModelInfo};
+use ragcluster_proto::v1::{EmbedInput, GenerateRequest, GenerateResponse, ModelInfo};
 use tokio::sync::{Semaphore, mpsc};
 
 use crate::backend::Seq;
 use crate::backend::decoder::llama::{CONTEXT, GenParams, LlamaGenerator};
 use crate::backend::device::{self, Placement};
+use crate::backend::encoder::Prompts;
 use crate::backend::encoder::bert::{self, BertEncoder, HeadKind};
 use crate::batcher::{BatchConfig, Batcher};
 use crate::config::{ModelSpec, ModelWorkerConfig};
@@ -33,6 +34,9 @@ pub const MAX_HISTORY: usize = 64;
 /// Passage tokens kept per LLM relevance prompt.
 const LLM_RERANK_PASSAGE_TOKENS: usize = 384;
 
+/// A sentence the rate probe of each encoder repeats (see `Batcher::start_probed`).
+const RATE_PROBE: &str = "The quick brown fox jumps over the lazy dog. ";
+
 /// An encoder model behind its batcher.
 pub struct EncoderModel {
     pub placement: Placement,
@@ -42,6 +46,8 @@ pub struct EncoderModel {
     pub max_len: usize,
     /// `ModelInfo.revision`.
     pub revision: String,
+    /// Task prefixes put before queries and documents (nomic-embed-text).
+    pub prompts: Prompts,
 }
 
 /// A local GGUF generator on its configured device. Under `device = "auto"` a GPU decoder
@@ -100,6 +106,8 @@ impl EncoderModel {
             small_first: cfg.small_first,
         };
         let placement = enc.placement();
+        // Four sequences of ~120 tokens: the encoder's speed, measured before traffic.
+        let probe = bert::tokenize(&enc.tokenizer(), &vec![RATE_PROBE.repeat(12); 4])?;
         let m = Self {
             placement,
             tokenizer: Arc::new(if cfg.word_cache {
@@ -110,7 +118,8 @@ impl EncoderModel {
             dim: enc.dimension(),
             max_len: enc.max_sequence_length(),
             revision: enc.revision().to_owned(),
-            batcher: Batcher::start(spec.name.clone(), Box::new(enc), batch.clone()),
+            prompts: enc.prompts().clone(),
+            batcher: Batcher::start_probed(spec.name.clone(), Box::new(enc), batch.clone(), &probe),
         };
         Ok((m, batch))
     }
@@ -313,10 +322,20 @@ impl Registry {
         &self,
         model: &str,
         texts: Vec<String>,
+        input: EmbedInput,
         deadline: Option<Duration>,
     ) -> Result<Embedded, ModelError> {
         let (name, m) = Self::pick(&self.embedders, &self.default_embed, model, "embed")?;
         check_texts("texts", &texts)?;
+        let prefix = match input {
+            EmbedInput::Query => &m.prompts.query,
+            EmbedInput::Unspecified | EmbedInput::Document => &m.prompts.document,
+        };
+        let texts = if prefix.is_empty() {
+            texts
+        } else {
+            texts.into_iter().map(|t| format!("{prefix}{t}")).collect()
+        };
         let seqs = self.tokenize.texts(&name, &m.tokenizer, texts).await?;
         let tokens = seqs.iter().map(|s| s.ids.len()).sum();
         let truncated = truncated(&seqs);

@@ -29,7 +29,8 @@ impl ModelWorker for ModelWorkerService {
     async fn embed(&self, req: Request<EmbedRequest>) -> Result<Response<EmbedResponse>, Status> {
         let deadline = ragcluster_common::server::grpc_timeout(req.metadata());
         let r = req.into_inner();
-        let out = self.reg.embed(&r.model, r.texts, deadline).await?;
+        let input = r.input();
+        let out = self.reg.embed(&r.model, r.texts, input, deadline).await?;
         Ok(Response::new(EmbedResponse {
             model: out.model,
             dimension: out.dim as u32,

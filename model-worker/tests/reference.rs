@@ -8,17 +8,12 @@ use model_worker::backend::device::Placement;
 use model_worker::backend::encoder::bert::{self, BertEncoder, HeadKind};
 use model_worker::backend::{Encoder, Seq};
 
-fn model_dir() -> PathBuf {
-    std::env::var_os("RAGCLUSTER_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"))
-        .join("all-MiniLM-L6-v2")
-}
+mod common;
 
-fn cosine(a: &[f32], b: &[f32]) -> f32 {
-    let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
-    let n = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
-    dot / (n(a) * n(b))
+use common::{cosine, fixture, models_dir};
+
+fn model_dir() -> PathBuf {
+    models_dir().join("all-MiniLM-L6-v2")
 }
 
 #[test]
@@ -29,26 +24,8 @@ fn matches_sentence_transformers_and_batching_is_exact() {
         "model missing at {}: run scripts/fetch-models.sh",
         dir.display()
     );
-    let reference: serde_json::Value =
-        serde_json::from_str(include_str!("data/minilm_reference.json")).expect("reference json");
-    let sentences: Vec<String> = reference["sentences"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s.as_str().unwrap().to_owned())
-        .collect();
-    let expected: Vec<Vec<f32>> = reference["embeddings"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| {
-            v.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap() as f32)
-                .collect()
-        })
-        .collect();
+    let (reference, sentences, expected) =
+        fixture(include_str!("data/minilm_reference.json"), "sentences");
 
     let mut m = BertEncoder::load("all-MiniLM-L6-v2", &dir, 0, HeadKind::MeanPool).expect("load");
     assert_eq!(m.dimension(), 384);

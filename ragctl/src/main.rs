@@ -87,6 +87,11 @@ enum Cmd {
         /// with all 100k in one shard's graph (docs/bench/2026-11-29-efc-default.json).
         #[arg(long)]
         ef_construction: Option<u32>,
+        /// Embedding model of a collection ingest creates, as the model worker names it
+        /// (directory name or file stem, e.g. nomic-embed-text-v1.5.f16; default: the
+        /// coordinator's, the worker's first embedder).
+        #[arg(long, default_value = "")]
+        embedding_model: String,
         /// Print the summary as one JSON object (documents, chunks, seconds, chunks/s, the
         /// summed stage times) instead of a sentence, and no progress bar.
         #[arg(long)]
@@ -397,6 +402,7 @@ async fn main() -> Result<()> {
             chunking,
             shards,
             ef_construction,
+            embedding_model,
             json,
         } => {
             let args = ingest::IngestArgs {
@@ -407,6 +413,7 @@ async fn main() -> Result<()> {
                 chunking: *chunking,
                 shards: *shards,
                 ef_construction: *ef_construction,
+                embedding_model,
                 json: *json,
             };
             ingest::ingest(CoordinatorClient::new(channel(&cli).await?), args).await

@@ -72,6 +72,14 @@ fn reference_score(vars: &VarMap, config: &Config, ids: &[u32], types: &[u32]) -
         .to_vec1::<f32>()?[0])
 }
 
+/// ListModels' models.
+async fn list(c: &mut ModelWorkerClient<Channel>) -> Result<Vec<ModelInfo>> {
+    Ok(c.list_models(ListModelsRequest {})
+        .await?
+        .into_inner()
+        .models)
+}
+
 fn code<T>(r: std::result::Result<T, tonic::Status>) -> Code {
     r.err().map_or(Code::Ok, |s| s.code())
 }
@@ -109,11 +117,7 @@ async fn encoders_batching_and_rerank() -> Result<()> {
     let mut c = client(&worker).await?;
 
     // Registry: every model with its kind, method and limits.
-    let models = c
-        .list_models(ListModelsRequest {})
-        .await?
-        .into_inner()
-        .models;
+    let models = list(&mut c).await?;
     let find = |n: &str| models.iter().find(|m| m.name == n).cloned();
     let cross = find("tiny-cross").context("tiny-cross listed")?;
     ensure!(cross.kind == "rerank" && cross.method == "cross-encoder" && cross.max_batch == 3);
@@ -283,6 +287,7 @@ async fn encoders_batching_and_rerank() -> Result<()> {
     let e = |texts: Vec<String>, model: &str| EmbedRequest {
         model: model.into(),
         texts,
+        ..Default::default()
     };
     ensure!(code(c.embed(e(vec![], "")).await) == Code::InvalidArgument);
     ensure!(code(c.embed(e(vec!["x".into(); 257], "")).await) == Code::InvalidArgument);
@@ -620,5 +625,73 @@ async fn llm_rerank_openai_api_and_remote_backend() -> Result<()> {
     let status = err.downcast_ref::<tonic::Status>().context("a status")?;
     ensure!(status.code() == Code::Unavailable, "{status:?}");
     ensure!(status.metadata().get("retry-after-ms").is_some());
+    Ok(())
+}
+
+/// nomic-embed-text served beside MiniLM (a second `--embed-model`, a GGUF): the worker puts
+/// the model's own task prefix before each text by `EmbedRequest.input` ("search_query: " or
+/// "search_document: "), so a query and a document of the same words differ and queries find
+/// their passages; MiniLM has no prefixes and gives one vector either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nomic_gguf_prefixes_by_input() -> Result<()> {
+    use ragcluster_common::skip::{SkipReason, skipped};
+    let gguf = ragcluster_tests::models_dir().join("nomic-embed-text-v1.5.f16.gguf");
+    if !gguf.exists() {
+        let why = format!("{} missing: scripts/fetch-models.sh nomic", gguf.display());
+        skipped(SkipReason::NotSetUp, "nomic_gguf_prefixes_by_input", &why);
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    let path = gguf.display().to_string();
+    let worker = Proc::model_worker_with(dir.path(), false, None, &["--embed-model", &path])?;
+    let mut c = client(&worker).await?;
+    let models = list(&mut c).await?;
+    let nomic = models
+        .iter()
+        .find(|m| m.name == "nomic-embed-text-v1.5.f16")
+        .context("nomic listed under its file stem")?;
+    ensure!(
+        nomic.kind == "embed" && nomic.dimension == 768 && nomic.max_sequence_length == 2048,
+        "{nomic:?}"
+    );
+    let mut embed =
+        async |model: &str, texts: Vec<String>, input: EmbedInput| -> Result<Vec<Vec<f32>>> {
+            let r = c
+                .embed(EmbedRequest {
+                    model: model.into(),
+                    texts,
+                    input: input.into(),
+                })
+                .await?
+                .into_inner();
+            Ok(r.embeddings.into_iter().map(|e| e.values).collect())
+        };
+    let q = "How does Raft elect a leader?".to_owned();
+    let name = "nomic-embed-text-v1.5.f16";
+    let as_query = embed(name, vec![q.clone()], EmbedInput::Query).await?;
+    let as_doc = embed(name, vec![q.clone()], EmbedInput::Document).await?;
+    let unspecified = embed(name, vec![q.clone()], EmbedInput::Unspecified).await?;
+    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+    ensure!(
+        dot(&as_query[0], &as_doc[0]) < 0.99,
+        "the prefixes must differ"
+    );
+    ensure!(as_doc == unspecified, "unspecified input is a document");
+    let passages = embed(
+        name,
+        PASSAGES.iter().map(|p| p.to_string()).collect(),
+        EmbedInput::Document,
+    )
+    .await?;
+    let best = (0..passages.len())
+        .max_by(|&a, &b| {
+            dot(&as_query[0], &passages[a]).total_cmp(&dot(&as_query[0], &passages[b]))
+        })
+        .context("passages")?;
+    ensure!(best == 3, "the Raft passage ranks first, got {best}");
+    let minilm = "all-MiniLM-L6-v2";
+    let mq = embed(minilm, vec![q.clone()], EmbedInput::Query).await?;
+    let md = embed(minilm, vec![q], EmbedInput::Document).await?;
+    ensure!(mq == md, "MiniLM has no prefixes");
     Ok(())
 }

@@ -110,10 +110,12 @@ pub async fn yes_probability(rt: &Run, prompt: String, model: &str) -> Result<f3
     })
 }
 
-pub async fn embed(rt: &Run, texts: Vec<String>) -> Result<Vec<Vec<f32>>> {
+/// Embeds with the collection's model; `input` marks queries apart from documents (the task
+/// prefix of models that have one).
+pub async fn embed(rt: &Run, texts: Vec<String>, input: EmbedInput) -> Result<Vec<Vec<f32>>> {
     rt.services
         .models
-        .embed(&rt.info.embedding_model, texts)
+        .embed(&rt.info.embedding_model, texts, input)
         .await
 }
 

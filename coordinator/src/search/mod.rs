@@ -17,7 +17,8 @@ use futures::future::{join_all, try_join};
 use prost::Message;
 use prost::bytes::Bytes;
 use ragcluster_proto::v1::{
-    Bm25SearchRequest, Chunk, CollectionInfo, GlobalBm25Stats, ShardHit, VectorSearchRequest,
+    Bm25SearchRequest, Chunk, CollectionInfo, EmbedInput, GlobalBm25Stats, ShardHit,
+    VectorSearchRequest,
 };
 use tonic::Status;
 
@@ -340,7 +341,11 @@ impl Searcher {
                 let t0 = Instant::now();
                 let v = self
                     .models
-                    .embed(&info.embedding_model, vec![q.text.clone()])
+                    .embed(
+                        &info.embedding_model,
+                        vec![q.text.clone()],
+                        EmbedInput::Query,
+                    )
                     .await?;
                 metrics::histogram!("coordinator_query_embed_seconds")
                     .record(t0.elapsed().as_secs_f64());

@@ -358,6 +358,8 @@ pub struct IngestArgs<'a> {
     pub chunking: Option<Chunker>,
     pub shards: Option<u32>,
     pub ef_construction: Option<u32>,
+    /// Embedding model of a collection ingest creates (empty: the coordinator's default).
+    pub embedding_model: &'a str,
     /// The summary as one JSON object, no progress bar.
     pub json: bool,
 }
@@ -396,6 +398,7 @@ pub async fn ingest(c: CoordinatorClient<KeyedChannel>, a: IngestArgs<'_>) -> Re
                     ef_construction,
                     ..Default::default()
                 }),
+                embedding_model: a.embedding_model.to_owned(),
                 ..Default::default()
             })
             .await?

@@ -22,6 +22,10 @@ const GENERATORS: [&str; 2] = [
     "smollm2-135m-instruct.Q4_1.gguf",
 ];
 
+/// Embedders served beside all-MiniLM-L6-v2 (the default) when fetched, named after the
+/// file's stem: `ragctl ingest --embedding-model nomic-embed-text-v1.5.f16` picks it.
+const EMBEDDERS: [&str; 1] = ["nomic-embed-text-v1.5.f16.gguf"];
+
 /// What `local up` leaves behind for the other commands.
 #[derive(Serialize, Deserialize)]
 pub struct LocalCluster {
@@ -258,9 +262,15 @@ impl Launcher {
             pf,
         ];
         if name == "model-worker" {
+            args.extend(["--embed-model".into(), model_dir.display().to_string()]);
+            // Every other embedder that was fetched (a collection picks one at creation).
+            for file in EMBEDDERS {
+                let gguf = self.models.join(file);
+                if gguf.exists() {
+                    args.extend(["--embed-model".into(), gguf.display().to_string()]);
+                }
+            }
             args.extend([
-                "--embed-model".into(),
-                model_dir.display().to_string(),
                 // MaxSim reranking over the same MiniLM weights.
                 "--rerank-model".into(),
                 model_dir.display().to_string(),

@@ -272,8 +272,8 @@ pub async fn embed_queries(
         let texts = b.iter().map(|q| q.text.clone()).collect();
         let r = mw
             .embed(EmbedRequest {
-                model: String::new(),
                 texts,
+                ..Default::default()
             })
             .await?
             .into_inner();

@@ -10,6 +10,7 @@ use crate::flow::route;
 use crate::flow::run::{Ctx, Note, Run};
 use crate::flow::spec::Op;
 use crate::flow::spec::{RouteMethod, RouteTarget};
+use ragcluster_proto::v1::EmbedInput;
 
 pub struct Control;
 
@@ -87,7 +88,7 @@ async fn intent_vectors(rt: &Run, routes: &[RouteTarget]) -> Result<Vec<Vec<Vec<
         m
     };
     if !missing.is_empty() {
-        let vecs = llm::embed(rt, missing.clone()).await?;
+        let vecs = llm::embed(rt, missing.clone(), EmbedInput::Query).await?;
         let mut c = rt.intents.0.lock();
         for (t, v) in missing.into_iter().zip(vecs) {
             c.insert((model.clone(), t), v);
@@ -119,7 +120,7 @@ async fn choose(
     let sem = if method == RouteMethod::Keyword || routes.iter().all(|r| r.intents.is_empty()) {
         vec![0.0; routes.len()]
     } else {
-        let q = llm::embed(rt, vec![query.to_owned()])
+        let q = llm::embed(rt, vec![query.to_owned()], EmbedInput::Query)
             .await?
             .pop()
             .unwrap_or_default();

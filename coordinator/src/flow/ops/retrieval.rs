@@ -16,6 +16,7 @@ use crate::flow::spec::Op;
 use crate::flow::spec::{Mode, ReorderMode, Retrieve, parse_fusion};
 use crate::fusion::Fusion;
 use crate::search;
+use ragcluster_proto::v1::EmbedInput;
 
 pub struct Retrieval;
 
@@ -112,10 +113,13 @@ pub async fn retrieve(
     );
     // HyDE: the dense side searches with the hypothetical passage's embedding.
     let query_vector = match (hyde, mode) {
-        (Some(h), Mode::Dense | Mode::Hybrid) => llm::embed(rt, vec![h.to_owned()])
-            .await?
-            .pop()
-            .unwrap_or_default(),
+        // The hypothetical passage is embedded as the documents are (HyDE's point).
+        (Some(h), Mode::Dense | Mode::Hybrid) => {
+            llm::embed(rt, vec![h.to_owned()], EmbedInput::Document)
+                .await?
+                .pop()
+                .unwrap_or_default()
+        }
         _ => Vec::new(),
     };
     // The step's fusion, or the request's override, as the search API would parse them.
@@ -209,7 +213,7 @@ async fn mmr(
     if ps.len() <= 1 {
         return Ok(ps);
     }
-    let q = llm::embed(rt, vec![query.to_owned()])
+    let q = llm::embed(rt, vec![query.to_owned()], EmbedInput::Query)
         .await?
         .pop()
         .unwrap_or_default();
@@ -302,9 +306,9 @@ async fn compress(rt: &Run, query: &str, ps: Vec<Passage>, budget: usize) -> Res
         return Ok(ps);
     }
     sents.truncate(255);
-    let mut texts = vec![query.to_owned()];
-    texts.extend(sents.iter().map(|(_, s)| s.clone()));
-    let vecs = llm::embed(rt, texts).await?;
+    let mut vecs = llm::embed(rt, vec![query.to_owned()], EmbedInput::Query).await?;
+    let texts = sents.iter().map(|(_, s)| s.clone()).collect();
+    vecs.extend(llm::embed(rt, texts, EmbedInput::Document).await?);
     let mut order: Vec<(usize, f32)> = (0..sents.len())
         .map(|k| (k, cosine(&vecs[0], &vecs[k + 1])))
         .collect();

@@ -19,6 +19,7 @@ use tokenizers::{Tokenizer, TruncationParams, TruncationStrategy};
 use super::cpu::Transformer;
 use super::cuda_f16::CudaHalfTransformer;
 use super::cuda_f32::CudaTransformer;
+use super::nomic::{self, Prompts};
 use crate::backend::device::Placement;
 use crate::backend::{Encoder, Seq};
 
@@ -51,6 +52,8 @@ pub struct BertEncoder {
     max_len: usize,
     /// `ModelInfo.revision`: what this encoder computes, for caches of its vectors.
     revision: String,
+    /// Task prefixes the model expects on queries and documents.
+    prompts: Prompts,
 }
 
 /// Which head to load.
@@ -92,9 +95,9 @@ pub fn is_classifier(dir: &Path) -> bool {
 }
 
 impl BertEncoder {
-    /// Loads config.json, tokenizer.json and model.safetensors from an HF-format directory.
-    /// `max_len` 0 = the model's own limit (sentence_bert_config.json, else the position
-    /// table).
+    /// Loads config.json, tokenizer.json and model.safetensors from an HF-format directory,
+    /// or a nomic-bert `.gguf` file. `max_len` 0 = the model's own limit
+    /// (sentence_bert_config.json, else the position table or the GGUF's context).
     pub fn load(
         name: &str,
         dir: &Path,
@@ -118,6 +121,9 @@ impl BertEncoder {
             path: path.display().to_string(),
             reason,
         };
+        if dir.extension().is_some_and(|e| e == "gguf") {
+            return Self::load_gguf(dir, max_len, kind, placement).map_err(|e| fail(dir, e));
+        }
         let cfg_path = dir.join("config.json");
         let cfg_text =
             std::fs::read_to_string(&cfg_path).map_err(|e| fail(&cfg_path, e.to_string()))?;
@@ -209,7 +215,60 @@ impl BertEncoder {
             dim: config.hidden_size,
             max_len,
             revision,
+            prompts: Prompts::from_dir(dir),
         })
+    }
+
+    /// A nomic-bert GGUF on the CPU stack, mean-pooled or as token vectors. There are no
+    /// CUDA kernels for its rotary and SwiGLU layers yet: a CUDA placement is refused (under
+    /// `device = "auto"` the worker then loads it on the CPU).
+    fn load_gguf(
+        path: &Path,
+        max_len: usize,
+        kind: HeadKind,
+        placement: Placement,
+    ) -> Result<Self, String> {
+        if placement == Placement::Cuda {
+            return Err("nomic-bert runs on the CPU only (no CUDA kernels for it yet)".into());
+        }
+        if kind == HeadKind::Classifier {
+            return Err("a GGUF encoder has no classification head".into());
+        }
+        let digest = nomic::file_digest(path).map_err(|e| e.to_string())?;
+        let parts = nomic::load(path)?;
+        let max_len = if max_len == 0 {
+            parts.context
+        } else {
+            max_len.min(parts.context)
+        };
+        let mut tokenizer = parts.tokenizer;
+        tokenizer
+            .with_truncation(Some(TruncationParams {
+                max_length: max_len,
+                strategy: TruncationStrategy::LongestFirst,
+                ..Default::default()
+            }))
+            .map_err(|e| e.to_string())?;
+        tokenizer.with_padding(None);
+        let prompts = Prompts::for_gguf(&parts.name);
+        Ok(Self {
+            model: Stack::Cpu(Box::new(parts.transformer)),
+            head: match kind {
+                HeadKind::Tokens => Head::Tokens,
+                _ => Head::MeanPool,
+            },
+            tokenizer,
+            device: Device::Cpu,
+            dim: parts.hidden,
+            max_len,
+            revision: revision(&[&digest], &format!("{max_len}/{kind:?}/{prompts:?}")),
+            prompts,
+        })
+    }
+
+    /// The task prefixes this model expects (empty for MiniLM).
+    pub fn prompts(&self) -> &Prompts {
+        &self.prompts
     }
 
     /// What this encoder computes (`ModelInfo.revision`): equal revisions, equal vectors.

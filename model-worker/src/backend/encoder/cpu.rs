@@ -8,14 +8,16 @@
 //! padding, everything between the GEMMs (bias, activation, residual + LayerNorm,
 //! attention) runs fused and row-parallel in place (`cpu_ops`), and the activations are
 //! reused from one forward to the next. Weights load from HF `BertModel` / `BertFor*`
-//! safetensors (with or without the `bert.` prefix).
+//! safetensors (with or without the `bert.` prefix), or from a nomic-bert GGUF (`nomic`):
+//! the same post-LayerNorm stack with rotary positions instead of a position table and a
+//! SwiGLU feed-forward without biases.
 
 use candle_core::{Device, Result, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{Config, HiddenAct, PositionEmbeddingType};
 use parking_lot::Mutex;
 
-use super::cpu_ops::{Attention, NormParams, bias_act, bias_residual_norm, embed};
+use super::cpu_ops::{Attention, NormParams, Rope, bias_act, bias_residual_norm, embed, swiglu};
 use super::encoder_root;
 use super::fused_qkv;
 use super::gemm::matmul;
@@ -23,7 +25,7 @@ use crate::backend::{Packed, Seq};
 
 /// A dense layer's pre-transposed weight `(in, out)`, row-major, and its bias, which the
 /// op after the GEMM adds.
-struct Dense {
+pub(super) struct Dense {
     w_t: Vec<f32>,
     b: Vec<f32>,
     out: usize,
@@ -36,12 +38,18 @@ impl Dense {
         Self::new(&w, &b)
     }
 
-    fn new(w: &Tensor, b: &Tensor) -> Result<Self> {
+    pub(super) fn new(w: &Tensor, b: &Tensor) -> Result<Self> {
         Ok(Self {
             w_t: w.t()?.flatten_all()?.to_vec1()?,
             b: b.to_vec1()?,
             out: w.dim(0)?,
         })
+    }
+
+    /// A layer without bias (nomic-bert): the ops after the GEMM add zeros.
+    pub(super) fn unbiased(w: &Tensor) -> Result<Self> {
+        let b = Tensor::zeros(w.dim(0)?, w.dtype(), w.device())?;
+        Self::new(w, &b)
     }
 
     /// `out = x · W^T` (bias not added) for `x` of `rows x in`.
@@ -51,7 +59,7 @@ impl Dense {
 }
 
 /// LayerNorm parameters.
-struct Norm {
+pub(super) struct Norm {
     gamma: Vec<f32>,
     beta: Vec<f32>,
     eps: f32,
@@ -66,6 +74,14 @@ impl Norm {
         })
     }
 
+    pub(super) fn new(gamma: &Tensor, beta: &Tensor, eps: f64) -> Result<Self> {
+        Ok(Self {
+            gamma: gamma.to_vec1()?,
+            beta: beta.to_vec1()?,
+            eps: eps as f32,
+        })
+    }
+
     fn params(&self) -> NormParams<'_> {
         NormParams {
             gamma: &self.gamma,
@@ -75,39 +91,55 @@ impl Norm {
     }
 }
 
-struct Layer {
-    qkv: Dense,
-    attn_out: Dense,
-    ln1: Norm,
-    inter: Dense,
-    out: Dense,
-    ln2: Norm,
+/// The feed-forward block's first half: BERT's `act(x W1 + b1)`, or SwiGLU's
+/// `x Wu * silu(x Wg)` with the up and gate projections fused into one `(h, 2 * inter)`
+/// product (columns: up, then gate).
+pub(super) enum Ffn {
+    Plain { inter: Dense, act: HiddenAct },
+    Gated { up_gate: Dense },
+}
+
+pub(super) struct Layer {
+    pub qkv: Dense,
+    pub attn_out: Dense,
+    pub ln1: Norm,
+    pub ffn: Ffn,
+    pub out: Dense,
+    pub ln2: Norm,
+}
+
+/// Where token positions enter: a learned table added to the embeddings (BERT), or rotary
+/// turns of Q and K inside attention (nomic-bert).
+pub(super) enum Positions {
+    Table(Vec<f32>),
+    Rotary(Rope),
 }
 
 pub struct Transformer {
-    /// Embedding tables, row-major: `(vocab, h)`, `(positions, h)`, `(types, h)`.
-    word: Vec<f32>,
-    position: Vec<f32>,
-    token_type: Vec<f32>,
-    emb_norm: Norm,
-    layers: Vec<Layer>,
-    heads: usize,
-    head_dim: usize,
-    hidden: usize,
-    intermediate: usize,
-    act: HiddenAct,
-    scratch: Mutex<Scratch>,
+    /// Embedding tables, row-major: `(vocab, h)` and `(types, h)`.
+    pub(super) word: Vec<f32>,
+    pub(super) token_type: Vec<f32>,
+    pub(super) positions: Positions,
+    pub(super) emb_norm: Norm,
+    pub(super) layers: Vec<Layer>,
+    pub(super) heads: usize,
+    pub(super) head_dim: usize,
+    pub(super) hidden: usize,
+    pub(super) intermediate: usize,
+    pub(super) scratch: Mutex<Scratch>,
 }
 
 /// The activations of a forward, kept for the next one: a batch reuses the pages the last
 /// one touched instead of faulting in fresh ones for every product (up to `RETAIN_ROWS`).
 #[derive(Default)]
-struct Scratch {
+pub(super) struct Scratch {
     x: Vec<f32>,
     qkv: Vec<f32>,
     ctx: Vec<f32>,
     a: Vec<f32>,
     inter: Vec<f32>,
+    /// SwiGLU's fused up and gate products (`rows x 2 inter`); empty for BERT.
+    up_gate: Vec<f32>,
 }
 
 /// Batches of up to this many tokens keep their activations between forwards (about 64 MB
@@ -151,22 +183,24 @@ impl Transformer {
                 qkv: Dense::new(&w, &b)?,
                 attn_out: Dense::load(&a.pp("output.dense"), h, h)?,
                 ln1: Norm::load(&a.pp("output.LayerNorm"), h, c.layer_norm_eps)?,
-                inter: Dense::load(&l.pp("intermediate.dense"), h, c.intermediate_size)?,
+                ffn: Ffn::Plain {
+                    inter: Dense::load(&l.pp("intermediate.dense"), h, c.intermediate_size)?,
+                    act: c.hidden_act,
+                },
                 out: Dense::load(&l.pp("output.dense"), c.intermediate_size, h)?,
                 ln2: Norm::load(&l.pp("output.LayerNorm"), h, c.layer_norm_eps)?,
             });
         }
         Ok(Self {
             word,
-            position,
             token_type,
+            positions: Positions::Table(position),
             emb_norm,
             layers,
             heads: c.num_attention_heads,
             head_dim,
             hidden: h,
             intermediate: c.intermediate_size,
-            act: c.hidden_act,
             scratch: Mutex::new(Scratch::default()),
         })
     }
@@ -216,8 +250,15 @@ impl Transformer {
             let limit = table.len() / h;
             index.iter().all(|&i| (i as usize) < limit)
         };
-        if !in_range(&p.positions, &self.position) {
-            candle_core::bail!("a sequence is longer than the position table");
+        let longest = p.offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        let (rope, position) = match &self.positions {
+            Positions::Table(t) => (None, Some(t)),
+            Positions::Rotary(r) => (Some(r), None),
+        };
+        if position.is_some_and(|t| !in_range(&p.positions, t))
+            || rope.is_some_and(|r| longest > r.positions())
+        {
+            candle_core::bail!("a sequence is longer than the model's positions");
         }
         if !in_range(&p.ids, &self.word) || !in_range(&p.types, &self.token_type) {
             candle_core::bail!("a token or segment id is outside the embedding table");
@@ -229,7 +270,23 @@ impl Transformer {
             ctx,
             a,
             inter,
+            up_gate,
         } = &mut *guard;
+        let gated = matches!(
+            self.layers.first(),
+            Some(Layer {
+                ffn: Ffn::Gated { .. },
+                ..
+            })
+        );
+        let up_gate = sized(
+            up_gate,
+            if gated {
+                rows * 2 * self.intermediate
+            } else {
+                0
+            },
+        );
         let (x, qkv, ctx, a, inter) = (
             sized(x, rows * h),
             sized(qkv, rows * 3 * h),
@@ -237,12 +294,15 @@ impl Transformer {
             sized(a, rows * h),
             sized(inter, rows * self.intermediate),
         );
-        embed(
-            x,
-            [&self.word, &self.token_type, &self.position],
-            [&p.ids, &p.types, &p.positions],
-            &self.emb_norm.params(),
-        );
+        let (tables, indices): (Vec<&[f32]>, Vec<&[u32]>) = [
+            (Some(self.word.as_slice()), &p.ids),
+            (Some(self.token_type.as_slice()), &p.types),
+            (position.map(Vec::as_slice), &p.positions),
+        ]
+        .into_iter()
+        .filter_map(|(t, i)| Some((t?, i.as_slice())))
+        .unzip();
+        embed(x, &tables, &indices, &self.emb_norm.params());
         for l in &self.layers {
             l.qkv.product(x, rows, qkv);
             Attention {
@@ -250,12 +310,21 @@ impl Transformer {
                 offsets: &p.offsets,
                 heads: self.heads,
                 head_dim: self.head_dim,
+                rope,
             }
             .run(qkv, ctx)?;
             l.attn_out.product(ctx, rows, a);
             bias_residual_norm(a, x, &l.attn_out.b, &l.ln1.params());
-            l.inter.product(a, rows, inter);
-            bias_act(inter, &l.inter.b, self.act);
+            match &l.ffn {
+                Ffn::Plain { inter: w, act } => {
+                    w.product(a, rows, inter);
+                    bias_act(inter, &w.b, *act);
+                }
+                Ffn::Gated { up_gate: w } => {
+                    w.product(a, rows, up_gate);
+                    swiglu(up_gate, inter, self.intermediate);
+                }
+            }
             l.out.product(inter, rows, x);
             bias_residual_norm(x, a, &l.out.b, &l.ln2.params());
         }

@@ -96,6 +96,96 @@ impl<F: Fn(f32) -> f32> pulp::WithSimd for RowsMap<'_, F> {
     }
 }
 
+/// SwiGLU over rows of `[up | gate]` (`2 * cols` values each, the fused up and gate
+/// projections): `out = up * silu(gate)`, rows of `cols`, row-parallel.
+pub(crate) fn swiglu(up_gate: &[f32], out: &mut [f32], cols: usize) {
+    out.par_chunks_mut(cols * ROWS_PER_TASK)
+        .zip(up_gate.par_chunks(2 * cols * ROWS_PER_TASK))
+        .for_each(|(out, up_gate)| vectorized(SwiGluRows { out, up_gate, cols }));
+}
+
+/// One task's rows of `swiglu`.
+struct SwiGluRows<'a> {
+    out: &'a mut [f32],
+    up_gate: &'a [f32],
+    cols: usize,
+}
+
+impl pulp::WithSimd for SwiGluRows<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        for (o, ug) in self
+            .out
+            .chunks_exact_mut(self.cols)
+            .zip(self.up_gate.chunks_exact(2 * self.cols))
+        {
+            let (up, gate) = ug.split_at(self.cols);
+            for ((o, &u), &g) in o.iter_mut().zip(up).zip(gate) {
+                *o = u * silu(g);
+            }
+        }
+    }
+}
+
+/// `g * sigmoid(g)`, branch-free: e^-|g| never overflows, and the sign picks which of
+/// `1 / (1 + e)` and `e / (1 + e)` is the sigmoid.
+#[inline(always)]
+pub(crate) fn silu(g: f32) -> f32 {
+    let e = exp_fast(-g.abs());
+    let inv = 1.0 / (1.0 + e);
+    g * if g >= 0.0 { inv } else { e * inv }
+}
+
+/// Rotary position embedding as GPT-NeoX (and nomic-bert) apply it: the two halves of a
+/// head, `(x1, x2)`, turn by `pos * base^(-2i/d)` as `(x1 cos - x2 sin, x2 cos + x1 sin)`.
+/// The angles are tabled once for every position the model takes.
+pub(crate) struct Rope {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    half: usize,
+}
+
+impl Rope {
+    pub(crate) fn new(head_dim: usize, positions: usize, base: f32) -> Self {
+        let half = head_dim / 2;
+        let (mut cos, mut sin) = (
+            Vec::with_capacity(positions * half),
+            Vec::with_capacity(positions * half),
+        );
+        for p in 0..positions {
+            for i in 0..half {
+                let freq = f64::from(base).powf(-2.0 * i as f64 / head_dim as f64);
+                let angle = p as f64 * freq;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        Self { cos, sin, half }
+    }
+
+    /// How many positions the table covers.
+    pub(crate) fn positions(&self) -> usize {
+        self.cos.len() / self.half.max(1)
+    }
+
+    /// Turns one head's vector `x` (`2 * half` values) to position `pos`, in place.
+    #[inline(always)]
+    fn rotate(&self, x: &mut [f32], pos: usize) {
+        let (cos, sin) = (
+            &self.cos[pos * self.half..][..self.half],
+            &self.sin[pos * self.half..][..self.half],
+        );
+        let (x1, x2) = x.split_at_mut(self.half);
+        for (((a, b), &c), &s) in x1.iter_mut().zip(x2.iter_mut()).zip(cos).zip(sin) {
+            let (u, v) = (*a, *b);
+            *a = u * c - v * s;
+            *b = v * c + u * s;
+        }
+    }
+}
+
 /// Sum of `f(v)` over `row` with sixteen independent accumulators: a float sum in one chain
 /// cannot be reordered by the compiler, so it would run one add per cycle of latency.
 #[inline(always)]
@@ -230,9 +320,10 @@ impl pulp::WithSimd for ResidualNormRows<'_, '_> {
 }
 
 /// The embedding sum and its LayerNorm: row `r` of `out` becomes
-/// `LayerNorm(word[ids[r]] + kind[types[r]] + position[positions[r]])`. Ids must be in range
-/// of their tables (the caller checks).
-pub(crate) fn embed(out: &mut [f32], tables: [&[f32]; 3], indices: [&[u32]; 3], norm: &NormParams) {
+/// `LayerNorm(word[ids[r]] + kind[types[r]] + position[positions[r]])` (BERT), or the same
+/// without the position table (rotary models). Ids must be in range of their tables (the
+/// caller checks).
+pub(crate) fn embed(out: &mut [f32], tables: &[&[f32]], indices: &[&[u32]], norm: &NormParams) {
     let cols = norm.gamma.len();
     out.par_chunks_mut(cols * ROWS_PER_TASK)
         .enumerate()
@@ -251,8 +342,8 @@ pub(crate) fn embed(out: &mut [f32], tables: [&[f32]; 3], indices: [&[u32]; 3], 
 struct EmbedRows<'a, 'n> {
     rows: &'a mut [f32],
     first: usize,
-    tables: [&'a [f32]; 3],
-    indices: [&'a [u32]; 3],
+    tables: &'a [&'a [f32]],
+    indices: &'a [&'a [u32]],
     norm: &'a NormParams<'n>,
 }
 
@@ -265,7 +356,7 @@ impl pulp::WithSimd for EmbedRows<'_, '_> {
         for (i, row) in self.rows.chunks_exact_mut(cols).enumerate() {
             let r = self.first + i;
             row.fill(0.0);
-            for (table, index) in self.tables.iter().zip(self.indices) {
+            for (table, index) in self.tables.iter().zip(self.indices.iter()) {
                 let at = index[r] as usize * cols;
                 for (o, &v) in row.iter_mut().zip(&table[at..at + cols]) {
                     *o += v;
@@ -287,6 +378,8 @@ pub(crate) struct Attention<'a> {
     pub offsets: &'a [usize],
     pub heads: usize,
     pub head_dim: usize,
+    /// Rotary positions for Q and K (nomic-bert); BERT adds a position table up front instead.
+    pub rope: Option<&'a Rope>,
 }
 
 /// One (sequence, head) of `Attention`, for `vectorized`.
@@ -342,6 +435,7 @@ impl Attention<'_> {
         let mut queries = vec![0f32; mp * d];
         let mut keys_t = vec![0f32; d * lp];
         let mut values = vec![0f32; lp * d];
+        let mut key = vec![0f32; d];
         for (j, row) in rows.chunks_exact(width).enumerate() {
             let add = |out: &mut [f32], at: usize, b: &[f32]| {
                 for ((o, &x), &b) in out.iter_mut().zip(&row[at..at + d]).zip(b) {
@@ -350,8 +444,14 @@ impl Attention<'_> {
             };
             add(&mut queries[j * d..(j + 1) * d], head * d, qb);
             add(&mut values[j * d..(j + 1) * d], 2 * h + head * d, vb);
-            for (c, (&x, &b)) in row[h + head * d..][..d].iter().zip(kb).enumerate() {
-                keys_t[c * lp + j] = x + b;
+            add(&mut key, h + head * d, kb);
+            if let Some(rope) = self.rope {
+                // Row j of the sequence is position j (the 1/sqrt(d) in Q commutes with it).
+                rope.rotate(&mut queries[j * d..(j + 1) * d], j);
+                rope.rotate(&mut key, j);
+            }
+            for (c, &k) in key.iter().enumerate() {
+                keys_t[c * lp + j] = k;
             }
         }
         let mut scores = vec![0f32; mp * lp];
@@ -392,6 +492,9 @@ impl Attention<'_> {
             || self.offsets.last() != Some(&rows)
             || !ordered
             || self.bias.len() != 3 * h
+            || self.rope.is_some_and(|r| {
+                2 * r.half != d || self.offsets.windows(2).any(|w| w[1] - w[0] > r.positions())
+            })
         {
             candle_core::bail!("attention: offsets or bias do not match {rows} rows of {h}");
         }
@@ -495,11 +598,40 @@ mod tests {
     fn attention_matches_masked_softmax_over_candle_matmuls() {
         // A head size that the register blocks cover (16) and one they do not (12).
         for d in [12usize, 16] {
-            attention_matches_for_head_size(d);
+            attention_matches_for_head_size(d, false);
         }
     }
 
-    fn attention_matches_for_head_size(d: usize) {
+    #[test]
+    fn rotary_attention_matches_candle_rope_then_softmax() {
+        for d in [12usize, 16] {
+            attention_matches_for_head_size(d, true);
+        }
+    }
+
+    #[test]
+    fn swiglu_matches_candle_silu() {
+        let dev = Device::Cpu;
+        let cols = 24;
+        let x = ramp(13 * 2 * cols, 0.037, &dev)
+            .reshape((13, 2 * cols))
+            .unwrap();
+        let mut out = vec![0f32; 13 * cols];
+        swiglu(
+            &x.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            &mut out,
+            cols,
+        );
+        let ours = Tensor::from_vec(out, (13, cols), &dev).unwrap();
+        let (up, gate) = (
+            x.narrow(1, 0, cols).unwrap(),
+            x.narrow(1, cols, cols).unwrap(),
+        );
+        let want = (up * candle_nn::ops::silu(&gate).unwrap()).unwrap();
+        assert!(worst(&ours, &want) < 1e-5);
+    }
+
+    fn attention_matches_for_head_size(d: usize, rotary: bool) {
         let dev = Device::Cpu;
         let (n, s, heads) = (3usize, 19usize, 2usize);
         let h = heads * d;
@@ -525,11 +657,13 @@ mod tests {
         .unwrap();
         let offsets = [0usize, 19, 23, 24];
         let b = bias.to_vec1::<f32>().unwrap();
+        let rope = Rope::new(d, s, 1000.0);
         let op = Attention {
             bias: &b,
             offsets: &offsets,
             heads,
             head_dim: d,
+            rope: rotary.then_some(&rope),
         };
         let rows = offsets[3];
         let input = packed.flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -548,7 +682,13 @@ mod tests {
                 .contiguous()
                 .unwrap()
         };
-        let (q, k, v) = (split(0), split(1), split(2));
+        let (mut q, mut k, v) = (split(0), split(1), split(2));
+        if rotary {
+            let table = |t: &[f32]| Tensor::from_slice(t, (s, d / 2), &dev).unwrap();
+            let (cos, sin) = (table(&rope.cos), table(&rope.sin));
+            q = candle_nn::rotary_emb::rope(&q, &cos, &sin).unwrap();
+            k = candle_nn::rotary_emb::rope(&k, &cos, &sin).unwrap();
+        }
         let m = Tensor::from_vec(mask.clone(), (n, 1, 1, s), &dev).unwrap();
         let add = ((m - 1.0).unwrap() * 1e4).unwrap();
         let scores = q
@@ -576,6 +716,7 @@ mod tests {
             offsets: &[0, 5],
             heads,
             head_dim: d,
+            rope: None,
         };
         let mut ctx = vec![0f32; rows * h];
         assert!(

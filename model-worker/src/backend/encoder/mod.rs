@@ -5,7 +5,8 @@
 //! three implementations computing one function from the same weights: `cpu` (packed rows,
 //! GEMMs split across the cores by `gemm`, fused row-parallel `cpu_ops`), `cuda_f16` (tensor
 //! cores, fused attention, CUDA graphs) and `cuda_f32` (cuBLAS SGEMMs, the reference the f16
-//! path is checked against). The weight layout they share is read here.
+//! path is checked against). The weight layout they share is read here. `nomic` reads a
+//! nomic-bert GGUF (rotary, SwiGLU) into the CPU stack.
 
 pub mod bert;
 mod cpu;
@@ -13,8 +14,10 @@ mod cpu_ops;
 pub(crate) mod cuda_f16;
 pub(crate) mod cuda_f32;
 mod gemm;
+pub mod nomic;
 
 pub use bert::{BertEncoder, HeadKind};
+pub use nomic::Prompts;
 
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;

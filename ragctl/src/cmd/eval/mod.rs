@@ -56,6 +56,9 @@ pub struct RetrievalArgs {
     /// Shards of the collection --ingest creates.
     #[arg(long, default_value_t = 3)]
     shards: u32,
+    /// Embedding model of the collection --ingest creates (default: the worker's first).
+    #[arg(long, default_value = "")]
+    embedding_model: String,
     /// With --ingest: load only the documents judged for the evaluated queries plus this many
     /// others (a smaller corpus; scores are then higher than on the full corpus).
     #[arg(long)]
@@ -126,6 +129,7 @@ async fn ingest(
                 strategy: ChunkingStrategy::Sentence as i32,
                 ..Default::default()
             }),
+            embedding_model: a.embedding_model.clone(),
             ..Default::default()
         })
         .await
