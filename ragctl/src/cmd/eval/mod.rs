@@ -59,6 +59,11 @@ pub struct RetrievalArgs {
     /// Embedding model of the collection --ingest creates (default: the worker's first).
     #[arg(long, default_value = "")]
     embedding_model: String,
+    /// With --ingest: documents per upsert call. A slow embedder (nomic on two cores, ~3
+    /// chunks/s) wants smaller calls or `--concurrency 1`: an upload fails after 120 s without
+    /// any call acknowledged.
+    #[arg(long, default_value_t = super::ingest::DEFAULT_BATCH)]
+    batch: usize,
     /// With --ingest: load only the documents judged for the evaluated queries plus this many
     /// others (a smaller corpus; scores are then higher than on the full corpus).
     #[arg(long)]
@@ -138,15 +143,8 @@ async fn ingest(
     let docs = docs.into_iter().filter_map(|d| {
         super::ingest::corpus_document(d.id, d.title, d.text, HashMap::new()).map(Ok)
     });
-    let t = super::ingest::upload(
-        c,
-        &a.collection,
-        docs,
-        super::ingest::DEFAULT_BATCH,
-        a.concurrency,
-        &b,
-    )
-    .await?;
+    let t =
+        super::ingest::upload(c, &a.collection, docs, a.batch.max(1), a.concurrency, &b).await?;
     b.finish();
     eprintln!(
         "ingested {} documents as {} chunks ({})",
