@@ -20,6 +20,10 @@ use tokenizers::Tokenizer;
 use super::cpu::{Dense, Ffn, Layer, Norm, Positions, Transformer};
 use super::cpu_ops::Rope;
 
+/// Longest context a nomic-bert file may declare (nomic-embed-text-v1.5: 2,048; the model
+/// was trained to extend to 8,192 with scaled rotary positions).
+const MAX_CONTEXT: usize = 1 << 15;
+
 /// What a nomic-bert GGUF gives the encoder.
 pub(crate) struct NomicParts {
     pub transformer: Transformer,
@@ -71,6 +75,12 @@ pub(crate) fn load(path: &Path) -> Result<NomicParts, String> {
     let base = md("nomic-bert.rope.freq_base")
         .and_then(|v| v.to_f32().map_err(|e| e.to_string()))
         .unwrap_or(10_000.0);
+    // The rotary table holds every position: a damaged header must not size it.
+    if context == 0 || context > MAX_CONTEXT {
+        return Err(format!(
+            "context length {context}: 1 to {MAX_CONTEXT} positions are served"
+        ));
+    }
     if heads == 0 || !hidden.is_multiple_of(heads) || !(hidden / heads).is_multiple_of(2) {
         return Err(format!(
             "unsupported shapes: hidden {hidden}, {heads} heads"
