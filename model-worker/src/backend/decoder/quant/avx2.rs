@@ -225,13 +225,8 @@ macro_rules! kernels {
                 #[inline]
                 #[target_feature(enable = $feat)]
                 fn new(a: &'a Q8Rows, r0: usize) -> Self {
-                    let bpr = a.blocks_per_row();
-                    Self {
-                        a,
-                        first: std::array::from_fn(|r| 2 * (r0 + r) * bpr),
-                        qs: a.qs[r0 * a.row_qs()..].as_ptr(),
-                        d: a.d[r0 * a.row_qs() / 32..].as_ptr(),
-                    }
+                    let (first, qs, d) = a.tile_start(r0);
+                    Self { a, first, qs, d }
                 }
 
                 /// Adds sub-block `blk` (32 values, `w` unsigned, or signed with `SIGNED`)

@@ -103,13 +103,8 @@ mod x86 {
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")]
         fn new(a: &'a Q8Rows, r0: usize) -> Self {
-            let bpr = a.blocks_per_row();
-            Self {
-                a,
-                first: std::array::from_fn(|r| 2 * (r0 + r) * bpr),
-                qs: a.qs[r0 * a.row_qs()..].as_ptr(),
-                d: a.d[r0 * a.row_qs() / 32..].as_ptr(),
-            }
+            let (first, qs, d) = a.tile_start(r0);
+            Self { a, first, qs, d }
         }
 
         /// Adds sub-blocks `blk` and `blk + 1` (`w` unsigned) with `scale` per lane group.

@@ -280,6 +280,20 @@ impl Q8Rows {
         (&self.qs[at..at + 32], self.d[at / 32])
     }
 
+    /// Where the tile of `R` rows from `r0` starts, as the SIMD kernels walk it: each row's
+    /// first half-block sum in `sums`, and the tile's values and scales.
+    pub(super) fn tile_start<const R: usize>(
+        &self,
+        r0: usize,
+    ) -> ([usize; R], *const i8, *const f32) {
+        let bpr = self.blocks_per_row();
+        (
+            std::array::from_fn(|r| 2 * (r0 + r) * bpr),
+            self.qs[r0 * self.row_qs()..].as_ptr(),
+            self.d[r0 * self.row_qs() / 32..].as_ptr(),
+        )
+    }
+
     /// Blocks of 32 per row.
     fn blocks_per_row(&self) -> usize {
         self.k / 32
