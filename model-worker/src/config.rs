@@ -47,12 +47,13 @@ pub struct ModelWorkerConfig {
     pub max_concurrent_generations: usize,
     /// Generations waiting for a slot before Generate answers RESOURCE_EXHAUSTED.
     pub max_queued_generations: usize,
-    /// How quantized GGUF weights are held: "f32" (dequantized at load, 4 bytes per weight:
-    /// concurrent streams and prompts fastest, as candle's CPU matmul batches rows well only
-    /// in f32), "f16" (2 bytes: one lone stream decodes ~25% faster, many streams ~2x slower)
-    /// or "none" (kept quantized at the file's size, multiplied by the integer kernels of
-    /// `decoder::quant`: one stream decodes ~2.4x faster than f32, prompts ~0.8x). `genbench`
-    /// and `cpudecodebench` compare them.
+    /// How quantized GGUF weights are held: "none" (the default: kept quantized at the
+    /// file's size; decode steps by the integer kernels of `decoder::quant`, prompts by
+    /// weight slices decoded to f32 for a packed GEMM), "f32" (dequantized at load, 4 bytes
+    /// per weight) or "f16" (2 bytes). Qwen2.5 0.5B Q4_K_M on 2 cores, "none" against "f32":
+    /// one stream decodes 2.3-2.8x faster, prompts as fast or faster (1.07x on an AVX-512
+    /// Xeon), a fifth of the memory (docs/evaluation.md). `genbench` and `cpudecodebench`
+    /// compare them.
     pub dequantize: String,
     pub port_file: Option<PathBuf>,
     /// Mutual TLS (`[model_worker.tls]`) for the gRPC port and `http_listen`: with a
@@ -159,7 +160,7 @@ impl Default for ModelWorkerConfig {
             http_listen: String::new(),
             max_concurrent_generations: 16,
             max_queued_generations: 64,
-            dequantize: "f32".into(),
+            dequantize: "none".into(),
             port_file: None,
             tls: Default::default(),
             coordinators: Vec::new(),

@@ -86,16 +86,35 @@ fn overlap(a: &HashSet<String>, b: &HashSet<String>) -> f32 {
     a.intersection(b).count() as f32 / a.len() as f32
 }
 
-/// The sentence of `ctx` that shares most words with `claim` (the first one if none does).
-fn best_span(claim: &HashSet<String>, ctx: &str) -> (usize, usize, f32) {
-    let mut best = (0, ctx.len(), -1.0f32);
-    for (s, e) in sentences(ctx) {
-        let o = overlap(claim, &words(&ctx[s..e]));
+/// The words of a context's title and section: the subject its sentences often leave out
+/// ("It has five children." in the article "Grover Cleveland").
+fn heading(ctx: &Passage) -> HashSet<String> {
+    words(&format!("{} {}", ctx.title, ctx.section))
+}
+
+/// The sentence of `ctx` that shares most words with `claim`, each sentence read with the
+/// context's heading (the first one if none does; ties go to the earlier sentence).
+fn best_span(claim: &HashSet<String>, ctx: &Passage) -> (usize, usize, f32) {
+    let head = heading(ctx);
+    let text = &ctx.text;
+    let mut best = (0, text.len(), -1.0f32);
+    for (s, e) in sentences(text) {
+        let mut w = words(&text[s..e]);
+        w.extend(head.iter().cloned());
+        let o = overlap(claim, &w);
         if o > best.2 {
             best = (s, e, o);
         }
     }
     best
+}
+
+/// The index of the highest score, the earliest (best-ranked context) among equals.
+fn first_max(scores: impl Iterator<Item = (usize, f32)>) -> Option<(usize, f32)> {
+    scores.fold(None, |best, (i, o)| match best {
+        Some((_, b)) if b >= o => best,
+        _ => Some((i, o)),
+    })
 }
 
 fn cite(
@@ -105,7 +124,7 @@ fn cite(
     claim: &HashSet<String>,
     attributed: bool,
 ) -> Citation {
-    let (s, e, _) = best_span(claim, &ctx.text);
+    let (s, e, _) = best_span(claim, ctx);
     Citation {
         number: n,
         chunk_id: ctx.chunk_id.clone(),
@@ -131,7 +150,8 @@ const SHORT_CLAIM: usize = 3;
 /// context sentence sharing at least `ATTRIBUTION_OVERLAP` of the sentence's words; failing
 /// that, the context holding every content word of the sentence (yes/no aside) whose whole
 /// text shares that much of the sentence and its question together ("18 years" to "How long
-/// was his legal career?" spans no single sentence's wording).
+/// was his legal career?" spans no single sentence's wording). Contexts are read with their
+/// headings, and among equal matches the better-ranked context wins.
 fn attribute(
     sentence: &str,
     question: &str,
@@ -145,11 +165,12 @@ fn attribute(
     if claim.len() < SHORT_CLAIM {
         return None;
     }
-    let best = contexts
-        .iter()
-        .enumerate()
-        .map(|(i, c)| (i, best_span(&claim, &c.text).2))
-        .max_by(|a, b| a.1.total_cmp(&b.1));
+    let best = first_max(
+        contexts
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (i, best_span(&claim, c).2)),
+    );
     if let Some((i, o)) = best
         && o >= ATTRIBUTION_OVERLAP
     {
@@ -160,13 +181,18 @@ fn attribute(
         .filter(|w| w != "yes" && w != "no")
         .collect();
     claim.extend(words(question));
-    let (i, o) = contexts
-        .iter()
-        .enumerate()
-        .map(|(i, c)| (i, words(&c.text)))
-        .filter(|(_, w)| answer.is_subset(w))
-        .map(|(i, w)| (i, overlap(&claim, &w)))
-        .max_by(|a, b| a.1.total_cmp(&b.1))?;
+    let (i, o) = first_max(
+        contexts
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut w = words(&c.text);
+                w.extend(heading(c));
+                (i, w)
+            })
+            .filter(|(_, w)| answer.is_subset(w))
+            .map(|(i, w)| (i, overlap(&claim, &w))),
+    )?;
     (o >= ATTRIBUTION_OVERLAP).then_some((i, claim))
 }
 
@@ -306,6 +332,32 @@ mod tests {
                 .0
                 .is_empty()
         );
+    }
+
+    #[test]
+    fn headings_name_the_subject_and_ties_go_to_the_better_ranked_context() {
+        let titled = |id: &str, title: &str, text: &str| Passage {
+            title: title.into(),
+            ..p(id, text)
+        };
+        let ctx = vec![
+            titled("a#0", "Chester A. Arthur", "He had three children."),
+            titled("b#0", "Grover Cleveland", "He had five children."),
+        ];
+        let (c, _) = extract(
+            "Five.",
+            "How many children did Grover Cleveland have?",
+            &ctx,
+        );
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].chunk_id, "b#0", "the title names whose children");
+        // Two contexts that fit the answer equally: the first (best-ranked) is cited.
+        let ctx = vec![
+            p("a#0", "Helsinki is the capital of Finland."),
+            p("b#0", "Helsinki is the capital of Finland."),
+        ];
+        let (c, _) = extract("Helsinki", "What is the capital of Finland?", &ctx);
+        assert_eq!(c[0].chunk_id, "a#0");
     }
 
     #[test]

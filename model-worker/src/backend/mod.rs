@@ -8,6 +8,7 @@ pub mod cuda;
 pub mod decoder;
 pub mod device;
 pub mod encoder;
+mod gemm;
 mod simd;
 
 /// One tokenised input: token ids (with special tokens), segment ids, and whether the text

@@ -34,6 +34,15 @@ pub(crate) fn exp_fast(x: f32) -> f32 {
     p * f32::from_bits(n_bits.wrapping_add(127) << 23)
 }
 
+/// `g * sigmoid(g)`, branch-free: e^-|g| never overflows, and the sign picks which of
+/// `1 / (1 + e)` and `e / (1 + e)` is the sigmoid.
+#[inline(always)]
+pub(crate) fn silu(g: f32) -> f32 {
+    let e = exp_fast(-g.abs());
+    let inv = 1.0 / (1.0 + e);
+    g * if g >= 0.0 { inv } else { e * inv }
+}
+
 /// Σ a_i b_i over the shorter of the two, in sixteen lanes, so it vectorises.
 #[inline(always)]
 pub(crate) fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
@@ -51,6 +60,16 @@ pub(crate) fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     acc.iter().sum::<f32>() + tail
+}
+
+/// The largest absolute difference between two equally long vectors (tests' tolerance).
+#[cfg(test)]
+pub(crate) fn worst_difference(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "lengths");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
 }
 
 #[cfg(test)]

@@ -6,14 +6,14 @@
 //! once per stream and paid candle's per-op overhead per stream. Here the seven weight
 //! matrices of a layer are applied to all rows in one matmul (candle's `QMatMul`, so weights
 //! are held exactly as before: dequantized to f16/f32 or quantized), and the per-row parts
-//! (RMSNorm, RoPE, attention over the row's own cache, SiLU gate) are plain loops over
-//! contiguous buffers. A prompt is the same thing: many rows of one sequence.
+//! (RMSNorm, RoPE, SiLU gate: `rows`; attention over the row's own cache) run over
+//! contiguous buffers, split by rows over the thread pool. A prompt is the same thing: many
+//! rows of one sequence.
 
-use rayon::prelude::*;
-
+use super::attention::{Cached, attention};
+use super::rows::{Rotary, add, rms_norm, silu_mul};
 use super::weights::{Embedding, Group, Matrix};
 use super::{Dims, Row, positions};
-use crate::backend::simd::{exp_fast, lane_dot, vectorized};
 use crate::error::ModelError;
 
 pub(super) struct Layer {
@@ -115,34 +115,36 @@ impl LlamaModel {
                 .map_err(|_| ModelError::Inference("q/k/v projection".into()))?;
             if let Some(b) = &layer.qkv_bias {
                 for (m, b) in [&mut q, &mut k, &mut v].into_iter().zip(b) {
-                    m.chunks_exact_mut(b.len()).for_each(|r| add(r, b));
+                    m.chunks_exact_mut(b.len()).for_each(|r| add(r, b, b.len()));
                 }
             }
-            for (i, &pos) in positions.iter().enumerate() {
-                self.rope(&mut q[i * d.hidden..(i + 1) * d.hidden], pos);
-                self.rope(&mut k[i * d.kv_width()..(i + 1) * d.kv_width()], pos);
-            }
+            let rotary = self.rotary();
+            rotary.apply(&mut q, d.hidden, &positions);
+            rotary.apply(&mut k, d.kv_width(), &positions);
             for (i, r) in rows.iter().enumerate() {
                 let c = &mut caches[r.seq];
                 c.k[l].extend_from_slice(&k[i * d.kv_width()..(i + 1) * d.kv_width()]);
                 c.v[l].extend_from_slice(&v[i * d.kv_width()..(i + 1) * d.kv_width()]);
             }
-            let attn = self.attention(rows, &positions, caches, l, &q);
+            let cached: Vec<Cached<'_>> = caches
+                .iter()
+                .map(|c| Cached {
+                    keys: &c.k[l],
+                    values: &c.v[l],
+                })
+                .collect();
+            let attn = attention(d, rows, &positions, &cached, &q);
             let o = layer.wo.apply(&attn, n, d.hidden)?;
-            add(&mut x, &o);
+            add(&mut x, &o, d.hidden);
             let h = rms_norm(&x, &layer.ffn_norm, d.eps);
             let [g, u]: [Vec<f32>; 2] = layer
                 .gate_up
                 .apply(&h, n, d.hidden)?
                 .try_into()
                 .map_err(|_| ModelError::Inference("gate/up projection".into()))?;
-            let a: Vec<f32> = g
-                .iter()
-                .zip(&u)
-                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
-                .collect();
+            let a = silu_mul(&g, &u, g.len() / n);
             let down = layer.down.apply(&a, n, a.len() / n)?;
-            add(&mut x, &down);
+            add(&mut x, &down, d.hidden);
         }
         for c in caches.iter_mut() {
             c.len = c.k.first().map_or(0, |k| k.len() / d.kv_width());
@@ -156,135 +158,13 @@ impl LlamaModel {
         Ok(logits.chunks(d.vocab).map(<[f32]>::to_vec).collect())
     }
 
-    /// Rotates every head in `x` by the angles of `pos`: adjacent pairs (GGUF llama weights
-    /// are permuted for this interleaved form) or, with `neox`, element i with i + half.
-    fn rope(&self, x: &mut [f32], pos: usize) {
-        let half = self.dims.head_dim / 2;
-        let (cos, sin) = (
-            &self.cos[pos * half..(pos + 1) * half],
-            &self.sin[pos * half..(pos + 1) * half],
-        );
-        // Which two elements of a head rotate together at frequency i.
-        let (stride, apart) = if self.neox { (1, half) } else { (2, 1) };
-        for head in x.chunks_exact_mut(self.dims.head_dim) {
-            for i in 0..half {
-                let (ia, ib) = (stride * i, stride * i + apart);
-                let (a, b) = (head[ia], head[ib]);
-                head[ia] = a * cos[i] - b * sin[i];
-                head[ib] = a * sin[i] + b * cos[i];
-            }
+    /// The model's rotary positions over its tables.
+    fn rotary(&self) -> Rotary<'_> {
+        Rotary {
+            cos: &self.cos,
+            sin: &self.sin,
+            head_dim: self.dims.head_dim,
+            neox: self.neox,
         }
-    }
-
-    /// Causal attention of every row over its own sequence's cache up to its position, one
-    /// task per (row, head).
-    fn attention(
-        &self,
-        rows: &[Row],
-        positions: &[usize],
-        caches: &[&mut KvCache],
-        layer: usize,
-        q: &[f32],
-    ) -> Vec<f32> {
-        let d = self.dims;
-        let group = d.heads / d.kv_heads;
-        let scale = 1.0 / (d.head_dim as f32).sqrt();
-        let mut out = vec![0f32; rows.len() * d.hidden];
-        // The query heads sharing a KV head are consecutive, in `q` and in `out`.
-        let width = group * d.head_dim;
-        out.par_chunks_mut(width)
-            .enumerate()
-            .for_each(|(task, out)| {
-                let (i, kv) = (task / d.kv_heads, task % d.kv_heads);
-                let cache = &caches[rows[i].seq];
-                vectorized(AttendGroup {
-                    out,
-                    q: &q[i * d.hidden + kv * width..][..width],
-                    keys: &cache.k[layer],
-                    values: &cache.v[layer],
-                    head_dim: d.head_dim,
-                    stride: d.kv_width(),
-                    offset: kv * d.head_dim,
-                    span: positions[i] + 1,
-                    scale,
-                })
-            });
-        out
-    }
-}
-
-/// One (row, KV head) of `LlamaModel::attention` for `simd::vectorized`: the query heads
-/// that share the KV head (SmolLM2: 3 of 9) against the sequence's first `span` cached keys,
-/// softmax, and the weighted sums of the values into `out`, on the CPU's vector unit. Each
-/// cached key and value is read once for the whole group rather than once per query head
-/// (a 600-token prompt's first token came 0.5-1 s sooner; decode steps within noise). As
-/// plain x86-64 the key dots ran as scalar chains: 7% of a decode step at a 180-token span,
-/// and attention grows with the span while the weight pass does not.
-struct AttendGroup<'a> {
-    /// `group x head_dim` context rows.
-    out: &'a mut [f32],
-    /// `group x head_dim` queries.
-    q: &'a [f32],
-    keys: &'a [f32],
-    values: &'a [f32],
-    head_dim: usize,
-    /// Floats per cached position (every KV head).
-    stride: usize,
-    /// This KV head within a position.
-    offset: usize,
-    span: usize,
-    scale: f32,
-}
-
-impl pulp::WithSimd for AttendGroup<'_> {
-    type Output = ();
-
-    #[inline(always)]
-    fn with_simd<S: pulp::Simd>(self, _: S) {
-        let (d, span) = (self.head_dim, self.span);
-        let at = |p: usize| p * self.stride + self.offset;
-        // scores[g * span + p]: query head g against position p.
-        let mut scores = vec![0f32; self.q.len() / d * span];
-        for p in 0..span {
-            let key = &self.keys[at(p)..][..d];
-            for (g, q) in self.q.chunks_exact(d).enumerate() {
-                scores[g * span + p] = lane_dot(q, key) * self.scale;
-            }
-        }
-        let mut sums = Vec::with_capacity(self.q.len() / d);
-        for row in scores.chunks_exact_mut(span) {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0;
-            for s in row.iter_mut() {
-                *s = exp_fast(*s - max);
-                sum += *s;
-            }
-            sums.push(sum);
-        }
-        for p in 0..span {
-            let value = &self.values[at(p)..][..d];
-            for (g, out) in self.out.chunks_exact_mut(d).enumerate() {
-                let w = scores[g * span + p] / sums[g];
-                for (o, v) in out.iter_mut().zip(value) {
-                    *o += w * v;
-                }
-            }
-        }
-    }
-}
-
-fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
-    let mut out = Vec::with_capacity(x.len());
-    for row in x.chunks_exact(w.len()) {
-        let ms = row.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
-        let r = 1.0 / (ms + eps).sqrt();
-        out.extend(row.iter().zip(w).map(|(v, w)| v * r * w));
-    }
-    out
-}
-
-fn add(x: &mut [f32], y: &[f32]) {
-    for (a, b) in x.iter_mut().zip(y) {
-        *a += b;
     }
 }

@@ -6,6 +6,7 @@
 //! products by `skinny`) or `cuda` on a GPU (f16 weights, a paged KV cache); `sampling` draws
 //! tokens. What they all speak, rows in and answers out, is defined here.
 
+mod attention;
 pub mod batch;
 pub mod cuda;
 pub mod engine;
@@ -13,6 +14,7 @@ mod gguf;
 pub mod llama;
 pub mod placed;
 pub mod quant;
+mod rows;
 pub mod sampling;
 mod skinny;
 mod weights;

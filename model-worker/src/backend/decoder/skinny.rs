@@ -199,6 +199,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::simd::worst_difference;
 
     fn reference(w: &[f32], n: usize, k: usize, x: &[f32], m: usize) -> Vec<f32> {
         let mut y = vec![0f32; m * n];
@@ -232,19 +233,11 @@ mod tests {
                 .collect();
             let want = reference(&w, n, k, &x, m);
             let got = matmul(Weights::F32(&w), n, k, &x, m).expect("kernel applies");
-            let worst = want
-                .iter()
-                .zip(&got)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
+            let worst = worst_difference(&want, &got);
             assert!(worst < 1e-3, "f32, {m} rows: {worst}");
             let want = reference(&w_rounded, n, k, &x, m);
             let got = matmul(Weights::F16(&wh), n, k, &x, m).expect("kernel applies");
-            let worst = want
-                .iter()
-                .zip(&got)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
+            let worst = worst_difference(&want, &got);
             assert!(worst < 1e-3, "f16, {m} rows: {worst}");
         }
         assert!(matmul(Weights::F32(&w), n, k, &vec![0.0; 17 * k], 17).is_none());

@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 use super::cpu_ops::{Attention, NormParams, Rope, bias_act, bias_residual_norm, embed, swiglu};
 use super::encoder_root;
 use super::fused_qkv;
-use super::gemm::matmul;
+use crate::backend::gemm::matmul;
 use crate::backend::{Packed, Seq};
 
 /// A dense layer's pre-transposed weight `(in, out)`, row-major, and its bias, which the

@@ -12,8 +12,8 @@ use candle_core::Result;
 use candle_transformers::models::bert::HiddenAct;
 use rayon::prelude::*;
 
-use super::gemm::matmul;
-use crate::backend::simd::{exp_fast, vectorized};
+use crate::backend::gemm::matmul;
+use crate::backend::simd::{exp_fast, silu, vectorized};
 
 /// Rows per rayon task for the row-wise ops: enough work per task to amortise scheduling.
 const ROWS_PER_TASK: usize = 8;
@@ -127,15 +127,6 @@ impl pulp::WithSimd for SwiGluRows<'_> {
             }
         }
     }
-}
-
-/// `g * sigmoid(g)`, branch-free: e^-|g| never overflows, and the sign picks which of
-/// `1 / (1 + e)` and `e / (1 + e)` is the sigmoid.
-#[inline(always)]
-pub(crate) fn silu(g: f32) -> f32 {
-    let e = exp_fast(-g.abs());
-    let inv = 1.0 / (1.0 + e);
-    g * if g >= 0.0 { inv } else { e * inv }
 }
 
 /// Rotary position embedding as GPT-NeoX (and nomic-bert) apply it: the two halves of a

@@ -13,7 +13,6 @@ mod cpu;
 mod cpu_ops;
 pub(crate) mod cuda_f16;
 pub(crate) mod cuda_f32;
-mod gemm;
 pub mod nomic;
 
 pub use bert::{BertEncoder, HeadKind};

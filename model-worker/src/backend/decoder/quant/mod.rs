@@ -54,8 +54,9 @@ mod avx512;
 pub mod blocks;
 
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{Device, Tensor};
 use rayon::prelude::*;
+
+use crate::backend::gemm::{self, Rhs};
 
 pub use blocks::Format;
 
@@ -129,28 +130,26 @@ impl QMatrix {
     }
 
     /// The product for many rows: the weights decoded to f32 a slice of rows at a time (about
-    /// 4 MB, in parallel) and multiplied by candle's packed GEMM. Decoding costs once per
-    /// weight whatever `m` is, and a GEMM reuses each loaded weight across many rows, which
-    /// the block-by-block integer kernels, at about 4 cycles per 32 weights and row, do not
-    /// (on 2 cores: prompts 2x faster this way). Memory stays the file's plus one slice.
+    /// 4 MB, in parallel) and multiplied by the gemm crate's packed kernels (`backend::gemm`),
+    /// each slice's outputs written straight into their columns of the result. Decoding costs
+    /// once per weight whatever `m` is, and a GEMM reuses each loaded weight across many rows,
+    /// which the block-by-block integer kernels, at about 4 cycles per 32 weights and row, do
+    /// not (on 2 cores: prompts 2x faster this way). Memory stays the file's plus one slice.
     pub fn matmul_dense(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
         let (n, k) = (self.n, self.k);
-        let cpu = Device::Cpu;
-        let xt = Tensor::from_slice(x, (m, k), &cpu)?;
+        if x.len() != m * k {
+            candle_core::bail!("activations of {} values for {m} rows of {k}", x.len());
+        }
         let chunk = ((1 << 20) / k).clamp(16, n);
         let mut y = vec![0f32; m * n];
         let mut w = vec![0f32; chunk * k];
         for c0 in (0..n).step_by(chunk) {
             let rows = chunk.min(n - c0);
-            w[..rows * k]
-                .par_chunks_mut(k)
+            let w = &mut w[..rows * k];
+            w.par_chunks_mut(k)
                 .enumerate()
                 .for_each(|(i, out)| self.dequantize_row(c0 + i, out));
-            let wt = Tensor::from_slice(&w[..rows * k], (rows, k), &cpu)?;
-            let yc = xt.matmul(&wt.t()?)?.flatten_all()?.to_vec1::<f32>()?;
-            for (dst, src) in y.chunks_exact_mut(n).zip(yc.chunks_exact(rows)) {
-                dst[c0..c0 + rows].copy_from_slice(src);
-            }
+            gemm::product(x, w, Rhs::NByK, &mut y[c0..], n, m, k, rows);
         }
         Ok(y)
     }
@@ -159,6 +158,10 @@ impl QMatrix {
     pub fn matmul_q8(&self, a: &Q8Rows) -> Vec<f32> {
         assert_eq!(a.k, self.k, "activation width");
         let m = a.m;
+        // No rows (a prompt chunk of which no logits are wanted): nothing to split.
+        if m == 0 {
+            return Vec::new();
+        }
         // Each task fills its rows' outputs for every activation row, n-major so a task
         // writes one contiguous slice; transposed back at the end.
         let mut yt = vec![0f32; self.n * m];
@@ -173,14 +176,30 @@ impl QMatrix {
         if m == 1 {
             return yt;
         }
-        let mut y = vec![0f32; m * self.n];
-        for (j, col) in yt.chunks_exact(m).enumerate() {
-            for (r, v) in col.iter().enumerate() {
-                y[r * self.n + j] = *v;
+        transpose(&yt, self.n, m)
+    }
+}
+
+/// `src` (`n` rows of `m`) transposed to `m` rows of `n`, in parallel by bands of 16
+/// output rows: each band reads `src` one 64-byte line per row.
+fn transpose(src: &[f32], n: usize, m: usize) -> Vec<f32> {
+    const BAND: usize = 16;
+    let mut y = vec![0f32; m * n];
+    let band = |(b, out): (usize, &mut [f32])| {
+        let r0 = b * BAND;
+        let rows = out.len() / n;
+        for (j, col) in src.chunks_exact(m).enumerate() {
+            for (r, v) in col[r0..r0 + rows].iter().enumerate() {
+                out[r * n + j] = *v;
             }
         }
-        y
+    };
+    if m <= BAND {
+        band((0, &mut y));
+    } else {
+        y.par_chunks_mut(BAND * n).enumerate().for_each(band);
     }
+    y
 }
 
 /// Activation rows rounded to i8 in blocks of 32, each block with its scale `d`, and per half
@@ -224,25 +243,37 @@ impl Q8Rows {
             d: vec![0.0; m * pairs * 2],
             sums: vec![0.0; 2 * bpr * m],
         };
-        for (r0, tile) in out.tiles() {
-            for i in 0..tile {
-                let row = &x[(r0 + i) * k..(r0 + i + 1) * k];
-                for (b, src) in row.chunks_exact(32).enumerate() {
-                    let at = out.place(r0, tile, i, b);
-                    let amax = src.iter().fold(0f32, |a, v| a.max(v.abs()));
-                    let d = amax / 127.0;
-                    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-                    let mut sum = [0i32; 2];
-                    for (j, (q, v)) in out.qs[at..at + 32].iter_mut().zip(src).enumerate() {
-                        *q = (v * inv).round_ties_even() as i8;
-                        sum[j / 16] += i32::from(*q);
+        // Each tile's rows own one stretch of `qs`, `d` and `sums`: tiles are quantized in
+        // parallel (a prompt's rows), a decode step's one tile on the calling thread.
+        let row_qs = out.row_qs();
+        let tiles: Vec<(usize, usize)> = out.tiles().collect();
+        let mut jobs = Vec::new();
+        let (mut qs, mut ds, mut sums) = (&mut out.qs[..], &mut out.d[..], &mut out.sums[..]);
+        for (r0, tile) in tiles {
+            let (q, q_rest) = std::mem::take(&mut qs).split_at_mut(tile * row_qs);
+            let (d, d_rest) = std::mem::take(&mut ds).split_at_mut(tile * row_qs / 32);
+            let (s, s_rest) = std::mem::take(&mut sums).split_at_mut(2 * bpr * tile);
+            (qs, ds, sums) = (q_rest, d_rest, s_rest);
+            jobs.push((&x[r0 * k..(r0 + tile) * k], tile, q, d, s));
+        }
+        let quantize =
+            |(x, tile, qs, d, sums): (&[f32], usize, &mut [i8], &mut [f32], &mut [f32])| {
+                for (i, row) in x.chunks_exact(k).enumerate() {
+                    for (b, src) in row.as_chunks::<32>().0.iter().enumerate() {
+                        let at = Self::place_in_tile(tile, i, b);
+                        let q = (&mut qs[at..at + 32]).try_into().expect("32 values");
+                        let (scale, sum) = avx2::quantize_block(src, q);
+                        d[at / 32] = scale;
+                        let s = 2 * (i * bpr + b);
+                        sums[s] = scale * sum[0] as f32;
+                        sums[s + 1] = scale * sum[1] as f32;
                     }
-                    out.d[at / 32] = d;
-                    let s = 2 * ((r0 + i) * bpr + b);
-                    out.sums[s] = d * sum[0] as f32;
-                    out.sums[s + 1] = d * sum[1] as f32;
                 }
-            }
+            };
+        if jobs.len() == 1 {
+            jobs.into_iter().for_each(quantize);
+        } else {
+            jobs.into_par_iter().for_each(quantize);
         }
         out
     }
@@ -270,7 +301,12 @@ impl Q8Rows {
 
     /// Where block `b` of row `i` of the tile (r0, tile) starts in `qs`.
     fn place(&self, r0: usize, tile: usize, i: usize, b: usize) -> usize {
-        r0 * self.row_qs() + (b / 2) * 64 * tile + i * 64 + (b % 2) * 32
+        r0 * self.row_qs() + Self::place_in_tile(tile, i, b)
+    }
+
+    /// Where block `b` of row `i` of a tile of `tile` rows starts from the tile's start.
+    fn place_in_tile(tile: usize, i: usize, b: usize) -> usize {
+        (b / 2) * 64 * tile + i * 64 + (b % 2) * 32
     }
 
     /// Row `r`'s block `b`: its values and scale (the scalar path and the tests).

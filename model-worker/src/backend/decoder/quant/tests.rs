@@ -112,6 +112,13 @@ fn shapes_that_do_not_fit_are_refused() {
     assert!(QMatrix::new(Format::Q8_0, 2, 64, vec![0; 2 * 68]).is_some());
 }
 
+/// A product over no rows (a prompt chunk whose logits nobody wants) is empty, not a panic.
+#[test]
+fn products_over_no_rows_are_empty() {
+    let w = QMatrix::new(Format::Q8_0, 2, 64, vec![0; 2 * 68]).unwrap();
+    assert!(w.matmul(&[], 0).unwrap().is_empty());
+}
+
 /// A prompt-sized product (`matmul_dense`: decoded weights, unrounded activations) equals the
 /// f32 product up to float summation order, across several decoded slices.
 #[test]
@@ -132,5 +139,41 @@ fn prompt_products_decode_the_weights() {
                 );
             }
         }
+    }
+}
+
+/// The vector rounding of activations gives the scalar one's bytes, scale and sums, ties and
+/// an all-zero block included.
+#[test]
+fn activation_blocks_round_alike_on_every_path() {
+    let mut cases: Vec<[f32; 32]> = (0..200)
+        .map(|s| values(32, 100 + s).try_into().unwrap())
+        .collect();
+    // 127 / 2 steps of 0.5 (ties) and zeros.
+    cases.push(std::array::from_fn(|i| (i as f32 - 16.0) * 0.5 + 0.25));
+    cases.push(std::array::from_fn(|i| {
+        if i == 3 { 127.0 } else { (i as f32) + 0.5 }
+    }));
+    cases.push([0.0; 32]);
+    for src in &cases {
+        let (mut a, mut b) = ([0i8; 32], [0i8; 32]);
+        let fast = avx2::quantize_block(src, &mut a);
+        let slow = avx2::quantize_block_scalar(src, &mut b);
+        assert_eq!((a, fast), (b, slow));
+    }
+}
+
+/// The kernels' scale conversion gives F16C's (candle's `half`) value for every finite half.
+#[test]
+fn block_scales_convert_exactly() {
+    for h in 0..=u16::MAX {
+        let want = half::f16::from_bits(h);
+        if !want.is_finite() {
+            continue;
+        }
+        let Some(got) = avx2::block_scale(&h.to_le_bytes()) else {
+            return;
+        };
+        assert_eq!(got.to_bits(), want.to_f32().to_bits(), "half {h:#06x}");
     }
 }
