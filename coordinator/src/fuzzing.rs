@@ -3,7 +3,7 @@
 //! hang; the assertions are the properties fuzzing checks beyond "no crash".
 
 use prost::Message;
-use ragcluster_proto::v1::{AskRequest, SearchRequest, UpsertDocumentsRequest};
+use ragcluster_proto::v1::{AskRequest, CollectionInfo, SearchRequest, UpsertDocumentsRequest};
 
 use crate::chunking::{self, ChunkParams, Strategy, WordTokens};
 
@@ -62,7 +62,12 @@ pub fn request_validators(data: &[u8]) {
     if let Ok(r) = SearchRequest::decode(data)
         && let Ok(p) = crate::service::convert::search_query(
             &r,
-            384,
+            &CollectionInfo {
+                name: r.collection.clone(),
+                dimension: 384,
+                shards: vec![Default::default(); 3],
+                ..Default::default()
+            },
             std::time::Duration::from_secs(5),
             crate::limits::MAX_SEARCH_TOP_K,
         )

@@ -19,6 +19,7 @@ use crate::limits::{
 };
 use crate::models::Models;
 use crate::placement;
+use crate::read_token::ReadToken;
 use crate::shards::Shards;
 
 fn check_id(field: &str, id: &str) -> Result<()> {
@@ -209,6 +210,7 @@ impl Ingestor {
         check_collection("collection", &r.collection)?;
         let info = self.catalog.get(&r.collection)?;
         validate_documents(&r.documents, self.max_batch, info.dimension)?;
+        let mut token = ReadToken::parse("read_token", &r.read_token, &info)?;
         let ids: Vec<String> = r.documents.iter().map(|d| d.id.clone()).collect();
         let chunking = info.chunking.unwrap_or_default();
         let t_chunk = std::time::Instant::now();
@@ -256,8 +258,10 @@ impl Ingestor {
             metrics::histogram!("coordinator_ingest_stage_seconds", "stage" => stage)
                 .record(took.as_secs_f64());
         }
+        raise(&mut token, &outcomes);
         let mut report = Report::new(&ids, &chunks_of, outcomes, &info.name);
         report.response.timings = Some(timings);
+        report.response.read_token = token.encode(&info);
         metrics::counter!("coordinator_ingested_documents_total")
             .increment(u64::from(report.response.documents));
         metrics::counter!("coordinator_ingested_chunks_total")
@@ -310,6 +314,7 @@ impl Ingestor {
         if r.ids.is_empty() {
             return Err(CoordError::invalid("ids", "is empty"));
         }
+        let mut token = ReadToken::parse("read_token", &r.read_token, &info)?;
         let max = self.max_batch.min(MAX_DOCS_PER_BATCH);
         if r.ids.len() > max {
             return Err(CoordError::TooLarge {
@@ -339,7 +344,9 @@ impl Ingestor {
         let timeout = self.timeout(client_timeout, started);
         let mut not_found = Vec::new();
         let mut failed = Vec::new();
-        for (shard, docs, r) in self.write_shards(&info, per_shard, timeout).await {
+        let outcomes = self.write_shards(&info, per_shard, timeout).await;
+        raise(&mut token, &outcomes);
+        for (shard, docs, r) in outcomes {
             match r {
                 Ok(r) => not_found.extend(r.not_found),
                 Err(e) => failed.push((shard, docs.len(), e)),
@@ -364,6 +371,7 @@ impl Ingestor {
         Ok(DeleteDocumentsResponse {
             deleted: (r.ids.len() - not_found.len()) as u32,
             not_found,
+            read_token: token.encode(&info),
         })
     }
 
@@ -390,6 +398,15 @@ impl Ingestor {
             (shard, docs, r)
         });
         futures::future::join_all(writes).await
+    }
+}
+
+/// Raises `token` to the index at which each shard applied its batch.
+fn raise(token: &mut ReadToken, outcomes: &[(u32, Vec<String>, Result<WriteBatchResponse>)]) {
+    for (shard, _, r) in outcomes {
+        if let Ok(w) = r {
+            token.raise(*shard, w.applied_seq);
+        }
     }
 }
 
@@ -461,7 +478,7 @@ impl Report {
                 documents: stored.len() as u32,
                 chunks: chunks as u32,
                 results,
-                timings: None,
+                ..Default::default()
             },
             failure,
             failed_shards,

@@ -6,7 +6,8 @@
 //! - `models`: the model worker client; `embed_cache`: embeddings already computed.
 //! - Components, each owning its work: `collections` (lifecycle), `ingest` (chunk, embed,
 //!   write), `search` (distributed BM25/dense/hybrid with the seeds' `fusion` formulas),
-//!   `flow` (Ask and the RAG flow engine), `rebalance` (replica moves and plans).
+//!   `flow` (Ask and the RAG flow engine), `rebalance` (replica moves and plans),
+//!   `read_token` (reads pinned to a write).
 //! - `service`: the gRPC edge (authentication, admission, forwarding to the catalog leader,
 //!   wire <-> domain conversions); `server`: the composition root.
 //!
@@ -32,6 +33,7 @@ pub mod limits;
 pub mod membership;
 pub mod models;
 pub mod placement;
+pub mod read_token;
 pub mod rebalance;
 pub mod search;
 pub mod server;

@@ -23,6 +23,8 @@ pub const MAX_SEARCH_TOP_K: u32 = 1000;
 pub const MAX_QUERY_BYTES: usize = 8 * 1024;
 /// Search.timeout_ms.
 pub const MAX_SEARCH_TIMEOUT_MS: u32 = 60_000;
+/// Bytes of a read token (the largest, for `MAX_SHARDS` shards, is about 3.5 KiB).
+pub const MAX_READ_TOKEN_BYTES: usize = 8 * 1024;
 
 /// Bytes of an Ask question.
 pub const MAX_QUESTION_BYTES: usize = 8 * 1024;
@@ -86,6 +88,7 @@ mod tests {
             format!("coordinator.search_timeout (5 s), at most {MAX_SEARCH_TIMEOUT_MS}"),
             format!("coordinator.ask_timeout (120 s), at most {MAX_ASK_TIMEOUT_MS}"),
             format!("(at most {MAX_HISTORY})"),
+            format!("At most {}; a token", size(MAX_READ_TOKEN_BYTES)),
             format!("Passages each retrieval step returns, [1, {MAX_FLOW_TOP_K}]"),
             format!("[1, min({MAX_STEP_TOKENS}, coordinator.ask_max_generated_tokens)]"),
             format!("default 8, at most {MAX_FLOW_BRANCHES})"),

@@ -119,6 +119,10 @@ enum Cmd {
         /// Exact metadata filter key=value (repeatable).
         #[arg(long = "filter")]
         filters: Vec<String>,
+        /// A write's read token (UpsertDocumentsResponse.read_token): the search sees that
+        /// write, read from replicas that applied it.
+        #[arg(long)]
+        read_token: Option<String>,
         /// Print the hits as JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -426,6 +430,7 @@ async fn main() -> Result<()> {
             fusion,
             dense_weight,
             filters,
+            read_token,
             json,
         } => {
             docs::search(
@@ -437,6 +442,7 @@ async fn main() -> Result<()> {
                 fusion,
                 *dense_weight,
                 filters,
+                read_token.as_deref().unwrap_or_default(),
                 *json,
             )
             .await

@@ -206,6 +206,16 @@ fn read_calls() -> Vec<Family> {
             Histogram,
             "reads answered on Shard.Reads streams: time on the node, by call",
         ),
+        (
+            "shard_read_token_wait_seconds",
+            Histogram,
+            "reads with a read token that waited for this replica to apply the token's index",
+        ),
+        (
+            "shard_read_token_timeouts_total",
+            Counter,
+            "reads refused (UNAVAILABLE) because this replica did not reach the read token's index in time",
+        ),
     ])
 }
 

@@ -266,6 +266,7 @@ where
     Ok(c.upsert_documents(UpsertDocumentsRequest {
         collection: collection.into(),
         documents,
+        ..Default::default()
     })
     .await?
     .into_inner())
@@ -300,6 +301,7 @@ pub async fn upsert_with_vectors(
         c.upsert_documents(UpsertDocumentsRequest {
             collection: collection.into(),
             documents,
+            ..Default::default()
         })
         .await?;
     }

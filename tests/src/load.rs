@@ -83,6 +83,7 @@ impl Load {
                 .upsert_documents(UpsertDocumentsRequest {
                     collection: self.collection.clone(),
                     documents: vec![d],
+                    ..Default::default()
                 })
                 .await
             {

@@ -87,6 +87,7 @@ async fn upsert(c: &mut CoordinatorClient<Channel>, docs: &[BeirDoc]) -> Result<
             c.upsert_documents(UpsertDocumentsRequest {
                 collection: name.into(),
                 documents,
+                ..Default::default()
             })
             .await?;
         }

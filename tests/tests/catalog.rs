@@ -160,6 +160,7 @@ async fn replicated_catalog() -> Result<()> {
             text: "Raft keeps a replicated log consistent across a cluster of machines.".into(),
             ..Default::default()
         }],
+        ..Default::default()
     })
     .await?;
     let hits = c

@@ -93,6 +93,7 @@ async fn cluster_end_to_end() -> Result<()> {
         .upsert_documents(UpsertDocumentsRequest {
             collection: "e2e".into(),
             documents: docs.clone(),
+            ..Default::default()
         })
         .await?
         .into_inner();
@@ -168,6 +169,7 @@ async fn cluster_end_to_end() -> Result<()> {
     c.upsert_documents(UpsertDocumentsRequest {
         collection: "e2e".into(),
         documents: vec![volcano],
+        ..Default::default()
     })
     .await?;
     let r = c
@@ -205,6 +207,7 @@ async fn cluster_end_to_end() -> Result<()> {
         .delete_documents(DeleteDocumentsRequest {
             collection: "e2e".into(),
             ids: vec!["sourdough-bread".into(), "nope".into()],
+            ..Default::default()
         })
         .await?
         .into_inner();
@@ -281,6 +284,7 @@ async fn embedding_cache(
         .upsert_documents(UpsertDocumentsRequest {
             collection: "e2e-copy".into(),
             documents: docs,
+            ..Default::default()
         })
         .await?
         .into_inner();
@@ -437,6 +441,7 @@ async fn bad_input(
     let up = |docs: Vec<Document>| UpsertDocumentsRequest {
         collection: "e2e".into(),
         documents: docs,
+        ..Default::default()
     };
     let code_of = |r: std::result::Result<
         tonic::Response<UpsertDocumentsResponse>,
@@ -470,6 +475,7 @@ async fn bad_input(
         .upsert_documents(UpsertDocumentsRequest {
             collection: "missing".into(),
             documents: vec![doc("a", "b".into())],
+            ..Default::default()
         })
         .await;
     assert_eq!(r.unwrap_err().code(), Code::NotFound);
@@ -554,6 +560,7 @@ async fn kill_during_writes(cluster: &mut Cluster) -> Result<()> {
                     .upsert_documents(UpsertDocumentsRequest {
                         collection: "e2e".into(),
                         documents: vec![d],
+                        ..Default::default()
                     })
                     .await
                 {

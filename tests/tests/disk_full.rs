@@ -102,6 +102,7 @@ async fn try_write(
     let mut req = tonic::Request::new(UpsertDocumentsRequest {
         collection: coll.into(),
         documents: ids.iter().map(|i| doc(*i)).collect(),
+        ..Default::default()
     });
     req.set_timeout(Duration::from_secs(15));
     cc.upsert_documents(req).await.map(|_| ())

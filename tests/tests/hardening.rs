@@ -126,6 +126,7 @@ async fn malformed_requests_are_refused_whole() -> Result<()> {
     c.upsert_documents(UpsertDocumentsRequest {
         collection: "h".into(),
         documents: (0..4).map(|i| doc(&format!("seed{i}"), i)).collect(),
+        ..Default::default()
     })
     .await?;
     let before = state(&mut c).await?;
@@ -151,6 +152,7 @@ async fn malformed_requests_are_refused_whole() -> Result<()> {
             .upsert_documents(UpsertDocumentsRequest {
                 collection: "h".into(),
                 documents,
+                ..Default::default()
             })
             .await;
         refused(
@@ -160,6 +162,34 @@ async fn malformed_requests_are_refused_whole() -> Result<()> {
             &["documents[6].embedding", what],
         )?;
     }
+
+    // Valid documents or ids with a token that does not decode: nothing is written.
+    let up = c
+        .upsert_documents(UpsertDocumentsRequest {
+            collection: "h".into(),
+            documents: (0..3).map(|i| doc(&format!("tok{i}"), i + 60)).collect(),
+            read_token: "rt1.AAAA".into(),
+        })
+        .await;
+    refused(
+        "upsert read token",
+        up,
+        Code::InvalidArgument,
+        &["read_token"],
+    )?;
+    let del = c
+        .delete_documents(DeleteDocumentsRequest {
+            collection: "h".into(),
+            ids: vec!["seed0".into()],
+            read_token: "rt1.AAAA".into(),
+        })
+        .await;
+    refused(
+        "delete read token",
+        del,
+        Code::InvalidArgument,
+        &["read_token"],
+    )?;
 
     // 2. Every documented cap, with and without a tighter client deadline.
     let cases: Vec<(&str, SearchRequest, &str)> = vec![
@@ -178,6 +208,22 @@ async fn malformed_requests_are_refused_whole() -> Result<()> {
                 ..search("h")
             },
             "timeout_ms",
+        ),
+        (
+            "read token",
+            SearchRequest {
+                read_token: "rt1.not-a-token".into(),
+                ..search("h")
+            },
+            "read_token",
+        ),
+        (
+            "read token over 8 KiB",
+            SearchRequest {
+                read_token: "x".repeat(8 * 1024 + 1),
+                ..search("h")
+            },
+            "read_token",
         ),
     ];
     for (case, req, field) in cases {
@@ -232,6 +278,13 @@ async fn malformed_requests_are_refused_whole() -> Result<()> {
             ),
             (
                 AskRequest {
+                    read_token: "garbage".into(),
+                    ..base.clone()
+                },
+                "read_token",
+            ),
+            (
+                AskRequest {
                     overrides: Some(AskOverrides {
                         generate_model: Some("no-such-model".into()),
                         ..Default::default()
@@ -272,6 +325,7 @@ async fn malformed_requests_are_refused_whole() -> Result<()> {
             .upsert_documents(UpsertDocumentsRequest {
                 collection: name.into(),
                 documents: vec![doc("a", 1)],
+                ..Default::default()
             })
             .await;
         refused(&case, up, Code::InvalidArgument, &["collection"])?;
@@ -279,6 +333,7 @@ async fn malformed_requests_are_refused_whole() -> Result<()> {
             .delete_documents(DeleteDocumentsRequest {
                 collection: name.into(),
                 ids: vec!["a".into()],
+                ..Default::default()
             })
             .await;
         refused(&case, del, Code::InvalidArgument, &["collection"])?;
@@ -340,6 +395,7 @@ async fn partial_write_names_what_was_stored() -> Result<()> {
     let req = UpsertDocumentsRequest {
         collection: "p".into(),
         documents,
+        ..Default::default()
     };
     let s = c
         .upsert_documents(req.clone())
@@ -622,6 +678,7 @@ async fn sigterm_hands_off_leaderships_and_exits_in_time() -> Result<()> {
                     .upsert_documents(UpsertDocumentsRequest {
                         collection: "t".into(),
                         documents: vec![doc(&format!("w{i}"), i)],
+                        ..Default::default()
                     })
                     .await
                     .is_ok();

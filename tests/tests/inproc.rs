@@ -44,6 +44,7 @@ async fn write_all(c: &InProcCluster, coll: &str, ids: std::ops::Range<u64>) -> 
         let mut req = tonic::Request::new(UpsertDocumentsRequest {
             collection: coll.into(),
             documents: vec![doc(i)],
+            ..Default::default()
         });
         req.set_timeout(Duration::from_secs(20));
         cc.upsert_documents(req)

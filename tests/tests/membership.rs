@@ -312,6 +312,7 @@ async fn model_worker_killed_under_embedding_load() -> Result<()> {
                     .upsert_documents(UpsertDocumentsRequest {
                         collection: "emb".into(),
                         documents,
+                        ..Default::default()
                     })
                     .await;
                 match r {

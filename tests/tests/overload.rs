@@ -50,6 +50,7 @@ async fn overload_is_shed_with_resource_exhausted_and_admitted_p99_stays_bounded
         .upsert_documents(UpsertDocumentsRequest {
             collection: "docs".into(),
             documents: docs,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -65,6 +66,7 @@ async fn overload_is_shed_with_resource_exhausted_and_admitted_p99_stays_bounded
                 text: "word ".repeat(300_000),
                 ..Default::default()
             }],
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -224,6 +226,7 @@ async fn a_client_with_1ms_deadlines_fails_no_one_else() -> Result<()> {
                 text: "a write whose caller gives it one millisecond".into(),
                 ..Default::default()
             }],
+            ..Default::default()
         });
         w.set_timeout(Duration::from_millis(1));
         for r in [

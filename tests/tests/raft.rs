@@ -165,6 +165,122 @@ async fn partitioned_leader_cannot_acknowledge() -> Result<()> {
     Ok(())
 }
 
+/// 2a. Reads pinned to a write. A follower cut off from its group applies nothing more, so
+///     eventual reads that it serves miss the writes the other two acknowledge. Given a
+///     write's read token, every eventual read sees that write: the lagging follower refuses
+///     (it never heard of the token's index) and the coordinator asks another replica. A token
+///     chained through a later write covers both; a malformed or foreign token is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_eventual_read_with_a_write_token_sees_the_write_through_replica_lag() -> Result<()> {
+    let c = Cluster::start_with(3, Some(SHARD_CONFIG))?;
+    let mut cc = c.client().await?;
+    create(&mut cc, "tok").await?;
+    create(&mut cc, "other").await?;
+    for i in 0..20 {
+        ensure!(write(&mut cc, "tok", &[i]).await);
+    }
+    let l = leader(&c, "tok", Duration::from_secs(5)).await?;
+    partition(&c, "tok", (l + 1) % 3).await?;
+    let upsert = |ids: std::ops::Range<u64>, token: String| UpsertDocumentsRequest {
+        collection: "tok".into(),
+        documents: ids.map(doc).collect(),
+        read_token: token,
+    };
+    let first = cc.upsert_documents(upsert(20..30, String::new())).await?;
+    let token = first.into_inner().read_token;
+    // Chained: the second write's token covers the first one's too.
+    let token = cc
+        .upsert_documents(upsert(30..40, token))
+        .await?
+        .into_inner()
+        .read_token;
+    ensure!(token.starts_with("rt1."), "token {token:?}");
+    let search = |read_token: &str| SearchRequest {
+        collection: "tok".into(),
+        query: "raftdoc".into(),
+        top_k: 1000,
+        mode: SearchMode::Bm25 as i32,
+        consistency: Consistency::Eventual as i32,
+        read_token: read_token.into(),
+        ..Default::default()
+    };
+    // Without the token, the follower's share of the eventual reads miss the new writes.
+    let (mut missed, mut plain) = (0, Vec::new());
+    for _ in 0..30 {
+        let t = Instant::now();
+        let n = cc.search(search("")).await?.into_inner().hits.len();
+        plain.push(t.elapsed());
+        missed += usize::from(n < 40);
+    }
+    ensure!(
+        missed > 0,
+        "no read without a token missed the writes: no lag to test"
+    );
+    let mut pinned = Vec::new();
+    for i in 0..30 {
+        let t = Instant::now();
+        let n = cc.search(search(&token)).await?.into_inner().hits.len();
+        ensure!(n == 40, "read {i} with the token found {n} of 40");
+        ensure!(
+            t.elapsed() < Duration::from_secs(2),
+            "read {i} took {:?}",
+            t.elapsed()
+        );
+        pinned.push(t.elapsed());
+    }
+    plain.sort();
+    pinned.sort();
+    eprintln!(
+        "without a token {missed} of 30 reads missed writes (p50 {:?}, max {:?}); with it none \
+         did (p50 {:?}, max {:?})",
+        plain[15], plain[29], pinned[15], pinned[29]
+    );
+    for (bad, why) in [
+        ("rt1.????", "not a read token"),
+        ("nope", "not a read token"),
+    ] {
+        let e = cc.search(search(bad)).await.unwrap_err();
+        ensure!(
+            e.code() == tonic::Code::InvalidArgument && e.message().contains(why),
+            "{bad}: {e:?}"
+        );
+    }
+    let foreign = cc
+        .upsert_documents(UpsertDocumentsRequest {
+            collection: "other".into(),
+            documents: vec![doc(1)],
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .read_token;
+    let e = cc.search(search(&foreign)).await.unwrap_err();
+    ensure!(
+        e.code() == tonic::Code::InvalidArgument && e.message().contains("\"other\""),
+        "a token of another collection: {e:?}"
+    );
+    let e = cc
+        .ask(AskRequest {
+            collection: "tok".into(),
+            question: "what does raftdoc 39 hold?".into(),
+            read_token: foreign.clone(),
+            ..Default::default()
+        })
+        .await
+        .err()
+        .context("an Ask with a foreign token ran")?;
+    ensure!(e.code() == tonic::Code::InvalidArgument, "Ask: {e:?}");
+    // A refused write changes nothing, a foreign token included.
+    let e = cc
+        .upsert_documents(upsert(40..41, foreign))
+        .await
+        .unwrap_err();
+    ensure!(e.code() == tonic::Code::InvalidArgument, "{e:?}");
+    heal(&c).await?;
+    let acked: BTreeSet<u64> = (0..40).collect();
+    converged(&c, "tok", &acked, &acked).await
+}
+
 /// 2b. The coordinator cut off from a shard's leader while the nodes still reach each other
 ///     (failpoint `cut_from_clients` on the leader: its writes and strong reads from
 ///     clients are refused, its peers' traffic passes). The leader keeps its quorum, so no
@@ -653,6 +769,8 @@ async fn membership_add_promote_transfer_remove() -> Result<()> {
         metric_sum(&m, "raft_snapshots_received_total") >= 1.0,
         "the learner did not get a snapshot"
     );
+    // A learner serves no reads, even caught up: the coordinator reads from a voter.
+    read_refused(&mut nc, "mem", "not a voter").await?;
 
     // 2. Promote, 3. move leadership to it.
     let r = lc

@@ -81,6 +81,7 @@ async fn reads_stream_answers_like_unary_calls() -> Result<()> {
     let stats = TermStatisticsRequest {
         shard: sref("rs"),
         query: "streams of reads".into(),
+        ..Default::default()
     };
     let u_bm25 = sc.bm25_search(bm25.clone()).await?.into_inner();
     ensure!(u_bm25.hits.len() == 10, "{} bm25 hits", u_bm25.hits.len());

@@ -135,6 +135,7 @@ async fn try_every_rpc(
                 text: "planted text".into(),
                 ..Default::default()
             }],
+            ..Default::default()
         })
     );
     attempt!(
@@ -142,6 +143,7 @@ async fn try_every_rpc(
         c.delete_documents(DeleteDocumentsRequest {
             collection: sec(),
             ids: vec!["raft-consensus.md".into()],
+            ..Default::default()
         })
     );
     attempt!(

@@ -33,6 +33,7 @@ use crate::error::{CoordError, Result};
 use crate::limits::{
     MAX_ASK_TIMEOUT_MS, MAX_FLOW_TOP_K, MAX_HISTORY, MAX_QUESTION_BYTES, MAX_STEP_TOKENS,
 };
+use crate::read_token::ReadToken;
 use run::{Ctx, Limits, Overrides, Run, Services};
 use spec::{Flow, FlowSet};
 
@@ -155,6 +156,7 @@ impl Engine {
             self.opts.max_generated_tokens,
         )?;
         let limits = self.limits(&r)?;
+        let read_token = ReadToken::parse("read_token", &r.read_token, &info)?;
         self.check_models(&o).await?;
         let timeout = match r.timeout_ms {
             0 => self.opts.timeout,
@@ -178,6 +180,7 @@ impl Engine {
             sink: Some(tx.clone()),
             started,
             deadline: started + timeout,
+            read_token,
         });
         tokio::spawn(drive(run, flow, question, timeout, tx));
         Ok(rx)

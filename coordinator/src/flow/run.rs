@@ -13,6 +13,7 @@ use super::route;
 use super::spec::FlowSet;
 use crate::chunking::Tokens;
 use crate::models::Models;
+use crate::read_token::ReadToken;
 use crate::search::{self, Searcher};
 use crate::shards::{ReadPlan, Shards};
 
@@ -162,6 +163,8 @@ pub struct Run {
     pub sink: Option<Sink>,
     pub started: Instant,
     pub deadline: Instant,
+    /// The request's read token: every shard read of the flow honours it.
+    pub read_token: ReadToken,
 }
 
 impl Run {
@@ -226,5 +229,6 @@ pub fn read_plan(rt: &Run) -> ReadPlan<'_> {
         replicas: &rt.info.shards,
         consistency: Consistency::Eventual,
         deadline: rt.deadline,
+        token: &rt.read_token,
     }
 }

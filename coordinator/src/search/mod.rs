@@ -183,6 +183,7 @@ impl Searcher {
                 Consistency::Eventual => ragcluster_proto::v1::Consistency::Eventual,
             },
             deadline: started + q.timeout,
+            token: &q.token,
         };
         let (nodes, _inflight) = self.shards.targets(&plan);
         let t = Targets { plan, nodes };

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::fusion::Fusion;
+use crate::read_token::ReadToken;
 
 /// Dense weight of cc/dbsf. UniversalRAG uses 0.8; on SciFact's train queries (our dev set)
 /// 0.5 scored higher for dbsf (nDCG@10 0.7317 vs 0.7105; test 0.7312 vs 0.7215), measured with
@@ -57,6 +58,8 @@ pub struct Query {
     /// HNSW search breadth; 0 = the collection's.
     pub ef_search: u32,
     pub consistency: Consistency,
+    /// Each shard is read from a replica that applied at least this far (a write's token).
+    pub token: ReadToken,
     pub timeout: Duration,
 }
 

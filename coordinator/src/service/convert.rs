@@ -4,13 +4,14 @@
 use std::time::Duration;
 
 use ragcluster_proto::v1::{
-    Consistency as ConsistencyProto, RetrieverScore, SearchHit, SearchMode, SearchRequest,
-    SearchResponse,
+    CollectionInfo, Consistency as ConsistencyProto, RetrieverScore, SearchHit, SearchMode,
+    SearchRequest, SearchResponse,
 };
 
 use crate::error::{CoordError, Result};
 use crate::fusion::Fusion;
 use crate::limits::{MAX_QUERY_BYTES, MAX_SEARCH_TIMEOUT_MS, MAX_SEARCH_TOP_K};
+use crate::read_token::ReadToken;
 use crate::search::query::{DEFAULT_CANDIDATES, DEFAULT_DENSE_WEIGHT, DEFAULT_RRF_K};
 use crate::search::{Consistency, Hit, Mode, Query, Rank, Results};
 
@@ -76,12 +77,15 @@ pub fn check_timeout(ms: u32, max: u32) -> Result<()> {
     Ok(())
 }
 
+/// Checks a Search request against its collection (`info`: dimension, shards, incarnation
+/// for the read token) and the limits.
 pub fn search_query(
     r: &SearchRequest,
-    dimension: u32,
+    info: &CollectionInfo,
     default_timeout: Duration,
     max_top_k: u32,
 ) -> Result<Query> {
+    let dimension = info.dimension;
     let max_top_k = max_top_k.min(MAX_SEARCH_TOP_K);
     if r.query.trim().is_empty() && r.query_vector.is_empty() {
         return Err(CoordError::invalid("query", "is empty"));
@@ -136,6 +140,7 @@ pub fn search_query(
     if r.filter.keys().any(String::is_empty) {
         return Err(CoordError::invalid("filter", "has an empty key"));
     }
+    let token = ReadToken::parse("read_token", &r.read_token, info)?;
     Ok(Query {
         collection: r.collection.clone(),
         text: r.query.clone(),
@@ -147,6 +152,7 @@ pub fn search_query(
         filter: r.filter.clone(),
         ef_search: r.ef_search,
         consistency: consistency(r)?,
+        token,
         timeout: match r.timeout_ms {
             0 => default_timeout,
             ms => Duration::from_millis(u64::from(ms)),
@@ -199,8 +205,18 @@ mod tests {
         }
     }
 
+    fn info() -> CollectionInfo {
+        CollectionInfo {
+            name: "c".into(),
+            dimension: 4,
+            created_at_ms: 1,
+            shards: vec![Default::default(); 2],
+            ..Default::default()
+        }
+    }
+
     fn field_of(r: SearchRequest) -> String {
-        match search_query(&r, 4, Duration::from_secs(1), MAX_SEARCH_TOP_K) {
+        match search_query(&r, &info(), Duration::from_secs(1), MAX_SEARCH_TOP_K) {
             Err(CoordError::InvalidArgument { field, .. }) => field,
             Err(e) => panic!("unexpected {e}"),
             Ok(_) => "ok".into(),
@@ -261,11 +277,18 @@ mod tests {
             }),
             "consistency"
         );
+        assert_eq!(
+            field_of(SearchRequest {
+                read_token: "rt1.nope".into(),
+                ..req()
+            }),
+            "read_token"
+        );
     }
 
     #[test]
     fn defaults_are_the_tuned_dbsf() {
-        let q = search_query(&req(), 4, Duration::from_secs(1), MAX_SEARCH_TOP_K).unwrap();
+        let q = search_query(&req(), &info(), Duration::from_secs(1), MAX_SEARCH_TOP_K).unwrap();
         assert_eq!(q.mode, Mode::Hybrid);
         assert_eq!(
             q.fusion,

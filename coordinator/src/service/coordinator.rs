@@ -176,7 +176,7 @@ impl Coordinator for CoordinatorService {
         convert::check_timeout(r.timeout_ms, MAX_SEARCH_TIMEOUT_MS)?;
         r.timeout_ms = tighter_timeout(r.timeout_ms, &md, MAX_SEARCH_TIMEOUT_MS);
         let info = self.handles.catalog.get(&r.collection)?;
-        let q = convert::search_query(&r, info.dimension, self.search_timeout, self.max_top_k)?;
+        let q = convert::search_query(&r, &info, self.search_timeout, self.max_top_k)?;
         let results = self.searcher.search(q).await?;
         Ok(Response::new(convert::search_response(results)))
     }

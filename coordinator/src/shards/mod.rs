@@ -37,6 +37,7 @@ pub use node::{Connector, GrpcConnector, ShardNode};
 pub use routing::Routing;
 
 use crate::error::{CoordError, Result};
+use crate::read_token::{NO_TOKEN, ReadToken};
 
 /// The shortest time without an answer that says something about a replica. A call cut off
 /// sooner ran out of the caller's time (a client that sends 1 ms deadlines): the replica is
@@ -61,6 +62,8 @@ pub struct ReadPlan<'a> {
     pub replicas: &'a [ShardPlacement],
     pub consistency: Consistency,
     pub deadline: Instant,
+    /// The client's read token: each shard is read from a replica that applied this far.
+    pub token: &'a ReadToken,
 }
 
 impl ReadPlan<'_> {
@@ -68,6 +71,10 @@ impl ReadPlan<'_> {
         self.replicas
             .get(shard as usize)
             .map_or(&[][..], |p| &p.nodes[..])
+    }
+
+    fn min_applied(&self, shard: u32) -> u64 {
+        self.token.min_applied(shard)
     }
 
     fn sref(&self, shard: u32) -> Option<ShardRef> {
@@ -205,6 +212,7 @@ impl Shards {
     ) -> Result<ShardSearchResponse> {
         req.shard = plan.sref(shard);
         req.consistency = plan.consistency as i32;
+        req.min_applied_seq = plan.min_applied(shard);
         self.read(plan, shard, first, |n, t| {
             let req = req.clone();
             async move { n.bm25_search(req, t).await }
@@ -221,6 +229,7 @@ impl Shards {
     ) -> Result<Vec<ShardHit>> {
         req.shard = plan.sref(shard);
         req.consistency = plan.consistency as i32;
+        req.min_applied_seq = plan.min_applied(shard);
         self.read(plan, shard, first, |n, t| {
             let req = req.clone();
             async move { n.vector_search(req, t).await }
@@ -238,6 +247,7 @@ impl Shards {
         let req = TermStatisticsRequest {
             shard: plan.sref(shard),
             query: query.to_owned(),
+            min_applied_seq: plan.min_applied(shard),
         };
         self.read(plan, shard, first, |n, t| {
             let req = req.clone();
@@ -260,6 +270,7 @@ impl Shards {
             chunk_ids: ids,
             with_embedding,
             consistency: plan.consistency as i32,
+            min_applied_seq: plan.min_applied(shard),
         };
         self.read(plan, shard, first, |n, t| {
             let req = req.clone();
@@ -288,6 +299,7 @@ impl Shards {
             chunk_id: chunk_id.to_owned(),
             before,
             after,
+            min_applied_seq: plan.min_applied(shard),
         };
         self.read(plan, shard, &first, |n, t| {
             let req = req.clone();
@@ -493,6 +505,7 @@ impl Shards {
                 replicas,
                 consistency: Consistency::Strong,
                 deadline: deadline.min(Instant::now() + Duration::from_secs(1)),
+                token: &NO_TOKEN,
             };
             let e = match self.chunks(&plan, shard, &target, Vec::new(), false).await {
                 Ok(_) => {

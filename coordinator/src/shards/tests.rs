@@ -31,6 +31,7 @@ fn plan<'a>(
         replicas,
         consistency,
         deadline: Instant::now() + within,
+        token: &crate::read_token::NO_TOKEN,
     }
 }
 

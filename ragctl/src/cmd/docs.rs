@@ -149,6 +149,7 @@ pub async fn search(
     fusion: &str,
     dense_weight: Option<f32>,
     filters: &[String],
+    read_token: &str,
     json: bool,
 ) -> Result<()> {
     let mut filter = std::collections::HashMap::new();
@@ -168,6 +169,7 @@ pub async fn search(
         fusion: fusion.to_owned(),
         dense_weight,
         filter,
+        read_token: read_token.to_owned(),
         ..Default::default()
     };
     let resp = CoordinatorClient::new(channel(cli).await?)

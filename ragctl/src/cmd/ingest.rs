@@ -285,6 +285,7 @@ async fn send(
         let req = UpsertDocumentsRequest {
             collection: collection.to_owned(),
             documents: documents.clone(),
+            ..Default::default()
         };
         match c.upsert_documents(req).await {
             Ok(r) => {

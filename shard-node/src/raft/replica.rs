@@ -89,6 +89,24 @@ impl Replica {
         }
     }
 
+    /// Whether the replica may answer reads: in service (`serving`) and a voter of its group.
+    /// A replica that is not a voter holds less than the group acknowledged: an empty one that
+    /// joined and waits for its snapshot, a learner still catching up (a move, or a failed
+    /// replica rebuilt in place while the catalog still lists it), one removed from the group.
+    /// It refuses with UNAVAILABLE, and the coordinator reads from another replica.
+    pub fn readable(&self) -> Result<()> {
+        self.serving()?;
+        let st = self.status();
+        if st.voters.contains(&st.id) {
+            return Ok(());
+        }
+        Err(ShardError::Unavailable(format!(
+            "replica {} is not a voter of its group (catching up as a learner, or removed): \
+             it serves no reads; read another replica",
+            self.shard.key
+        )))
+    }
+
     /// The leader's id and address when another replica leads.
     pub fn leader_hint(&self) -> LeaderHint {
         let id = self.status().other_leader()?;

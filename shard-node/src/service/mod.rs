@@ -43,11 +43,58 @@ impl ShardService {
         Ok(self.node.replica(&convert::key(r)?)?)
     }
 
-    /// The shard a read is served from: only while its replica is in service.
+    /// The shard of a replica in service (`Replica::serving`): what a snapshot is installed
+    /// into, which a learner must accept.
     fn shard(&self, r: Option<&ShardRef>) -> Result<Arc<Shard>, Status> {
         let replica = self.replica(r)?;
         replica.serving()?;
         Ok(replica.shard.clone())
+    }
+
+    /// The shard a read is served from: only while its replica is in service and a voter
+    /// (`Replica::readable`).
+    fn read_shard(&self, r: Option<&ShardRef>) -> Result<Arc<Shard>, Status> {
+        let replica = self.replica(r)?;
+        replica.readable()?;
+        Ok(replica.shard.clone())
+    }
+
+    /// Waits until the shard's searches see Raft index `seq` (a client's read token; 0: no
+    /// wait), within the caller's deadline `wait` less a tenth: a replica that does not get
+    /// there answers UNAVAILABLE while the caller still has time to ask another one. One that
+    /// has not heard of `seq` being committed within `TOKEN_HEARD_WITHIN` gives up then.
+    async fn caught_up(
+        &self,
+        r: Option<&ShardRef>,
+        shard: &Shard,
+        seq: u64,
+        wait: Option<Duration>,
+    ) -> Result<(), Status> {
+        if seq == 0 || shard.visible_seq() >= seq {
+            return Ok(());
+        }
+        let started = std::time::Instant::now();
+        let wait = wait.unwrap_or(TOKEN_WAIT);
+        let until = started + wait.saturating_sub((wait / 10).max(Duration::from_millis(2)));
+        let heard = until.min(started + TOKEN_HEARD_WITHIN);
+        let mut ok = shard.wait_visible(seq, heard).await.is_ok();
+        if !ok && self.replica(r)?.status().commit_index >= seq {
+            ok = shard.wait_visible(seq, until).await.is_ok();
+        }
+        if ok {
+            metrics::histogram!("shard_read_token_wait_seconds")
+                .record(started.elapsed().as_secs_f64());
+            return Ok(());
+        }
+        metrics::counter!("shard_read_token_timeouts_total").increment(1);
+        Err(ShardError::Unavailable(format!(
+            "replica {} has applied {} of the {seq} this read's token asks for, after {} ms; \
+             another replica may be further",
+            shard.key,
+            shard.visible_seq(),
+            started.elapsed().as_millis()
+        ))
+        .into())
     }
 
     /// For strong reads: a read-index round on the replica before it answers.
@@ -90,6 +137,12 @@ fn cut_from_clients() -> Result<(), Status> {
     )));
     Ok(())
 }
+
+/// How long a read waits for its token's index when the caller sent no deadline.
+const TOKEN_WAIT: Duration = Duration::from_secs(5);
+/// After this long, a replica that has not even learned that the token's index is committed
+/// (cut off from its leader, or far behind) gives up at once instead of at the deadline.
+const TOKEN_HEARD_WITHIN: Duration = Duration::from_millis(100);
 
 /// Bytes per message of a shipped graph dump (under tonic's 4 MiB default).
 const GRAPH_CHUNK_BYTES: usize = 1 << 20;
@@ -224,13 +277,16 @@ impl ShardRpc for ShardService {
         &self,
         req: Request<Bm25SearchRequest>,
     ) -> Result<Response<ShardSearchResponse>, Status> {
+        let wait = deadline(&req);
         let r = req.into_inner();
-        let shard = self.shard(r.shard.as_ref())?;
+        let shard = self.read_shard(r.shard.as_ref())?;
         if r.top_k == 0 || r.top_k > MAX_TOP_K {
             return Err(Status::invalid_argument(format!(
                 "top_k must be in [1, {MAX_TOP_K}]"
             )));
         }
+        self.caught_up(r.shard.as_ref(), &shard, r.min_applied_seq, wait)
+            .await?;
         self.consistent(r.shard.as_ref(), r.consistency).await?;
         if r.stats_seq != 0 && r.stats.is_some() && shard.visible_seq() != r.stats_seq {
             return Ok(Response::new(ShardSearchResponse {
@@ -254,13 +310,16 @@ impl ShardRpc for ShardService {
         &self,
         req: Request<VectorSearchRequest>,
     ) -> Result<Response<ShardSearchResponse>, Status> {
+        let wait = deadline(&req);
         let r = req.into_inner();
-        let shard = self.shard(r.shard.as_ref())?;
+        let shard = self.read_shard(r.shard.as_ref())?;
         if r.top_k == 0 || r.top_k > MAX_TOP_K {
             return Err(Status::invalid_argument(format!(
                 "top_k must be in [1, {MAX_TOP_K}]"
             )));
         }
+        self.caught_up(r.shard.as_ref(), &shard, r.min_applied_seq, wait)
+            .await?;
         self.consistent(r.shard.as_ref(), r.consistency).await?;
         let ef = if r.ef_search == 0 {
             shard.params.ef_search.max(1)
@@ -290,8 +349,11 @@ impl ShardRpc for ShardService {
         &self,
         req: Request<TermStatisticsRequest>,
     ) -> Result<Response<TermStatisticsResponse>, Status> {
+        let wait = deadline(&req);
         let r = req.into_inner();
-        let shard = self.shard(r.shard.as_ref())?;
+        let shard = self.read_shard(r.shard.as_ref())?;
+        self.caught_up(r.shard.as_ref(), &shard, r.min_applied_seq, wait)
+            .await?;
         let seq = shard.visible_seq();
         let s = read(1, || shard.term_stats(&r.query))?;
         Ok(Response::new(TermStatisticsResponse {
@@ -306,8 +368,11 @@ impl ShardRpc for ShardService {
         &self,
         req: Request<GetChunksRequest>,
     ) -> Result<Response<GetChunksResponse>, Status> {
+        let wait = deadline(&req);
         let r = req.into_inner();
-        let shard = self.shard(r.shard.as_ref())?;
+        let shard = self.read_shard(r.shard.as_ref())?;
+        self.caught_up(r.shard.as_ref(), &shard, r.min_applied_seq, wait)
+            .await?;
         self.consistent(r.shard.as_ref(), r.consistency).await?;
         let chunks = read(r.chunk_ids.len(), || {
             shard.get_chunks(&r.chunk_ids, r.with_embedding)
@@ -319,8 +384,11 @@ impl ShardRpc for ShardService {
         &self,
         req: Request<GetNeighboursRequest>,
     ) -> Result<Response<GetChunksResponse>, Status> {
+        let wait = deadline(&req);
         let r = req.into_inner();
-        let shard = self.shard(r.shard.as_ref())?;
+        let shard = self.read_shard(r.shard.as_ref())?;
+        self.caught_up(r.shard.as_ref(), &shard, r.min_applied_seq, wait)
+            .await?;
         let chunks =
             blocking(move || shard.neighbours(&r.chunk_id, r.before.min(64), r.after.min(64)))
                 .await?;
@@ -418,7 +486,7 @@ impl ShardRpc for ShardService {
         req: Request<FetchGraphDumpRequest>,
     ) -> Result<Response<Self::FetchGraphDumpStream>, Status> {
         let r = req.into_inner();
-        let shard = self.shard(r.shard.as_ref())?;
+        let shard = self.read_shard(r.shard.as_ref())?;
         let (after, max_seq) = (r.after_seq, r.max_seq);
         let section = tokio::task::spawn_blocking(move || shard.graph_dump_after(after, max_seq))
             .await

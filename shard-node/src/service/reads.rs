@@ -130,23 +130,24 @@ impl ShardService {
             Some(Call::Chunks(_)) => "GetChunks",
             None => "none",
         };
+        let timeout_us = call.timeout_us;
         let run = async {
             stall().await;
             match call.call {
                 Some(Call::Bm25(r)) => self
-                    .bm25_search(Request::new(r))
+                    .bm25_search(timed(r, timeout_us))
                     .await
                     .map(|r| Reply::Search(r.into_inner())),
                 Some(Call::Vector(r)) => self
-                    .vector_search(Request::new(r))
+                    .vector_search(timed(r, timeout_us))
                     .await
                     .map(|r| Reply::Search(r.into_inner())),
                 Some(Call::TermStats(r)) => self
-                    .term_statistics(Request::new(r))
+                    .term_statistics(timed(r, timeout_us))
                     .await
                     .map(|r| Reply::TermStats(r.into_inner())),
                 Some(Call::Chunks(r)) => self
-                    .get_chunks(Request::new(r))
+                    .get_chunks(timed(r, timeout_us))
                     .await
                     .map(|r| Reply::Chunks(r.into_inner())),
                 None => Err(Status::invalid_argument("read call carries no request")),
@@ -176,6 +177,16 @@ impl ShardService {
             })),
         }
     }
+}
+
+/// The call's request, carrying what is left of the caller's deadline as a unary call's
+/// would (a read waiting for its token's index gives up before it passes).
+fn timed<T>(r: T, timeout_us: u64) -> Request<T> {
+    let mut req = Request::new(r);
+    if timeout_us > 0 {
+        req.set_timeout(Duration::from_micros(timeout_us));
+    }
+    req
 }
 
 /// The numeric code as a static label (the per-RPC metrics spell codes the same way).

@@ -391,6 +391,7 @@ pub async fn fetch_chunks(
                         chunk_ids: ids,
                         with_embedding: true,
                         consistency: 0,
+                        ..Default::default()
                     })
                     .await;
                 match r {

@@ -61,6 +61,7 @@ async fn main() -> Result<()> {
         c.upsert_documents(UpsertDocumentsRequest {
             collection: name.clone(),
             documents: vec![doc(u64::MAX / 2)],
+            ..Default::default()
         })
         .await?;
         let cpu_before = cluster.data_path_cpu_seconds();
@@ -75,6 +76,7 @@ async fn main() -> Result<()> {
                     c.upsert_documents(UpsertDocumentsRequest {
                         collection: name,
                         documents: docs,
+                        ..Default::default()
                     })
                     .await?;
                     anyhow::Ok(t.elapsed().as_secs_f64() * 1e3)
@@ -139,6 +141,7 @@ async fn snapshot_transfer(a: &Args) -> Result<serde_json::Value> {
                 c.upsert_documents(UpsertDocumentsRequest {
                     collection: "snap".into(),
                     documents: b.into_iter().map(doc).collect(),
+                    ..Default::default()
                 })
                 .await
             }

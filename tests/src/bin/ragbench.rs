@@ -179,6 +179,7 @@ async fn main() -> Result<()> {
                     c.upsert_documents(UpsertDocumentsRequest {
                         collection: "scifact".into(),
                         documents,
+                        ..Default::default()
                     })
                     .await
                 }

@@ -77,6 +77,7 @@ pub async fn write_docs(
     let mut req = tonic::Request::new(UpsertDocumentsRequest {
         collection: coll.into(),
         documents,
+        ..Default::default()
     });
     req.set_timeout(Duration::from_secs(15));
     c.upsert_documents(req).await.is_ok()
@@ -172,6 +173,26 @@ pub async fn leader(c: &Cluster, coll: &str, timeout: Duration) -> Result<usize>
     }
 }
 
+/// A BM25 read sent straight to a replica is refused: UNAVAILABLE, the message naming `why`
+/// (a replica out of service, one that is not a voter).
+pub async fn read_refused(sc: &mut ShardClient<Channel>, coll: &str, why: &str) -> Result<()> {
+    let e = sc
+        .bm25_search(Bm25SearchRequest {
+            shard: sref(coll),
+            query: "raftdoc".into(),
+            top_k: 10,
+            ..Default::default()
+        })
+        .await
+        .err()
+        .context("the read was served")?;
+    ensure!(
+        e.code() == tonic::Code::Unavailable && e.message().contains(why),
+        "a read of the replica: {e:?}"
+    );
+    Ok(())
+}
+
 /// Chunk ids of a replica's BM25 hits for `query` (its tantivy index, not RocksDB).
 pub async fn bm25_ids(
     sc: &mut ShardClient<Channel>,
@@ -214,8 +235,9 @@ pub async fn contents(addr: &str, coll: &str) -> Result<(BTreeSet<String>, u64)>
     Ok((ids, info.chunks))
 }
 
-/// Waits until every replica applied the same index, then checks they hold the same chunks,
-/// every acknowledged document exactly once, and nothing outside what was attempted.
+/// Waits until every replica is a voter and applied the same index, then checks they hold
+/// the same chunks, every acknowledged document exactly once, and nothing outside what was
+/// attempted.
 pub async fn converged(
     c: &Cluster,
     coll: &str,
@@ -229,7 +251,11 @@ pub async fn converged(
             .iter()
             .map(|s| s.as_ref().map_or(0, |s| s.applied_index))
             .collect();
-        let all_up = st.iter().all(|s| s.is_some());
+        // Every replica up and a voter (a learner, such as a replica rebuilt from its peers
+        // before its promotion, serves no reads).
+        let all_up = st
+            .iter()
+            .all(|s| s.as_ref().is_some_and(|s| s.voters.contains(&s.node_id)));
         if all_up
             && applied.iter().all(|a| *a == applied[0])
             && st
@@ -297,6 +323,7 @@ pub async fn writer(
         let mut req = tonic::Request::new(UpsertDocumentsRequest {
             collection: coll.into(),
             documents: vec![doc(id)],
+            ..Default::default()
         });
         req.set_timeout(Duration::from_secs(3));
         if cc.upsert_documents(req).await.is_ok() {

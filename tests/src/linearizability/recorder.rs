@@ -185,6 +185,7 @@ impl Session {
                 embedding: vector(key as u64 + 1_000_000),
                 ..Default::default()
             }],
+            ..Default::default()
         });
         req.set_timeout(CALL_TIMEOUT);
         self.c.upsert_documents(req).await.is_ok()
@@ -194,6 +195,7 @@ impl Session {
         let mut req = tonic::Request::new(DeleteDocumentsRequest {
             collection: self.collection.clone(),
             ids: vec![doc_id(key)],
+            ..Default::default()
         });
         req.set_timeout(CALL_TIMEOUT);
         self.c.delete_documents(req).await.is_ok()

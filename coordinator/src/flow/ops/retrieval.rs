@@ -150,6 +150,7 @@ pub async fn retrieve(
         filter: r.filter.clone(),
         ef_search: 0,
         consistency: search::Consistency::Eventual,
+        token: rt.read_token.clone(),
         timeout: rt.left().max(Duration::from_millis(1)),
     };
     Ok(rt
