@@ -101,6 +101,14 @@ impl ShardNode for LocalNode {
         )
     }
 
+    async fn scan(&self, req: ScanRequest, timeout: Duration) -> Result<ScanResponse> {
+        call(timeout, self.svc.scan(request(req, timeout))).await
+    }
+
+    async fn count(&self, req: ShardCountRequest, timeout: Duration) -> Result<ShardCountResponse> {
+        call(timeout, self.svc.count(request(req, timeout))).await
+    }
+
     async fn shard_info(&self, shard: ShardRef, timeout: Duration) -> Result<ShardInfoResponse> {
         let req = ShardInfoRequest { shard: Some(shard) };
         call(timeout, self.svc.shard_info(request(req, timeout))).await

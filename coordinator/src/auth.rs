@@ -250,7 +250,14 @@ impl Auth {
         collection: Option<&str>,
     ) -> Result<Caller> {
         let c = self.authenticate(md, catalog)?;
-        check(&c, what, need, collection)?;
+        // A key scoped to a collection may use it through its aliases too.
+        match collection
+            .filter(|n| !c.may_see(n))
+            .and_then(|n| catalog.alias_target(n))
+        {
+            Some(target) => check(&c, what, need, Some(&target))?,
+            None => check(&c, what, need, collection)?,
+        }
         Ok(c)
     }
 

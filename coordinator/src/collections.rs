@@ -10,7 +10,7 @@ use ragcluster_proto::v1::*;
 
 use crate::catalog::{Catalog, valid_name};
 use crate::error::{CoordError, Result};
-use crate::limits::{MAX_REPLICATION_FACTOR, MAX_SHARDS};
+use crate::limits::{MAX_ALIAS_ACTIONS, MAX_REPLICATION_FACTOR, MAX_SHARDS};
 use crate::membership::Membership;
 use crate::models::Models;
 use crate::placement;
@@ -161,6 +161,12 @@ impl Collections {
         if self.catalog.contains(&r.name) {
             return Err(CoordError::CollectionExists(r.name));
         }
+        if let Some(to) = self.catalog.alias_target(&r.name) {
+            return Err(CoordError::invalid(
+                "name",
+                format!("{:?} is an alias of collection {to:?}", r.name),
+            ));
+        }
         let model = self.embedding_model(&r.embedding_model).await?;
         let chunking = normalize_chunking(r.chunking, model.max_sequence_length)?;
         let placed = placement::place_shards(&r.name, l.shard_count, l.replication_factor, &nodes);
@@ -252,6 +258,12 @@ impl Collections {
     /// Drops a collection (on the catalog leader): out of the catalog first, then its shards.
     pub async fn remove(&self, name: &str) -> Result<()> {
         let _serial = self.changes.lock().await;
+        if let Some(to) = self.catalog.alias_target(name) {
+            return Err(CoordError::FailedPrecondition(format!(
+                "{name:?} is an alias of collection {to:?}: drop the collection by its own \
+                 name, or delete the alias with UpdateAliases"
+            )));
+        }
         let info = self.catalog.remove(name, ADMIN_TIMEOUT).await?;
         let drops = info.shards.iter().enumerate().flat_map(|(i, p)| {
             let info = &info;
@@ -271,6 +283,14 @@ impl Collections {
             }
         }
         Ok(())
+    }
+
+    /// Alias changes, validated whole here and applied together by the catalog (on the
+    /// leader), serialized with collection changes.
+    pub async fn update_aliases(&self, r: UpdateAliasesRequest) -> Result<()> {
+        check_alias_actions(&r)?;
+        let _serial = self.changes.lock().await;
+        self.catalog.update_aliases(r, ADMIN_TIMEOUT).await
     }
 
     /// Every replica of every shard asked for its figures and Raft view; the shard's row shows
@@ -353,4 +373,46 @@ impl Collections {
         }
         stats
     }
+}
+
+/// An UpdateAliases request as a whole: 1 to `MAX_ALIAS_ACTIONS` actions, each naming a valid
+/// alias (and collection). What it refers to is checked when the catalog applies it.
+pub fn check_alias_actions(r: &UpdateAliasesRequest) -> Result<()> {
+    if r.actions.is_empty() {
+        return Err(CoordError::invalid("actions", "is empty"));
+    }
+    if r.actions.len() > MAX_ALIAS_ACTIONS {
+        return Err(CoordError::TooLarge {
+            field: "actions".into(),
+            reason: format!("at most {MAX_ALIAS_ACTIONS} per call"),
+        });
+    }
+    let name = |field: String, v: &str| {
+        if valid_name(v) {
+            Ok(())
+        } else {
+            Err(CoordError::invalid(
+                field,
+                format!("{v:?} is not a name: [a-z0-9_-], 1 to 64 characters"),
+            ))
+        }
+    };
+    for (i, a) in r.actions.iter().enumerate() {
+        match &a.action {
+            Some(alias_action::Action::Put(p)) => {
+                name(format!("actions[{i}].put.alias"), &p.alias)?;
+                name(format!("actions[{i}].put.collection"), &p.collection)?;
+            }
+            Some(alias_action::Action::Delete(alias)) => {
+                name(format!("actions[{i}].delete"), alias)?;
+            }
+            None => {
+                return Err(CoordError::invalid(
+                    format!("actions[{i}]"),
+                    "names neither put nor delete",
+                ));
+            }
+        }
+    }
+    Ok(())
 }

@@ -22,7 +22,7 @@ use crate::placement;
 use crate::read_token::ReadToken;
 use crate::shards::Shards;
 
-fn check_id(field: &str, id: &str) -> Result<()> {
+pub(crate) fn check_id(field: &str, id: &str) -> Result<()> {
     if id.is_empty() {
         return Err(CoordError::invalid(field, "is empty"));
     }
@@ -210,7 +210,7 @@ impl Ingestor {
         check_collection("collection", &r.collection)?;
         let info = self.catalog.get(&r.collection)?;
         validate_documents(&r.documents, self.max_batch, info.dimension)?;
-        let mut token = ReadToken::parse("read_token", &r.read_token, &info)?;
+        let mut token = ReadToken::parse("read_token", &r.read_token, &info, &r.collection)?;
         let ids: Vec<String> = r.documents.iter().map(|d| d.id.clone()).collect();
         let chunking = info.chunking.unwrap_or_default();
         let t_chunk = std::time::Instant::now();
@@ -314,7 +314,7 @@ impl Ingestor {
         if r.ids.is_empty() {
             return Err(CoordError::invalid("ids", "is empty"));
         }
-        let mut token = ReadToken::parse("read_token", &r.read_token, &info)?;
+        let mut token = ReadToken::parse("read_token", &r.read_token, &info, &r.collection)?;
         let max = self.max_batch.min(MAX_DOCS_PER_BATCH);
         if r.ids.len() > max {
             return Err(CoordError::TooLarge {

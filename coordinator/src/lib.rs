@@ -21,6 +21,7 @@ pub mod channels;
 pub mod chunking;
 pub mod collections;
 pub mod config;
+pub mod documents;
 pub mod embed_cache;
 pub mod error;
 pub mod families;

@@ -26,6 +26,19 @@ pub const MAX_SEARCH_TIMEOUT_MS: u32 = 60_000;
 /// Bytes of a read token (the largest, for `MAX_SHARDS` shards, is about 3.5 KiB).
 pub const MAX_READ_TOKEN_BYTES: usize = 8 * 1024;
 
+/// Chunks per Scroll page (and its default).
+pub const MAX_SCROLL_LIMIT: u32 = 1000;
+pub const DEFAULT_SCROLL_LIMIT: u32 = 100;
+/// Encoded chunk bytes of one Scroll page: under the 4 MiB a gRPC client takes by default.
+pub const MAX_SCROLL_PAGE_BYTES: usize = 2 << 20;
+/// Bytes of a Scroll cursor (a read token and a document id inside).
+pub const MAX_CURSOR_BYTES: usize = 16 * 1024;
+
+/// Actions per UpdateAliases call (each one catalog entry holds them all).
+pub const MAX_ALIAS_ACTIONS: usize = 64;
+/// Aliases in the whole catalog (it travels whole in catalog snapshots).
+pub const MAX_ALIASES: usize = 10_000;
+
 /// Bytes of an Ask question.
 pub const MAX_QUESTION_BYTES: usize = 8 * 1024;
 /// Earlier turns of an Ask conversation.
@@ -62,6 +75,13 @@ mod tests {
         flat(&std::fs::read_to_string(root.join(path)).unwrap())
     }
 
+    fn fmt_thousands(n: usize) -> String {
+        match n {
+            n if n >= 1000 => format!("{},{:03}", n / 1000, n % 1000),
+            n => n.to_string(),
+        }
+    }
+
     fn size(bytes: usize) -> String {
         match bytes {
             b if b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
@@ -89,6 +109,19 @@ mod tests {
             format!("coordinator.ask_timeout (120 s), at most {MAX_ASK_TIMEOUT_MS}"),
             format!("(at most {MAX_HISTORY})"),
             format!("At most {}; a token", size(MAX_READ_TOKEN_BYTES)),
+            format!(
+                "Non-empty, at most {MAX_DOCS_PER_BATCH} ids, each non-empty and at most {MAX_ID_BYTES} bytes"
+            ),
+            format!(
+                "Chunks per page, default {DEFAULT_SCROLL_LIMIT}, range [1, {MAX_SCROLL_LIMIT}]; a page also ends before it passes {}",
+                size(MAX_SCROLL_PAGE_BYTES)
+            ),
+            format!(
+                "(another is INVALID_ARGUMENT). At most {}.",
+                size(MAX_CURSOR_BYTES)
+            ),
+            format!("At most {MAX_ALIAS_ACTIONS} actions per call."),
+            format!("at most {} aliases in all", fmt_thousands(MAX_ALIASES)),
             format!("Passages each retrieval step returns, [1, {MAX_FLOW_TOP_K}]"),
             format!("[1, min({MAX_STEP_TOKENS}, coordinator.ask_max_generated_tokens)]"),
             format!("default 8, at most {MAX_FLOW_BRANCHES})"),
@@ -107,6 +140,14 @@ mod tests {
                 size(MAX_DOC_BYTES)
             ),
             format!("document ids ≤ {MAX_ID_BYTES} bytes"),
+            format!("{MAX_ALIAS_ACTIONS} actions per `UpdateAliases`"),
+            format!("{MAX_DOCS_PER_BATCH} ids per `GetDocuments`"),
+            format!(
+                "{},{:03} chunks (and {}) per `Scroll` page",
+                MAX_SCROLL_LIMIT / 1000,
+                MAX_SCROLL_LIMIT % 1000,
+                size(MAX_SCROLL_PAGE_BYTES)
+            ),
             format!(
                 "`top_k` in [1, {MAX_SEARCH_TOP_K}], query ≤ {}",
                 size(MAX_QUERY_BYTES)

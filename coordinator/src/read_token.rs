@@ -29,9 +29,12 @@ pub static NO_TOKEN: ReadToken = ReadToken {
 };
 
 impl ReadToken {
-    /// The token `field` carries for `info` (empty string: none). Refused whole when it does
-    /// not decode or belongs to another collection or incarnation.
-    pub fn parse(field: &str, token: &str, info: &CollectionInfo) -> Result<Self> {
+    /// The token `field` carries for `info`, which the request `named` (itself or an alias;
+    /// empty string: no token). Refused whole when it does not decode or belongs to another
+    /// collection or incarnation, but for one of another collection read through an alias:
+    /// the alias was switched since that write, which is not in this collection, so the token
+    /// pins nothing here (a switch fails no call).
+    pub fn parse(field: &str, token: &str, info: &CollectionInfo, named: &str) -> Result<Self> {
         if token.is_empty() {
             return Ok(Self::default());
         }
@@ -57,6 +60,19 @@ impl ReadToken {
             .decode(body)
             .map_err(|_| bad("not base64url"))?;
         let t = ReadTokenBody::decode(bytes.as_slice()).map_err(|_| bad("undecodable"))?;
+        Self::from_body(field, t, info, named)
+    }
+
+    /// The token of a decoded body (a Scroll cursor carries one), checked as `parse` does.
+    pub fn from_body(
+        field: &str,
+        t: ReadTokenBody,
+        info: &CollectionInfo,
+        named: &str,
+    ) -> Result<Self> {
+        if t.collection != info.name && named != info.name {
+            return Ok(Self::default());
+        }
         if t.collection != info.name {
             return Err(CoordError::invalid(
                 field,
@@ -107,14 +123,26 @@ impl ReadToken {
         self.applied.iter().all(|a| *a == 0)
     }
 
-    /// The wire form for `info`'s collection.
-    pub fn encode(&self, info: &CollectionInfo) -> String {
-        let body = ReadTokenBody {
+    /// The body naming `info`'s collection.
+    pub fn body(&self, info: &CollectionInfo) -> ReadTokenBody {
+        ReadTokenBody {
             collection: info.name.clone(),
             created_at_ms: info.created_at_ms,
             applied: self.applied.clone(),
-        };
+        }
+    }
+
+    /// The wire form for `info`'s collection.
+    pub fn encode(&self, info: &CollectionInfo) -> String {
+        let body = self.body(info);
         format!("{PREFIX}{}", URL_SAFE_NO_PAD.encode(body.encode_to_vec()))
+    }
+
+    /// The larger of the two indexes, shard by shard.
+    pub fn merge(&mut self, other: &ReadToken) {
+        for (shard, seq) in other.applied.iter().enumerate() {
+            self.raise(shard as u32, *seq);
+        }
     }
 }
 
@@ -142,11 +170,15 @@ mod tests {
         t.raise(2, 31);
         let s = t.encode(&c);
         assert!(s.starts_with("rt1."));
-        let back = ReadToken::parse("read_token", &s, &c).unwrap();
+        let back = ReadToken::parse("read_token", &s, &c, "docs").unwrap();
         assert_eq!(back.applied, [9, 0, 40]);
         assert_eq!(back.min_applied(1), 0);
         assert_eq!(back.min_applied(7), 0);
-        assert!(ReadToken::parse("read_token", "", &c).unwrap().is_empty());
+        assert!(
+            ReadToken::parse("read_token", "", &c, "docs")
+                .unwrap()
+                .is_empty()
+        );
     }
 
     #[test]
@@ -167,7 +199,7 @@ mod tests {
             ("x".repeat(MAX_READ_TOKEN_BYTES + 1), "at most"),
         ];
         for (token, why) in cases {
-            let e = ReadToken::parse("search.read_token", &token, &c).unwrap_err();
+            let e = ReadToken::parse("search.read_token", &token, &c, "docs").unwrap_err();
             let s = e.to_string();
             assert!(matches!(e, CoordError::InvalidArgument { .. }), "{s}");
             assert!(s.starts_with("search.read_token: "), "{s}");
@@ -175,8 +207,12 @@ mod tests {
         }
         let mut wide = ReadToken::default();
         wide.raise(2, 1);
-        let e = ReadToken::parse("t", &wide.encode(&c), &c).unwrap_err();
+        let e = ReadToken::parse("t", &wide.encode(&c), &c, "docs").unwrap_err();
         assert!(e.to_string().contains("names 3 shards"), "{e}");
+        // Read through an alias that was switched since the write: the token pins nothing.
+        let other = t.encode(&info("other", 7, 2));
+        let through = ReadToken::parse("t", &other, &c, "live").unwrap();
+        assert!(through.is_empty());
     }
 
     /// The largest token (every shard at the largest index, the longest name) fits the limit.
@@ -188,6 +224,6 @@ mod tests {
         };
         let s = t.encode(&c);
         assert!(s.len() <= MAX_READ_TOKEN_BYTES, "{}", s.len());
-        assert_eq!(ReadToken::parse("t", &s, &c).unwrap(), t);
+        assert_eq!(ReadToken::parse("t", &s, &c, "docs").unwrap(), t);
     }
 }

@@ -223,6 +223,12 @@ fn services(
         h.models.clone(),
         membership.clone(),
     ));
+    let documents = Arc::new(crate::documents::Documents::new(
+        catalog.clone(),
+        h.shards.clone(),
+        cfg.search_timeout,
+        limits.max_batch_documents,
+    ));
     let ingestor = Ingestor::new(
         catalog.clone(),
         h.shards.clone(),
@@ -253,6 +259,7 @@ fn services(
         collections: collections.clone(),
         ingestor: Arc::new(ingestor),
         searcher,
+        documents,
         engine: Arc::new(engine),
         forward: forward.clone(),
         search_timeout: cfg.search_timeout,

@@ -5,7 +5,7 @@
 mod cmd;
 
 use cmd::local::LocalCluster;
-use cmd::{ask, docs, eval, ingest, keys, local, ops, optimize, status};
+use cmd::{aliases, ask, browse, docs, eval, ingest, keys, local, ops, optimize, status};
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -127,6 +127,13 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Documents by id as stored (their chunks in order), one JSON line each.
+    Get(browse::GetArgs),
+    /// Page through a collection's chunks in (document id, position) order, one JSON line
+    /// each: one page (the next cursor on stderr), or every page with --all (an export).
+    Scroll(browse::ScrollArgs),
+    /// Count the chunks (and their documents) that match a filter, exactly.
+    Count(browse::CountArgs),
     /// Ask a question: a flow retrieves, generates a cited answer (streamed) and traces itself.
     Ask(AskArgs),
     /// Evaluate quality on BEIR-format data.
@@ -163,6 +170,11 @@ enum Cmd {
         /// Show the plan only.
         #[arg(long)]
         dry_run: bool,
+    },
+    /// Aliases: names every data call accepts for a collection, switched atomically.
+    Alias {
+        #[command(subcommand)]
+        cmd: aliases::AliasCmd,
     },
     /// API keys (admin): create, list, revoke.
     Key {
@@ -447,6 +459,9 @@ async fn main() -> Result<()> {
             )
             .await
         }
+        Cmd::Get(a) => browse::get(&cli, a).await,
+        Cmd::Scroll(a) => browse::scroll(&cli, a).await,
+        Cmd::Count(a) => browse::count(&cli, a).await,
         Cmd::Ask(a) => ask::ask(&cli, a).await,
         Cmd::Optimize(a) => {
             let addr = model_worker_addr(&cli, &a.model_worker);
@@ -474,6 +489,7 @@ async fn main() -> Result<()> {
         Cmd::Rebalance { dry_run } => {
             ops::rebalance(&mut AdminClient::new(channel(&cli).await?), *dry_run).await
         }
+        Cmd::Alias { cmd } => aliases::run(CoordinatorClient::new(channel(&cli).await?), cmd).await,
         Cmd::Key { cmd } => keys::run(&mut AdminClient::new(channel(&cli).await?), cmd).await,
         Cmd::Health {
             addr,

@@ -29,7 +29,7 @@ use crate::index::hnsw::{self, HnswParams, SearchPlan};
 use crate::index::recovery;
 use crate::index::worker::{Committing, Compaction, Dumping, Following, IndexWorker, Job, Policy};
 use crate::index::{Filter, Indexes};
-use crate::storage::{ShardKey, ShardMeta, Store};
+use crate::storage::{ScanSpec, Scanned, ShardKey, ShardMeta, Store};
 
 /// What a search returns for each hit (`Bm25SearchRequest.ids_only` / `encoded_chunks`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -494,6 +494,35 @@ impl Shard {
             .into_iter()
             .flatten()
             .collect())
+    }
+
+    /// Every chunk of documents `ids`, in the order given, each in position order.
+    pub fn doc_chunks(&self, ids: &[String], with_embedding: bool) -> Result<Vec<Chunk>> {
+        self.store.doc_chunks(&self.key, ids, with_embedding)
+    }
+
+    /// This shard's part of a Scroll page (`storage::scan`), with the visible seq taken
+    /// before reading: the chunks describe that state or a newer one.
+    pub fn scan(&self, spec: &ScanSpec<'_>, filter: &Filter) -> Result<(Scanned, u64)> {
+        let seq = self.visible_seq();
+        let scanned = self.store.scan(&self.key, spec, |c| {
+            filter
+                .iter()
+                .all(|(k, v)| c.metadata.get(k).is_some_and(|m| m == v))
+        })?;
+        Ok((scanned, seq))
+    }
+
+    /// Chunks and documents matching `filter`, exactly, and the visible seq they describe
+    /// (at least).
+    pub fn count(&self, filter: &Filter) -> Result<(u64, u64, u64)> {
+        if filter.is_empty() {
+            let f = self.figures();
+            return Ok((f.chunks, f.documents, f.visible_seq));
+        }
+        let seq = self.visible_seq();
+        let (chunks, documents) = self.indexes.bm25.count(filter)?;
+        Ok((chunks, documents, seq))
     }
 
     /// Up to `before` preceding and `after` following chunks of the same document, in order,

@@ -141,6 +141,24 @@ pub async fn coordinator_client(addr: &str) -> Result<CoordinatorClient<Channel>
 /// A BEIR document.
 pub use ragctl::eval::beir::{BeirDoc, BeirQuery, read_jsonl, read_qrels};
 
+/// A call refused with `code`, its message saying `says` (the field or thing at fault).
+pub fn refused<T: std::fmt::Debug>(
+    case: &str,
+    r: std::result::Result<T, tonic::Status>,
+    code: tonic::Code,
+    says: &str,
+) -> Result<()> {
+    match r {
+        Ok(v) => bail!("{case}: answered {v:?}, expected {code:?}"),
+        Err(s) if s.code() == code && s.message().contains(says) => Ok(()),
+        Err(s) => bail!(
+            "{case}: {:?} {:?}, expected {code:?} saying {says}",
+            s.code(),
+            s.message()
+        ),
+    }
+}
+
 /// Percentile (0..=100) of an unsorted sample, nearest rank.
 pub fn percentile(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {

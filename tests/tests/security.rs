@@ -156,6 +156,28 @@ async fn try_every_rpc(
         })
     );
     attempt!(
+        "GetDocuments",
+        c.get_documents(GetDocumentsRequest {
+            collection: sec(),
+            ids: vec!["raft-consensus.md".into()],
+            ..Default::default()
+        })
+    );
+    attempt!(
+        "Scroll",
+        c.scroll(ScrollRequest {
+            collection: sec(),
+            ..Default::default()
+        })
+    );
+    attempt!(
+        "Count",
+        c.count(CountRequest {
+            collection: sec(),
+            ..Default::default()
+        })
+    );
+    attempt!(
         "Ask",
         c.ask(AskRequest {
             collection: sec(),
@@ -163,6 +185,18 @@ async fn try_every_rpc(
             ..Default::default()
         })
     );
+    attempt!(
+        "UpdateAliases",
+        c.update_aliases(UpdateAliasesRequest {
+            actions: vec![AliasAction {
+                action: Some(alias_action::Action::Put(Alias {
+                    alias: "evil".into(),
+                    collection: sec(),
+                })),
+            }],
+        })
+    );
+    attempt!("ListAliases", c.list_aliases(ListAliasesRequest::default()));
     attempt!("ClusterStatus", a.cluster_status(ClusterStatusRequest {}));
     attempt!(
         "MoveReplica",
@@ -230,6 +264,7 @@ struct Snapshot {
     keys: Vec<(String, u64)>,
     placement: Vec<Vec<String>>,
     hits: Vec<String>,
+    aliases: usize,
 }
 
 async fn snapshot(admin: &KeyedChannel) -> Result<Snapshot> {
@@ -282,6 +317,12 @@ async fn snapshot(admin: &KeyedChannel) -> Result<Snapshot> {
         .into_iter()
         .map(|h| h.doc_id)
         .collect();
+    let aliases = c
+        .list_aliases(ListAliasesRequest::default())
+        .await?
+        .into_inner()
+        .aliases
+        .len();
     Ok(Snapshot {
         collections,
         documents,
@@ -289,6 +330,7 @@ async fn snapshot(admin: &KeyedChannel) -> Result<Snapshot> {
         keys,
         placement,
         hits,
+        aliases,
     })
 }
 
@@ -413,7 +455,7 @@ async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> 
             ensure!(*c == Code::Unauthenticated, "{case}: {rpc} answered {c:?}");
             refusals += 1;
         }
-        ensure!(got.len() == 16, "{case}: {:?}", every(&got));
+        ensure!(got.len() == 21, "{case}: {:?}", every(&got));
     }
     // Roles too low: a reader and a writer of "sec".
     let denied = |got: &BTreeMap<&'static str, Code>, rpcs: &[&str], case: &str| -> Result<()> {
@@ -426,7 +468,16 @@ async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> 
         }
         Ok(())
     };
-    let reads = ["ListCollections", "DescribeCollection", "Search", "Ask"];
+    let reads = [
+        "ListCollections",
+        "DescribeCollection",
+        "Search",
+        "GetDocuments",
+        "Scroll",
+        "Count",
+        "ListAliases",
+        "Ask",
+    ];
     let got = try_every_rpc(
         lazy(&co, Some(&ca_only), Some(&reader))?,
         &shard_nodes,
@@ -439,6 +490,7 @@ async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> 
         "DropCollection",
         "UpsertDocuments",
         "DeleteDocuments",
+        "UpdateAliases",
     ];
     reader_denied.extend(ADMIN_RPCS);
     denied(&got, &reader_denied, "reader")?;
@@ -453,7 +505,7 @@ async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> 
         &writes,
     )
     .await;
-    let mut writer_denied = vec!["CreateCollection", "DropCollection"];
+    let mut writer_denied = vec!["CreateCollection", "DropCollection", "UpdateAliases"];
     writer_denied.extend(ADMIN_RPCS);
     denied(&got, &writer_denied, "writer")?;
     refusals += writer_denied.len();
@@ -478,7 +530,7 @@ async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> 
     .await;
     let scoped: Vec<&str> = every(&got)
         .into_iter()
-        .filter(|r| *r != "ListCollections")
+        .filter(|r| !["ListCollections", "ListAliases"].contains(r))
         .collect();
     denied(&got, &scoped, "admin of another collection")?;
     refusals += scoped.len();

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use prost::Message as _;
 use ragcluster_common::disk::DiskGuard;
 use ragcluster_proto::v1::{
-    ApiKeyRecord, CatalogCommand, CatalogPeerStatus, CatalogStatus, CollectionInfo, MemberState,
-    RaftRole, catalog_command::Op,
+    Alias, ApiKeyRecord, CatalogCommand, CatalogPeerStatus, CatalogStatus, CollectionInfo,
+    MemberState, RaftRole, UpdateAliasesRequest, catalog_command::Op,
 };
 use ragcluster_raft::eraftpb::MessageType;
 use ragcluster_raft::{Member, Options, RaftError, Role};
@@ -195,13 +195,37 @@ impl Catalog {
         })
     }
 
+    /// The collection `name` names, directly or through an alias: every data call reads the
+    /// catalog once here, so a call under way finishes on the collection it started on.
     pub fn get(&self, name: &str) -> Result<CollectionInfo> {
-        self.machine
-            .view()
-            .collections
-            .get(name)
+        let v = self.machine.view();
+        v.collections
+            .get(v.resolve(name))
             .cloned()
             .ok_or_else(|| CoordError::UnknownCollection(name.to_owned()))
+    }
+
+    /// The collection of exactly this name (no alias).
+    pub fn get_exact(&self, name: &str) -> Option<CollectionInfo> {
+        self.machine.view().collections.get(name).cloned()
+    }
+
+    /// The collection alias `name` stands for, if it is an alias.
+    pub fn alias_target(&self, name: &str) -> Option<String> {
+        self.machine.view().aliases.get(name).cloned()
+    }
+
+    /// Every alias (of `collection` when given).
+    pub fn aliases(&self, collection: Option<&str>) -> Vec<Alias> {
+        self.machine.view().aliases(collection)
+    }
+
+    /// Applies alias changes together (leader only).
+    pub async fn update_aliases(&self, r: UpdateAliasesRequest, timeout: Duration) -> Result<()> {
+        let cmd = CatalogCommand {
+            op: Some(Op::UpdateAliases(r)),
+        };
+        self.propose(cmd, timeout).await
     }
 
     pub fn list(&self) -> Vec<CollectionInfo> {
@@ -336,7 +360,9 @@ impl Catalog {
 
     /// Removes a collection (leader only) and returns what it was.
     pub async fn remove(&self, name: &str, timeout: Duration) -> Result<CollectionInfo> {
-        let info = self.get(name)?;
+        let info = self
+            .get_exact(name)
+            .ok_or_else(|| CoordError::UnknownCollection(name.to_owned()))?;
         let cmd = CatalogCommand {
             op: Some(Op::DropCollection(name.to_owned())),
         };

@@ -3,11 +3,12 @@
 use std::collections::BTreeMap;
 
 use ragcluster_proto::v1::{
-    ApiKeyRecord, CatalogCommand, CatalogState, CollectionInfo, Member, MemberState,
-    catalog_command::Op,
+    Alias, ApiKeyRecord, CatalogCommand, CatalogState, CollectionInfo, Member, MemberState,
+    UpdateAliasesRequest, alias_action, catalog_command::Op,
 };
 
 use crate::error::{CoordError, Result};
+use crate::limits::MAX_ALIASES;
 
 /// The catalog as of an applied index.
 #[derive(Clone, Default)]
@@ -17,6 +18,8 @@ pub struct View {
     pub api_keys: BTreeMap<String, ApiKeyRecord>,
     /// Shard nodes and model workers by node id (removed ones stay, so ids are never reused).
     pub members: BTreeMap<u64, Member>,
+    /// Alias -> the collection it stands for.
+    pub aliases: BTreeMap<String, String>,
     pub applied_index: u64,
     pub applied_term: u64,
 }
@@ -35,6 +38,11 @@ impl View {
                 .filter_map(|k| Some((k.info.as_ref()?.id.clone(), k)))
                 .collect(),
             members: st.members.into_iter().map(|m| (m.node_id, m)).collect(),
+            aliases: st
+                .aliases
+                .into_iter()
+                .map(|a| (a.alias, a.collection))
+                .collect(),
             applied_index: st.applied_index,
             applied_term: st.applied_term,
         }
@@ -47,7 +55,65 @@ impl View {
             collections: self.collections.values().cloned().collect(),
             api_keys: self.api_keys.values().cloned().collect(),
             members: self.members.values().cloned().collect(),
+            aliases: self.aliases(None),
         }
+    }
+
+    /// The collection `name` stands for: itself, or the target of the alias of that name.
+    pub fn resolve<'a>(&'a self, name: &'a str) -> &'a str {
+        self.aliases.get(name).map_or(name, String::as_str)
+    }
+
+    /// Every alias (of `collection` when given), by name.
+    pub fn aliases(&self, collection: Option<&str>) -> Vec<Alias> {
+        self.aliases
+            .iter()
+            .filter(|(_, c)| collection.is_none_or(|want| want == c.as_str()))
+            .map(|(a, c)| Alias {
+                alias: a.clone(),
+                collection: c.clone(),
+            })
+            .collect()
+    }
+
+    /// Alias changes in order, on a copy: all of them or none.
+    fn update_aliases(&mut self, r: UpdateAliasesRequest) -> Result<()> {
+        let mut next = self.aliases.clone();
+        for (i, a) in r.actions.into_iter().enumerate() {
+            match a.action {
+                Some(alias_action::Action::Put(Alias { alias, collection })) => {
+                    if self.collections.contains_key(&alias) {
+                        return Err(CoordError::invalid(
+                            format!("actions[{i}].put.alias"),
+                            format!("{alias:?} is a collection's name"),
+                        ));
+                    }
+                    if !self.collections.contains_key(&collection) {
+                        return Err(CoordError::UnknownCollection(collection));
+                    }
+                    next.insert(alias, collection);
+                }
+                Some(alias_action::Action::Delete(alias)) => {
+                    if next.remove(&alias).is_none() {
+                        return Err(CoordError::UnknownAlias(alias));
+                    }
+                }
+                None => {
+                    return Err(CoordError::invalid(
+                        format!("actions[{i}]"),
+                        "names neither put nor delete",
+                    ));
+                }
+            }
+        }
+        if next.len() > MAX_ALIASES && next.len() > self.aliases.len() {
+            return Err(CoordError::TooLarge {
+                field: "actions".into(),
+                reason: format!("the catalog holds at most {MAX_ALIASES} aliases"),
+            });
+        }
+        self.aliases = next;
+        Ok(())
     }
 
     /// The member at `address` (not removed).
@@ -148,14 +214,24 @@ impl View {
                 if self.collections.contains_key(&c.name) {
                     return Err(CoordError::CollectionExists(c.name));
                 }
+                if let Some(to) = self.aliases.get(&c.name) {
+                    return Err(CoordError::invalid(
+                        "name",
+                        format!("{:?} is an alias of collection {to:?}", c.name),
+                    ));
+                }
                 self.collections.insert(c.name.clone(), c);
                 Ok(())
             }
-            Some(Op::DropCollection(name)) => self
-                .collections
-                .remove(&name)
-                .map(|_| ())
-                .ok_or(CoordError::UnknownCollection(name)),
+            Some(Op::DropCollection(name)) => {
+                self.collections
+                    .remove(&name)
+                    .ok_or_else(|| CoordError::UnknownCollection(name.clone()))?;
+                // Its aliases go with it (as in Qdrant and Elasticsearch).
+                self.aliases.retain(|_, c| *c != name);
+                Ok(())
+            }
+            Some(Op::UpdateAliases(r)) => self.update_aliases(r),
             Some(Op::SetPlacement(p)) => {
                 let c = self
                     .collections

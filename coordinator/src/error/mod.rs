@@ -17,6 +17,8 @@ pub enum CoordError {
     UnknownCollection(String),
     #[error("collection {0:?} already exists")]
     CollectionExists(String),
+    #[error("alias {0:?} does not exist")]
+    UnknownAlias(String),
     #[error("{field}: {reason}")]
     TooLarge { field: String, reason: String },
     #[error("{what} unavailable: {reason}")]
@@ -120,6 +122,7 @@ impl CoordError {
         match self {
             CoordError::InvalidArgument { .. } => Code::InvalidArgument,
             CoordError::UnknownCollection(_)
+            | CoordError::UnknownAlias(_)
             | CoordError::UnknownApiKey(_)
             | CoordError::UnknownNode(_) => Code::NotFound,
             CoordError::FailedPrecondition(_) => Code::FailedPrecondition,

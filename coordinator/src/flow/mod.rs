@@ -156,7 +156,7 @@ impl Engine {
             self.opts.max_generated_tokens,
         )?;
         let limits = self.limits(&r)?;
-        let read_token = ReadToken::parse("read_token", &r.read_token, &info)?;
+        let read_token = ReadToken::parse("read_token", &r.read_token, &info, &r.collection)?;
         self.check_models(&o).await?;
         let timeout = match r.timeout_ms {
             0 => self.opts.timeout,

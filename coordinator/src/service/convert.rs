@@ -140,7 +140,7 @@ pub fn search_query(
     if r.filter.keys().any(String::is_empty) {
         return Err(CoordError::invalid("filter", "has an empty key"));
     }
-    let token = ReadToken::parse("read_token", &r.read_token, info)?;
+    let token = ReadToken::parse("read_token", &r.read_token, info, &r.collection)?;
     Ok(Query {
         collection: r.collection.clone(),
         text: r.query.clone(),

@@ -10,7 +10,8 @@ use tonic::{Request, Response, Status};
 use super::forward::{Forwarder, is_forwarded};
 use super::{Admitted, convert, gate, tighter_timeout};
 use crate::auth::{Caller, check};
-use crate::collections::Collections;
+use crate::collections::{Collections, check_alias_actions};
+use crate::documents::Documents;
 use crate::flow::Engine;
 use crate::handles::Handles;
 use crate::ingest::{Ingestor, check_collection};
@@ -25,6 +26,8 @@ pub struct CoordinatorService {
     pub collections: Arc<Collections>,
     pub ingestor: Arc<Ingestor>,
     pub searcher: Arc<Searcher>,
+    /// GetDocuments, Scroll and Count.
+    pub documents: Arc<Documents>,
     pub engine: Arc<Engine>,
     pub forward: Arc<Forwarder>,
     /// Deadline of a search that gives none.
@@ -197,4 +200,112 @@ impl Coordinator for CoordinatorService {
             _permit: permit,
         }))
     }
+
+    async fn get_documents(
+        &self,
+        req: Request<GetDocumentsRequest>,
+    ) -> Result<Response<GetDocumentsResponse>, Status> {
+        let md = req.metadata().clone();
+        let coll = req.get_ref().collection.clone();
+        let _g = gate(
+            &self.handles,
+            &req,
+            "GetDocuments",
+            Role::Reader,
+            Some(&coll),
+        )?;
+        let mut r = req.into_inner();
+        convert::check_timeout(r.timeout_ms, MAX_SEARCH_TIMEOUT_MS)?;
+        r.timeout_ms = tighter_timeout(r.timeout_ms, &md, MAX_SEARCH_TIMEOUT_MS);
+        Ok(Response::new(self.documents.get(r).await?))
+    }
+
+    async fn scroll(
+        &self,
+        req: Request<ScrollRequest>,
+    ) -> Result<Response<ScrollResponse>, Status> {
+        let md = req.metadata().clone();
+        let coll = req.get_ref().collection.clone();
+        let _g = gate(&self.handles, &req, "Scroll", Role::Reader, Some(&coll))?;
+        let mut r = req.into_inner();
+        convert::check_timeout(r.timeout_ms, MAX_SEARCH_TIMEOUT_MS)?;
+        r.timeout_ms = tighter_timeout(r.timeout_ms, &md, MAX_SEARCH_TIMEOUT_MS);
+        Ok(Response::new(self.documents.scroll(r).await?))
+    }
+
+    async fn count(&self, req: Request<CountRequest>) -> Result<Response<CountResponse>, Status> {
+        let md = req.metadata().clone();
+        let coll = req.get_ref().collection.clone();
+        let _g = gate(&self.handles, &req, "Count", Role::Reader, Some(&coll))?;
+        let mut r = req.into_inner();
+        convert::check_timeout(r.timeout_ms, MAX_SEARCH_TIMEOUT_MS)?;
+        r.timeout_ms = tighter_timeout(r.timeout_ms, &md, MAX_SEARCH_TIMEOUT_MS);
+        Ok(Response::new(self.documents.count(r).await?))
+    }
+
+    async fn update_aliases(
+        &self,
+        req: Request<UpdateAliasesRequest>,
+    ) -> Result<Response<UpdateAliasesResponse>, Status> {
+        let h = &self.handles;
+        // Aliases are one namespace over every collection: a cluster operation.
+        let (caller, _p) = gate(h, &req, "UpdateAliases", Role::Admin, None)?;
+        check_alias_actions(req.get_ref())?;
+        let target = h
+            .catalog
+            .change_target(is_forwarded(req.metadata()))
+            .await?;
+        let r = req.into_inner();
+        match target {
+            None => self.collections.update_aliases(r).await?,
+            Some(leader) => {
+                let want = r.clone();
+                self.forward.update_aliases(&leader, r, &caller).await?;
+                h.catalog
+                    .wait_for(|v| aliases_applied(v, &want), CATCH_UP)
+                    .await;
+            }
+        }
+        Ok(Response::new(UpdateAliasesResponse {
+            aliases: h.catalog.aliases(None),
+        }))
+    }
+
+    async fn list_aliases(
+        &self,
+        req: Request<ListAliasesRequest>,
+    ) -> Result<Response<ListAliasesResponse>, Status> {
+        let h = &self.handles;
+        // As ListCollections: any reader, seeing the aliases of the collections it may touch.
+        let caller = h.auth.authenticate(req.metadata(), &h.catalog)?;
+        let unscoped = Caller {
+            collections: Vec::new(),
+            ..caller.clone()
+        };
+        check(&unscoped, "ListAliases", Role::Reader, None)?;
+        let _p = h.auth.admit(&caller)?;
+        let r = req.into_inner();
+        if !r.collection.is_empty() {
+            check_collection("collection", &r.collection)?;
+        }
+        let mut aliases = h
+            .catalog
+            .aliases((!r.collection.is_empty()).then_some(r.collection.as_str()));
+        aliases.retain(|a| caller.may_see(&a.collection));
+        Ok(Response::new(ListAliasesResponse { aliases }))
+    }
+}
+
+/// Whether this coordinator's catalog shows `r`'s outcome (a forwarded change).
+fn aliases_applied(v: &crate::catalog::View, r: &UpdateAliasesRequest) -> bool {
+    let mut want = std::collections::BTreeMap::new();
+    for a in &r.actions {
+        match &a.action {
+            Some(alias_action::Action::Put(p)) => want.insert(&p.alias, Some(&p.collection)),
+            Some(alias_action::Action::Delete(d)) => want.insert(d, None),
+            None => None,
+        };
+    }
+    want.into_iter()
+        .all(|(alias, to)| v.aliases.get(alias) == to)
 }

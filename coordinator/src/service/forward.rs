@@ -92,6 +92,23 @@ impl Forwarder {
         Ok(())
     }
 
+    pub async fn update_aliases(
+        &self,
+        leader: &str,
+        r: UpdateAliasesRequest,
+        caller: &Caller,
+    ) -> Result<()> {
+        let mut c = self.coordinator(leader)?;
+        let what = format!("leader coordinator {leader}");
+        call(
+            &what,
+            TIMEOUT,
+            c.update_aliases(forward(r, TIMEOUT, caller)),
+        )
+        .await?;
+        Ok(())
+    }
+
     pub async fn create_api_key(
         &self,
         leader: &str,

@@ -17,6 +17,7 @@
 
 pub mod local;
 pub mod node;
+mod pinned;
 pub mod reads;
 pub mod routing;
 #[cfg(test)]
@@ -201,111 +202,6 @@ impl Shards {
                 }
             }
         }
-    }
-
-    pub async fn bm25(
-        &self,
-        plan: &ReadPlan<'_>,
-        shard: u32,
-        first: &str,
-        mut req: Bm25SearchRequest,
-    ) -> Result<ShardSearchResponse> {
-        req.shard = plan.sref(shard);
-        req.consistency = plan.consistency as i32;
-        req.min_applied_seq = plan.min_applied(shard);
-        self.read(plan, shard, first, |n, t| {
-            let req = req.clone();
-            async move { n.bm25_search(req, t).await }
-        })
-        .await
-    }
-
-    pub async fn vector(
-        &self,
-        plan: &ReadPlan<'_>,
-        shard: u32,
-        first: &str,
-        mut req: VectorSearchRequest,
-    ) -> Result<Vec<ShardHit>> {
-        req.shard = plan.sref(shard);
-        req.consistency = plan.consistency as i32;
-        req.min_applied_seq = plan.min_applied(shard);
-        self.read(plan, shard, first, |n, t| {
-            let req = req.clone();
-            async move { n.vector_search(req, t).await }
-        })
-        .await
-    }
-
-    pub async fn term_stats(
-        &self,
-        plan: &ReadPlan<'_>,
-        shard: u32,
-        first: &str,
-        query: &str,
-    ) -> Result<TermStatisticsResponse> {
-        let req = TermStatisticsRequest {
-            shard: plan.sref(shard),
-            query: query.to_owned(),
-            min_applied_seq: plan.min_applied(shard),
-        };
-        self.read(plan, shard, first, |n, t| {
-            let req = req.clone();
-            async move { n.term_statistics(req, t).await }
-        })
-        .await
-    }
-
-    /// Chunks by id (with their embeddings when asked); ids no longer stored are left out.
-    pub async fn chunks(
-        &self,
-        plan: &ReadPlan<'_>,
-        shard: u32,
-        first: &str,
-        ids: Vec<String>,
-        with_embedding: bool,
-    ) -> Result<Vec<Chunk>> {
-        let req = GetChunksRequest {
-            shard: plan.sref(shard),
-            chunk_ids: ids,
-            with_embedding,
-            consistency: plan.consistency as i32,
-            min_applied_seq: plan.min_applied(shard),
-        };
-        self.read(plan, shard, first, |n, t| {
-            let req = req.clone();
-            async move { n.get_chunks(req, t).await }
-        })
-        .await
-    }
-
-    /// A chunk with up to `before` preceding and `after` following chunks of its document.
-    pub async fn neighbours(
-        &self,
-        plan: &ReadPlan<'_>,
-        shard: u32,
-        chunk_id: &str,
-        before: u32,
-        after: u32,
-    ) -> Result<Vec<Chunk>> {
-        let first = self.routing.read_target(
-            plan.collection,
-            shard,
-            plan.replicas(shard),
-            plan.consistency,
-        );
-        let req = GetNeighboursRequest {
-            shard: plan.sref(shard),
-            chunk_id: chunk_id.to_owned(),
-            before,
-            after,
-            min_applied_seq: plan.min_applied(shard),
-        };
-        self.read(plan, shard, &first, |n, t| {
-            let req = req.clone();
-            async move { n.get_neighbours(req, t).await }
-        })
-        .await
     }
 
     /// Writes one shard's batch through its Raft leader within `timeout` (see the module doc).

@@ -55,6 +55,9 @@ pub trait ShardNode: Send + Sync {
         req: GetNeighboursRequest,
         timeout: Duration,
     ) -> Result<Vec<Chunk>>;
+    /// One shard's part of a Scroll page.
+    async fn scan(&self, req: ScanRequest, timeout: Duration) -> Result<ScanResponse>;
+    async fn count(&self, req: ShardCountRequest, timeout: Duration) -> Result<ShardCountResponse>;
     async fn shard_info(&self, shard: ShardRef, timeout: Duration) -> Result<ShardInfoResponse>;
     async fn change_replicas(
         &self,
@@ -236,7 +239,7 @@ impl ShardNode for GrpcShardNode {
 
     async fn get_chunks(&self, req: GetChunksRequest, timeout: Duration) -> Result<Vec<Chunk>> {
         // Embeddings make a chunk ~10x bigger: those loads keep a call of their own.
-        let items = if req.with_embedding {
+        let items = if req.with_embedding || !req.doc_ids.is_empty() {
             usize::MAX
         } else {
             req.chunk_ids.len()
@@ -262,6 +265,16 @@ impl ShardNode for GrpcShardNode {
         Ok(call(timeout, c.get_neighbours(request(req, timeout)))
             .await?
             .chunks)
+    }
+
+    async fn scan(&self, req: ScanRequest, timeout: Duration) -> Result<ScanResponse> {
+        let mut c = self.client.clone();
+        call(timeout, c.scan(request(req, timeout))).await
+    }
+
+    async fn count(&self, req: ShardCountRequest, timeout: Duration) -> Result<ShardCountResponse> {
+        let mut c = self.client.clone();
+        call(timeout, c.count(request(req, timeout))).await
     }
 
     async fn shard_info(&self, shard: ShardRef, timeout: Duration) -> Result<ShardInfoResponse> {

@@ -418,11 +418,18 @@ impl ShardNode for ScriptedNode {
     async fn get_chunks(&self, req: GetChunksRequest, timeout: Duration) -> Result<Vec<Chunk>> {
         self.answer("get_chunks", "", timeout).await?;
         let chunks = self.chunks.lock();
-        Ok(req
+        let mut out: Vec<Chunk> = req
             .chunk_ids
             .iter()
             .filter_map(|id| chunks.iter().find(|c| &c.chunk_id == id).cloned())
-            .collect())
+            .collect();
+        for d in &req.doc_ids {
+            let mut of_doc: Vec<Chunk> =
+                chunks.iter().filter(|c| &c.doc_id == d).cloned().collect();
+            of_doc.sort_by_key(|c| c.position);
+            out.extend(of_doc);
+        }
+        Ok(out)
     }
 
     async fn get_neighbours(
@@ -432,6 +439,45 @@ impl ShardNode for ScriptedNode {
     ) -> Result<Vec<Chunk>> {
         self.answer("get_neighbours", "", timeout).await?;
         self.neighbours(&req)
+    }
+
+    async fn scan(&self, req: ScanRequest, timeout: Duration) -> Result<ScanResponse> {
+        self.answer("scan", "", timeout).await?;
+        let mut held: Vec<Chunk> = self
+            .chunks
+            .lock()
+            .iter()
+            .filter(|c| {
+                req.filter.iter().all(|(k, v)| c.metadata.get(k) == Some(v))
+                    && (!req.after
+                        || (c.doc_id.as_str(), c.position)
+                            > (req.after_doc_id.as_str(), req.after_position))
+            })
+            .cloned()
+            .collect();
+        held.sort_by(|a, b| (&a.doc_id, a.position).cmp(&(&b.doc_id, b.position)));
+        let done = held.len() <= req.limit as usize;
+        held.truncate(req.limit as usize);
+        Ok(ScanResponse {
+            chunks: held,
+            done,
+            seq: 1,
+        })
+    }
+
+    async fn count(&self, req: ShardCountRequest, timeout: Duration) -> Result<ShardCountResponse> {
+        self.answer("count", "", timeout).await?;
+        let chunks = self.chunks.lock();
+        let matching: Vec<&Chunk> = chunks
+            .iter()
+            .filter(|c| req.filter.iter().all(|(k, v)| c.metadata.get(k) == Some(v)))
+            .collect();
+        let docs: HashSet<&str> = matching.iter().map(|c| c.doc_id.as_str()).collect();
+        Ok(ShardCountResponse {
+            chunks: matching.len() as u64,
+            documents: docs.len() as u64,
+            seq: 1,
+        })
     }
 
     async fn shard_info(&self, _shard: ShardRef, timeout: Duration) -> Result<ShardInfoResponse> {

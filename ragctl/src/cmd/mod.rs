@@ -1,6 +1,8 @@
 //! The subcommands that have their own files.
 
+pub mod aliases;
 pub mod ask;
+pub mod browse;
 pub mod docs;
 pub mod eval;
 pub mod ingest;

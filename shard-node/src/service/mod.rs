@@ -97,6 +97,21 @@ impl ShardService {
         .into())
     }
 
+    /// The start of every read: the shard `r` names, once it has applied the read token's
+    /// `seq` (`caught_up`) and, for a strong read, confirmed its leader's commit (`consistent`).
+    async fn ready(
+        &self,
+        r: Option<&ShardRef>,
+        seq: u64,
+        consistency: i32,
+        wait: Option<Duration>,
+    ) -> Result<Arc<Shard>, Status> {
+        let shard = self.read_shard(r)?;
+        self.caught_up(r, &shard, seq, wait).await?;
+        self.consistent(r, consistency).await?;
+        Ok(shard)
+    }
+
     /// For strong reads: a read-index round on the replica before it answers.
     async fn consistent(&self, shard: Option<&ShardRef>, consistency: i32) -> Result<(), Status> {
         if consistency == Consistency::Strong as i32 {
@@ -148,6 +163,16 @@ const TOKEN_HEARD_WITHIN: Duration = Duration::from_millis(100);
 const GRAPH_CHUNK_BYTES: usize = 1 << 20;
 
 /// The caller's gRPC deadline ("grpc-timeout" header), if it sent one.
+/// A result count (`top_k`, a scan's `limit`): in [1, MAX_TOP_K].
+fn in_range(field: &str, n: u32) -> Result<(), Status> {
+    if n == 0 || n > MAX_TOP_K {
+        return Err(Status::invalid_argument(format!(
+            "{field} must be in [1, {MAX_TOP_K}]"
+        )));
+    }
+    Ok(())
+}
+
 fn deadline<T>(req: &Request<T>) -> Option<Duration> {
     let v = req.metadata().get("grpc-timeout")?.to_str().ok()?;
     let (num, unit) = v.split_at(v.len().checked_sub(1)?);
@@ -279,15 +304,8 @@ impl ShardRpc for ShardService {
     ) -> Result<Response<ShardSearchResponse>, Status> {
         let wait = deadline(&req);
         let r = req.into_inner();
-        let shard = self.read_shard(r.shard.as_ref())?;
-        if r.top_k == 0 || r.top_k > MAX_TOP_K {
-            return Err(Status::invalid_argument(format!(
-                "top_k must be in [1, {MAX_TOP_K}]"
-            )));
-        }
-        self.caught_up(r.shard.as_ref(), &shard, r.min_applied_seq, wait)
-            .await?;
-        self.consistent(r.shard.as_ref(), r.consistency).await?;
+        in_range("top_k", r.top_k)?;
+        let shard = (self.ready(r.shard.as_ref(), r.min_applied_seq, r.consistency, wait)).await?;
         if r.stats_seq != 0 && r.stats.is_some() && shard.visible_seq() != r.stats_seq {
             return Ok(Response::new(ShardSearchResponse {
                 hits: Vec::new(),
@@ -312,15 +330,8 @@ impl ShardRpc for ShardService {
     ) -> Result<Response<ShardSearchResponse>, Status> {
         let wait = deadline(&req);
         let r = req.into_inner();
-        let shard = self.read_shard(r.shard.as_ref())?;
-        if r.top_k == 0 || r.top_k > MAX_TOP_K {
-            return Err(Status::invalid_argument(format!(
-                "top_k must be in [1, {MAX_TOP_K}]"
-            )));
-        }
-        self.caught_up(r.shard.as_ref(), &shard, r.min_applied_seq, wait)
-            .await?;
-        self.consistent(r.shard.as_ref(), r.consistency).await?;
+        in_range("top_k", r.top_k)?;
+        let shard = (self.ready(r.shard.as_ref(), r.min_applied_seq, r.consistency, wait)).await?;
         let ef = if r.ef_search == 0 {
             shard.params.ef_search.max(1)
         } else {
@@ -351,9 +362,8 @@ impl ShardRpc for ShardService {
     ) -> Result<Response<TermStatisticsResponse>, Status> {
         let wait = deadline(&req);
         let r = req.into_inner();
-        let shard = self.read_shard(r.shard.as_ref())?;
-        self.caught_up(r.shard.as_ref(), &shard, r.min_applied_seq, wait)
-            .await?;
+        let eventual = Consistency::Eventual as i32;
+        let shard = (self.ready(r.shard.as_ref(), r.min_applied_seq, eventual, wait)).await?;
         let seq = shard.visible_seq();
         let s = read(1, || shard.term_stats(&r.query))?;
         Ok(Response::new(TermStatisticsResponse {
@@ -370,14 +380,63 @@ impl ShardRpc for ShardService {
     ) -> Result<Response<GetChunksResponse>, Status> {
         let wait = deadline(&req);
         let r = req.into_inner();
-        let shard = self.read_shard(r.shard.as_ref())?;
-        self.caught_up(r.shard.as_ref(), &shard, r.min_applied_seq, wait)
-            .await?;
-        self.consistent(r.shard.as_ref(), r.consistency).await?;
-        let chunks = read(r.chunk_ids.len(), || {
+        if r.doc_ids.len() > MAX_TOP_K as usize {
+            return Err(Status::invalid_argument(format!(
+                "at most {MAX_TOP_K} doc_ids per call"
+            )));
+        }
+        let shard = (self.ready(r.shard.as_ref(), r.min_applied_seq, r.consistency, wait)).await?;
+        let mut chunks = read(r.chunk_ids.len(), || {
             shard.get_chunks(&r.chunk_ids, r.with_embedding)
         })?;
+        if !r.doc_ids.is_empty() {
+            let docs = blocking(move || shard.doc_chunks(&r.doc_ids, r.with_embedding)).await?;
+            chunks.extend(docs);
+        }
         Ok(Response::new(GetChunksResponse { chunks }))
+    }
+
+    async fn scan(&self, req: Request<ScanRequest>) -> Result<Response<ScanResponse>, Status> {
+        let wait = deadline(&req);
+        let r = req.into_inner();
+        in_range("limit", r.limit)?;
+        let shard = (self.ready(r.shard.as_ref(), r.min_applied_seq, r.consistency, wait)).await?;
+        let (scanned, seq) = blocking(move || {
+            let after = r.after.then(|| crate::storage::After {
+                doc_id: r.after_doc_id.clone(),
+                position: r.after_position,
+            });
+            let spec = crate::storage::ScanSpec {
+                after: after.as_ref(),
+                limit: r.limit as usize,
+                max_bytes: usize::try_from(r.max_bytes).unwrap_or(usize::MAX),
+                with_embedding: r.with_embedding,
+            };
+            shard.scan(&spec, &filter(&r.filter))
+        })
+        .await?;
+        Ok(Response::new(ScanResponse {
+            chunks: scanned.chunks,
+            done: scanned.done,
+            seq,
+        }))
+    }
+
+    async fn count(
+        &self,
+        req: Request<ShardCountRequest>,
+    ) -> Result<Response<ShardCountResponse>, Status> {
+        let wait = deadline(&req);
+        let r = req.into_inner();
+        let shard = (self.ready(r.shard.as_ref(), r.min_applied_seq, r.consistency, wait)).await?;
+        // A filtered count walks every match: off the async worker.
+        let items = if r.filter.is_empty() { 1 } else { usize::MAX };
+        let (chunks, documents, seq) = read(items, || shard.count(&filter(&r.filter)))?;
+        Ok(Response::new(ShardCountResponse {
+            chunks,
+            documents,
+            seq,
+        }))
     }
 
     async fn get_neighbours(
@@ -386,9 +445,8 @@ impl ShardRpc for ShardService {
     ) -> Result<Response<GetChunksResponse>, Status> {
         let wait = deadline(&req);
         let r = req.into_inner();
-        let shard = self.read_shard(r.shard.as_ref())?;
-        self.caught_up(r.shard.as_ref(), &shard, r.min_applied_seq, wait)
-            .await?;
+        let eventual = Consistency::Eventual as i32;
+        let shard = (self.ready(r.shard.as_ref(), r.min_applied_seq, eventual, wait)).await?;
         let chunks =
             blocking(move || shard.neighbours(&r.chunk_id, r.before.min(64), r.after.min(64)))
                 .await?;

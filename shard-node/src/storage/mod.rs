@@ -39,9 +39,11 @@ use rocksdb::{
 use crate::error::{Result, ShardError};
 
 mod salvage;
+mod scan;
 pub mod scrub;
 mod snapshot;
 pub use salvage::open_checked;
+pub use scan::{After, ScanSpec, Scanned};
 pub use snapshot::{SECTION_END, StoreSnapshot};
 
 const CF_META: &str = "meta";

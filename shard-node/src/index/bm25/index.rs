@@ -27,13 +27,13 @@ use crate::index::Filter;
 pub struct Bm25Index {
     index: Index,
     writer: Mutex<IndexWriter>,
-    reader: IndexReader,
+    pub(super) reader: IndexReader,
     f_chunk_id: Field,
     f_doc_id: Field,
     f_body: Field,
-    f_meta: Field,
+    pub(super) f_meta: Field,
     /// Chunk ids of hits by segment, decoded once per segment.
-    ids: IdCache,
+    pub(super) ids: IdCache,
     /// A `merge_segments` merge is running.
     merging: Arc<AtomicBool>,
     /// How long the last merge took, in milliseconds.
@@ -320,22 +320,11 @@ impl Bm25Index {
             })
             .collect();
         let query: Box<dyn Query> = Box::new(BooleanQuery::new(should));
-        if filter.is_empty() {
+        let Some(filter_q) = self.filter_query(filter) else {
             return query;
-        }
-        let must: Vec<(Occur, Box<dyn Query>)> = filter
-            .iter()
-            .map(|(k, v)| {
-                let q: Box<dyn Query> = Box::new(TermQuery::new(
-                    Term::from_field_text(self.f_meta, &format!("{k}{META_SEP}{v}")),
-                    IndexRecordOption::Basic,
-                ));
-                (Occur::Must, q)
-            })
-            .collect();
+        };
         // The filter must not change scores: wrap it in a zero constant score.
-        let filter_q: Box<dyn Query> =
-            Box::new(ConstScoreQuery::new(Box::new(BooleanQuery::new(must)), 0.0));
+        let filter_q: Box<dyn Query> = Box::new(ConstScoreQuery::new(filter_q, 0.0));
         Box::new(BooleanQuery::new(vec![
             (Occur::Must, filter_q),
             (Occur::Must, query),

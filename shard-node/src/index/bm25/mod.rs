@@ -10,6 +10,7 @@
 //! once per segment; `terms` caches term lookups and scores small indexes a term at a time.
 //! What they share, the schema and its analysis, is here.
 
+mod count;
 mod ids;
 mod index;
 mod terms;
