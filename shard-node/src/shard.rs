@@ -503,14 +503,25 @@ impl Shard {
 
     /// This shard's part of a Scroll page (`storage::scan`), with the visible seq taken
     /// before reading: the chunks describe that state or a newer one.
+    ///
+    /// A filter matching at most a quarter of the shard walks the ids its BM25 index matched
+    /// (sorted each page) rather than every chunk; a broader one reads in document order and
+    /// drops what does not match. Loaded chunks are checked again either way (the index may
+    /// be newer than the stored chunk, or the reverse).
     pub fn scan(&self, spec: &ScanSpec<'_>, filter: &Filter) -> Result<(Scanned, u64)> {
         let seq = self.visible_seq();
-        let scanned = self.store.scan(&self.key, spec, |c| {
+        let keep = |c: &Chunk| {
             filter
                 .iter()
                 .all(|(k, v)| c.metadata.get(k).is_some_and(|m| m == v))
-        })?;
-        Ok((scanned, seq))
+        };
+        if !filter.is_empty()
+            && let Some((ids, total)) = self.indexes.bm25.matching_ids(filter)?
+            && (ids.len() as u64) * 4 <= total
+        {
+            return Ok((self.store.scan_ids(&self.key, spec, ids, keep)?, seq));
+        }
+        Ok((self.store.scan(&self.key, spec, keep)?, seq))
     }
 
     /// Chunks and documents matching `filter`, exactly, and the visible seq they describe

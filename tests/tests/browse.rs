@@ -27,7 +27,11 @@ fn doc(id: &str, lang: &str, seed: usize) -> Document {
         id: id.into(),
         title: format!("Doc {id}"),
         text: format!("{}.", text.join(" ")),
-        metadata: [("lang".to_owned(), lang.to_owned())].into(),
+        metadata: [
+            ("lang".to_owned(), lang.to_owned()),
+            ("bucket".to_owned(), (seed % 10).to_string()),
+        ]
+        .into(),
         ..Default::default()
     }
 }
@@ -198,6 +202,18 @@ async fn get_scroll_and_count_read_back_what_was_written() -> Result<()> {
         .map(|ch| (ch.doc_id.clone(), ch.position))
         .collect();
     ensure!(keys(&de_chunks) == want, "filtered scroll differs");
+    // A selective filter (10%): the shards walk the BM25 index's matches instead.
+    let b3: HashMap<String, String> = [("bucket".to_owned(), "3".to_owned())].into();
+    let (b3_chunks, _) = scroll_all(&mut c, &b3, 4, async |_, _| Ok(())).await?;
+    let want3: Vec<(String, u32)> = all
+        .iter()
+        .filter(|ch| ch.metadata.get("bucket").map(String::as_str) == Some("3"))
+        .map(|ch| (ch.doc_id.clone(), ch.position))
+        .collect();
+    ensure!(
+        !want3.is_empty() && keys(&b3_chunks) == want3,
+        "selective scroll differs"
+    );
     let de_docs = (0..n).filter(|i| lang(*i) == "de").count() as u64;
     ensure!(count(&mut c, &[("lang", "de")]).await? == (want.len() as u64, de_docs));
     ensure!(count(&mut c, &[("lang", "fr")]).await? == (0, 0));

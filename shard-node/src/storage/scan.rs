@@ -1,6 +1,7 @@
 //! Reading a shard back in document order: the `docs` family (document id -> its chunk ids,
 //! in position order) walked from a point, the chunks of many documents loaded in one
-//! multi-get. Serves Scroll pages (`Shard::scan`) and GetDocuments (`doc_chunks`).
+//! multi-get. Serves Scroll pages (`Shard::scan`) and GetDocuments (`doc_chunks`); a
+//! selective filter's page walks the chunk ids the BM25 index matched instead (`scan_ids`).
 
 use ragcluster_proto::v1::Chunk;
 use rocksdb::{Direction, IteratorMode};
@@ -31,6 +32,33 @@ pub struct ScanSpec<'a> {
 pub struct Scanned {
     pub chunks: Vec<Chunk>,
     pub done: bool,
+    /// Encoded bytes of `chunks`.
+    bytes: usize,
+}
+
+impl Scanned {
+    fn new() -> Self {
+        Self {
+            chunks: Vec::new(),
+            done: false,
+            bytes: 0,
+        }
+    }
+
+    /// Adds `c` unless the page is full (at its limit, or `c` would pass the byte cap of a
+    /// page that has a chunk); false when full.
+    fn add(&mut self, c: Chunk, spec: &ScanSpec<'_>) -> bool {
+        let size = prost::Message::encoded_len(&c);
+        let full = self.chunks.len() >= spec.limit
+            || (spec.max_bytes > 0
+                && !self.chunks.is_empty()
+                && self.bytes + size > spec.max_bytes);
+        if !full {
+            self.bytes += size;
+            self.chunks.push(c);
+        }
+        !full
+    }
 }
 
 impl Store {
@@ -69,11 +97,7 @@ impl Store {
             self.cf(CF_DOCS),
             IteratorMode::From(&start, Direction::Forward),
         );
-        let mut out = Scanned {
-            chunks: Vec::new(),
-            done: false,
-        };
-        let mut bytes = 0usize;
+        let mut out = Scanned::new();
         let mut pending: Vec<String> = Vec::new();
         loop {
             // Gather ids of the next documents, then load them together.
@@ -102,24 +126,55 @@ impl Store {
             let loaded = self.get_chunks(key, &pending, spec.with_embedding)?;
             pending.clear();
             for c in loaded.into_iter().flatten() {
-                if !keep(&c) {
-                    continue;
-                }
-                let size = prost::Message::encoded_len(&c);
-                let full = out.chunks.len() >= spec.limit
-                    || (spec.max_bytes > 0
-                        && !out.chunks.is_empty()
-                        && bytes + size > spec.max_bytes);
-                if full {
+                if keep(&c) && !out.add(c, spec) {
                     return Ok(out);
                 }
-                bytes += size;
-                out.chunks.push(c);
             }
             if end {
                 out.done = true;
                 return Ok(out);
             }
         }
+    }
+
+    /// As `scan`, over the chunks `ids` only (a filter's matches, in any order): those after
+    /// `spec.after` in (doc_id, position) order, loaded a batch at a time.
+    pub fn scan_ids(
+        &self,
+        key: &ShardKey,
+        spec: &ScanSpec<'_>,
+        ids: Vec<String>,
+        keep: impl Fn(&Chunk) -> bool,
+    ) -> Result<Scanned> {
+        let after = spec.after.map(|a| (a.doc_id.as_bytes(), a.position));
+        let mut keyed: Vec<(usize, u32, String)> = ids
+            .into_iter()
+            .filter_map(|id| {
+                let (doc, pos) = id.rsplit_once('#')?;
+                let pos: u32 = pos.parse().ok()?;
+                let doc_len = doc.len();
+                let past = after.is_none_or(|a| (doc.as_bytes(), pos) > a);
+                past.then_some((doc_len, pos, id))
+            })
+            .collect();
+        keyed.sort_unstable_by(|a, b| {
+            (&a.2.as_bytes()[..a.0], a.1).cmp(&(&b.2.as_bytes()[..b.0], b.1))
+        });
+        keyed.dedup_by(|a, b| a.2 == b.2);
+        let mut out = Scanned::new();
+        for batch in keyed.chunks(LOAD_BATCH) {
+            let ids: Vec<String> = batch.iter().map(|k| k.2.clone()).collect();
+            for c in self
+                .get_chunks(key, &ids, spec.with_embedding)?
+                .into_iter()
+                .flatten()
+            {
+                if keep(&c) && !out.add(c, spec) {
+                    return Ok(out);
+                }
+            }
+        }
+        out.done = true;
+        Ok(out)
     }
 }

@@ -1,4 +1,4 @@
-//! Exact counts by metadata filter: the filter's metadata terms intersected by tantivy, every
+//! Exact counts by metadata filter, and the chunk ids a filter matches (filtered scans): the filter's metadata terms intersected by tantivy, every
 //! live match counted, and its document told apart by the chunk id that the segment's id cache
 //! already holds (`ids`), so counting reads no stored field and decompresses nothing.
 
@@ -80,6 +80,27 @@ impl Bm25Index {
             })
             .collect();
         Some(Box::new(BooleanQuery::new(must)))
+    }
+
+    /// The ids of the chunks matching a non-empty `filter` (a filtered Scroll walks them
+    /// instead of every chunk), and how many chunks the index holds; None where a segment
+    /// has no id column (an index written before it).
+    pub fn matching_ids(&self, filter: &Filter) -> Result<Option<(Vec<String>, u64)>> {
+        let searcher = self.reader.searcher();
+        let Some(query) = self.filter_query(filter) else {
+            return Ok(None);
+        };
+        let mut out = Vec::new();
+        for (seg, docs) in searcher.search(&*query, &Matches)? {
+            if docs.is_empty() {
+                continue;
+            }
+            let Some(ids) = self.ids.segment(&searcher, seg)? else {
+                return Ok(None);
+            };
+            out.extend(docs.iter().filter_map(|d| ids.get(*d)).map(str::to_owned));
+        }
+        Ok(Some((out, searcher.num_docs())))
     }
 
     /// Chunks matching a non-empty `filter`, and the documents they belong to.
