@@ -68,6 +68,23 @@ pub async fn write(c: &mut CoordinatorClient<Channel>, coll: &str, ids: &[u64]) 
     write_docs(c, coll, ids.iter().map(|i| doc(*i)).collect()).await
 }
 
+/// Upserts documents `ids` in one call with a client deadline, carrying `token` (a
+/// previous write's): the write's read token, which covers both, once acknowledged.
+pub async fn write_pinned(
+    c: &mut CoordinatorClient<Channel>,
+    coll: &str,
+    ids: &[u64],
+    token: &str,
+) -> Option<String> {
+    let mut req = tonic::Request::new(UpsertDocumentsRequest {
+        collection: coll.into(),
+        documents: ids.iter().map(|i| doc(*i)).collect(),
+        read_token: token.into(),
+    });
+    req.set_timeout(Duration::from_secs(15));
+    Some(c.upsert_documents(req).await.ok()?.into_inner().read_token)
+}
+
 /// Upserts `documents` in one call with a client deadline; true = acknowledged.
 pub async fn write_docs(
     c: &mut CoordinatorClient<Channel>,
@@ -90,6 +107,16 @@ pub async fn found(
     coll: &str,
     consistency: Consistency,
 ) -> Result<usize> {
+    found_pinned(c, coll, consistency, "").await
+}
+
+/// As `found`, read from replicas that applied the write of `token` (a read token).
+pub async fn found_pinned(
+    c: &mut CoordinatorClient<Channel>,
+    coll: &str,
+    consistency: Consistency,
+    token: &str,
+) -> Result<usize> {
     let hits = c
         .search(SearchRequest {
             collection: coll.into(),
@@ -97,6 +124,7 @@ pub async fn found(
             top_k: 1000,
             mode: SearchMode::Bm25 as i32,
             consistency: consistency as i32,
+            read_token: token.into(),
             ..Default::default()
         })
         .await?

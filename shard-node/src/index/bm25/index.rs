@@ -53,6 +53,11 @@ impl Bm25Index {
         let schema = index.schema();
         let field = |n: &str| schema.get_field(n).map_err(ShardError::Bm25);
         let writer = index.writer_with_num_threads(1, writer_memory)?;
+        // A kill between a commit's files and its meta.json leaves files no meta names, such
+        // as a delete bitset named after an opstamp that the replay after restart reaches
+        // again (its commit then fails on FileAlreadyExists): tantivy's collector removes
+        // the files it wrote that the committed meta does not use.
+        writer.garbage_collect_files().wait()?;
         let reader = index
             .reader_builder()
             .reload_policy(ReloadPolicy::Manual)
