@@ -96,14 +96,7 @@ impl Coordinator for CoordinatorService {
         req: Request<ListCollectionsRequest>,
     ) -> Result<Response<ListCollectionsResponse>, Status> {
         let h = &self.handles;
-        // Any reader may list, but sees only the collections its key may touch.
-        let caller = h.auth.authenticate(req.metadata(), &h.catalog)?;
-        let unscoped = Caller {
-            collections: Vec::new(),
-            ..caller.clone()
-        };
-        check(&unscoped, "ListCollections", Role::Reader, None)?;
-        let _p = h.auth.admit(&caller)?;
+        let (caller, _p) = list_gate(h, &req, "ListCollections")?;
         let mut collections = h.catalog.list();
         collections.retain(|c| caller.may_see(&c.name));
         Ok(Response::new(ListCollectionsResponse { collections }))
@@ -276,14 +269,7 @@ impl Coordinator for CoordinatorService {
         req: Request<ListAliasesRequest>,
     ) -> Result<Response<ListAliasesResponse>, Status> {
         let h = &self.handles;
-        // As ListCollections: any reader, seeing the aliases of the collections it may touch.
-        let caller = h.auth.authenticate(req.metadata(), &h.catalog)?;
-        let unscoped = Caller {
-            collections: Vec::new(),
-            ..caller.clone()
-        };
-        check(&unscoped, "ListAliases", Role::Reader, None)?;
-        let _p = h.auth.admit(&caller)?;
+        let (caller, _p) = list_gate(h, &req, "ListAliases")?;
         let r = req.into_inner();
         if !r.collection.is_empty() {
             check_collection("collection", &r.collection)?;
@@ -308,4 +294,21 @@ fn aliases_applied(v: &crate::catalog::View, r: &UpdateAliasesRequest) -> bool {
     }
     want.into_iter()
         .all(|(alias, to)| v.aliases.get(alias) == to)
+}
+
+/// The gate of a listing: any reader may list, and sees only what its key may touch (the
+/// caller filters by `Caller::may_see`).
+fn list_gate<T>(
+    h: &Handles,
+    req: &Request<T>,
+    what: &str,
+) -> Result<(Caller, crate::auth::Permit), Status> {
+    let caller = h.auth.authenticate(req.metadata(), &h.catalog)?;
+    let unscoped = Caller {
+        collections: Vec::new(),
+        ..caller.clone()
+    };
+    check(&unscoped, what, Role::Reader, None)?;
+    let permit = h.auth.admit(&caller)?;
+    Ok((caller, permit))
 }
