@@ -100,6 +100,7 @@ fn layout(r: &CreateCollectionRequest, nodes: usize) -> Result<Layout> {
             format!("must be in [1, min({MAX_REPLICATION_FACTOR}, shard nodes = {nodes})]"),
         ));
     }
+    crate::schema::check_fields("fields", &r.fields)?;
     let mut hnsw = r.hnsw.unwrap_or_default();
     if hnsw.m == 0 {
         hnsw.m = 16;
@@ -189,7 +190,20 @@ impl Collections {
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_millis() as u64)
                 .unwrap_or(0),
+            fields: Vec::new(),
         };
+        let mut info = info;
+        // Declared fields, and the keyword field chunking sets.
+        let mut fields = r.fields.clone();
+        fields.push(FieldSchema {
+            name: crate::schema::SECTION.into(),
+            r#type: FieldType::Keyword as i32,
+        });
+        let add = AddFieldsRequest {
+            collection: info.name.clone(),
+            fields,
+        };
+        crate::schema::apply_add_fields(&mut info, &add)?;
         self.open_shards(&info).await?;
         // Acknowledged only once every shard serves STRONG reads (a leader with a read index).
         let deadline = std::time::Instant::now() + ADMIN_TIMEOUT;
@@ -283,6 +297,22 @@ impl Collections {
             }
         }
         Ok(())
+    }
+
+    /// Fields added to a collection's schema (on the leader), serialized with collection
+    /// changes; `r.collection` is a collection's own name. Returns the schema after.
+    pub async fn add_fields(&self, r: AddFieldsRequest) -> Result<Vec<FieldSchema>> {
+        crate::schema::check_fields("fields", &r.fields)?;
+        let _serial = self.changes.lock().await;
+        let name = r.collection.clone();
+        let mut info = self.catalog.get(&name)?;
+        if crate::schema::holds(&info, &r.fields) {
+            return Ok(info.fields);
+        }
+        // Refused here as the catalog would refuse it, with the request's own paths.
+        crate::schema::apply_add_fields(&mut info, &r)?;
+        self.catalog.add_fields(r, ADMIN_TIMEOUT).await?;
+        Ok(self.catalog.get(&name)?.fields)
     }
 
     /// Alias changes, validated whole here and applied together by the catalog (on the

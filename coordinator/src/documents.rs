@@ -74,11 +74,19 @@ fn consistency(v: i32) -> Result<Consistency> {
     }
 }
 
-fn check_filter(filter: &HashMap<String, String>) -> Result<()> {
+/// The exact-match map (no empty key) and the typed filter (against the schema).
+fn check_filter(
+    filter: &HashMap<String, String>,
+    conditions: Option<&Filter>,
+    info: &CollectionInfo,
+) -> Result<()> {
     if filter.keys().any(String::is_empty) {
         return Err(CoordError::invalid("filter", "has an empty key"));
     }
-    Ok(())
+    match conditions {
+        Some(f) => crate::schema::check_filter("conditions", f, info),
+        None => Ok(()),
+    }
 }
 
 /// A chunk's place in scroll order.
@@ -88,7 +96,11 @@ fn key(c: &Chunk) -> (&str, u32) {
 
 /// Fingerprint of what a scroll returns besides its position: its filter and whether it
 /// carries embeddings (a cursor is only valid for the same).
-fn query_hash(filter: &HashMap<String, String>, with_embedding: bool) -> u64 {
+fn query_hash(
+    filter: &HashMap<String, String>,
+    conditions: Option<&Filter>,
+    with_embedding: bool,
+) -> u64 {
     let mut pairs: Vec<_> = filter.iter().collect();
     pairs.sort();
     let mut h = sha2::Sha256::new();
@@ -99,6 +111,10 @@ fn query_hash(filter: &HashMap<String, String>, with_embedding: bool) -> u64 {
         h.update(v.as_bytes());
     }
     h.update([u8::from(with_embedding)]);
+    // prost encodes a Filter (no maps inside) the same way every time.
+    if let Some(c) = conditions {
+        h.update(c.encode_to_vec());
+    }
     u64::from_le_bytes(h.finalize()[..8].try_into().unwrap_or_default())
 }
 
@@ -136,7 +152,7 @@ fn parse_cursor(
         )
     };
     let c = cursor_body(&r.cursor).ok_or_else(bad)?;
-    if c.query_hash != query_hash(&r.filter, r.with_embedding) {
+    if c.query_hash != query_hash(&r.filter, r.conditions.as_ref(), r.with_embedding) {
         return Err(CoordError::invalid(
             "cursor",
             "was made for another filter or with_embedding; a scroll keeps the ones it \
@@ -208,18 +224,19 @@ fn merge_page(answers: Vec<ScanResponse>, limit: usize) -> (Vec<Chunk>, bool) {
 
 /// A stored document from its chunks (in position order).
 fn stored(id: String, chunks: Vec<Chunk>) -> StoredDocument {
-    let (title, metadata) = chunks.first().map_or_else(Default::default, |c| {
+    let (title, metadata, fields) = chunks.first().map_or_else(Default::default, |c| {
         let mut m = c.metadata.clone();
         if !c.section.is_empty() {
             m.remove("section");
         }
-        (c.title.clone(), m)
+        (c.title.clone(), m, c.fields.clone())
     });
     StoredDocument {
         id,
         title,
         metadata,
         chunks,
+        fields,
     }
 }
 
@@ -357,7 +374,7 @@ impl Documents {
             r.collection.as_str(),
         );
         let mut read = self.read(names, &r.read_token, r.consistency, r.timeout_ms)?;
-        check_filter(&r.filter)?;
+        check_filter(&r.filter, r.conditions.as_ref(), &read.info)?;
         let limit = match r.limit {
             0 => DEFAULT_SCROLL_LIMIT,
             l if l > MAX_SCROLL_LIMIT => {
@@ -378,6 +395,7 @@ impl Documents {
             after_position: after.as_ref().map_or(0, |a| a.1),
             limit: per_shard(limit, read.info.shards.len()),
             filter: r.filter.clone(),
+            conditions: r.conditions.clone(),
             with_embedding: r.with_embedding,
             max_bytes: MAX_SCROLL_PAGE_BYTES as u64,
             ..Default::default()
@@ -405,7 +423,7 @@ impl Documents {
                 last,
                 &token,
                 &read.info,
-                query_hash(&r.filter, r.with_embedding),
+                query_hash(&r.filter, r.conditions.as_ref(), r.with_embedding),
             ),
             _ => String::new(),
         };
@@ -418,13 +436,17 @@ impl Documents {
     pub async fn count(&self, r: CountRequest) -> Result<CountResponse> {
         let names = (r.collection.as_str(), r.collection.as_str());
         let read = self.read(names, &r.read_token, r.consistency, r.timeout_ms)?;
-        check_filter(&r.filter)?;
+        check_filter(&r.filter, r.conditions.as_ref(), &read.info)?;
         let plan = read.plan();
         let (targets, _inflight) = self.shards.targets(&plan);
-        let calls = targets
-            .iter()
-            .enumerate()
-            .map(|(shard, node)| self.shards.count(&plan, shard as u32, node, &r.filter));
+        let calls = targets.iter().enumerate().map(|(shard, node)| {
+            let req = ShardCountRequest {
+                filter: r.filter.clone(),
+                conditions: r.conditions.clone(),
+                ..Default::default()
+            };
+            self.shards.count(&plan, shard as u32, node, req)
+        });
         let answers = Self::timed("Count", read.deadline, async {
             join_all(calls)
                 .await
@@ -539,7 +561,7 @@ mod tests {
             &chunk("doc-7", 3),
             &token,
             &info,
-            query_hash(&filter, false),
+            query_hash(&filter, None, false),
         );
         let mut r = ScrollRequest {
             collection: "docs".into(),

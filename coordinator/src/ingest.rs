@@ -200,6 +200,13 @@ impl Ingestor {
         }
     }
 
+    /// Checks a batch for `info` whole: documents, embeddings, and their fields' types against
+    /// the schema (fields new to it are let through: the caller adds them first).
+    pub fn validate(&self, docs: &[Document], info: &CollectionInfo) -> Result<()> {
+        validate_documents(docs, self.max_batch, info.dimension)?;
+        crate::schema::growth(docs, info).map(|_| ())
+    }
+
     /// Upserts a batch; `client_timeout` (the caller's deadline) shortens `write_timeout`.
     pub async fn upsert(
         &self,
@@ -209,7 +216,7 @@ impl Ingestor {
         let started = std::time::Instant::now();
         check_collection("collection", &r.collection)?;
         let info = self.catalog.get(&r.collection)?;
-        validate_documents(&r.documents, self.max_batch, info.dimension)?;
+        self.validate(&r.documents, &info)?;
         let mut token = ReadToken::parse("read_token", &r.read_token, &info, &r.collection)?;
         let ids: Vec<String> = r.documents.iter().map(|d| d.id.clone()).collect();
         let chunking = info.chunking.unwrap_or_default();
@@ -546,6 +553,7 @@ fn writes(
                     section: p.section,
                     text: p.text,
                     metadata,
+                    fields: doc.fields.clone(),
                     embedding: if own.is_empty() {
                         vectors.next().unwrap_or_default()
                     } else {

@@ -36,6 +36,7 @@ pub mod models;
 pub mod placement;
 pub mod read_token;
 pub mod rebalance;
+pub mod schema;
 pub mod search;
 pub mod server;
 pub mod service;

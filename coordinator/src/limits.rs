@@ -39,6 +39,19 @@ pub const MAX_ALIAS_ACTIONS: usize = 64;
 /// Aliases in the whole catalog (it travels whole in catalog snapshots).
 pub const MAX_ALIASES: usize = 10_000;
 
+/// Typed fields: in a collection's schema, per document, bytes of a name, elements of a
+/// keyword list, and the largest integer or datetime (ranges compare doubles, exact up to it).
+pub const MAX_SCHEMA_FIELDS: usize = 256;
+pub const MAX_DOC_FIELDS: usize = 64;
+pub const MAX_FIELD_NAME_BYTES: usize = MAX_METADATA_KEY_BYTES;
+pub const MAX_KEYWORD_LIST: usize = 64;
+pub const MAX_KEYWORD_BYTES: usize = 1024;
+pub const MAX_SAFE_INTEGER: i64 = 1 << 53;
+/// A filter: conditions in all, levels of nesting, values of one AnyOf.
+pub const MAX_FILTER_CONDITIONS: usize = 64;
+pub const MAX_FILTER_DEPTH: usize = 8;
+pub const MAX_ANY_OF: usize = 1024;
+
 /// Bytes of an Ask question.
 pub const MAX_QUESTION_BYTES: usize = 8 * 1024;
 /// Earlier turns of an Ask conversation.
@@ -126,11 +139,31 @@ mod tests {
             format!("[1, min({MAX_STEP_TOKENS}, coordinator.ask_max_generated_tokens)]"),
             format!("default 8, at most {MAX_FLOW_BRANCHES})"),
             format!("default 4, at most {MAX_FLOW_ITERATIONS})"),
+            format!("Typed fields declared up front (at most {MAX_SCHEMA_FIELDS})"),
+            format!("more than {MAX_SCHEMA_FIELDS} fields in the schema is RESOURCE_EXHAUSTED"),
+            format!("Typed fields (at most {MAX_DOC_FIELDS}, names as FieldSchema's"),
         ];
         for s in &stated {
             assert!(
                 proto.contains(s.as_str()),
                 "coordinator.proto does not state {s:?}"
+            );
+        }
+        let common = read("proto/ragcluster/v1/common.proto");
+        let stated = [
+            format!("Names are 1 to {MAX_FIELD_NAME_BYTES} bytes"),
+            format!("Up to {MAX_KEYWORD_LIST} keywords"),
+            format!("At most {} (as a metadata value)", size(MAX_KEYWORD_BYTES)),
+            format!(
+                "At most {MAX_FILTER_CONDITIONS} conditions in all and {MAX_FILTER_DEPTH} levels of nesting"
+            ),
+            format!("at most {} values", fmt_thousands(MAX_ANY_OF)),
+            format!("Within +-2^{}", MAX_SAFE_INTEGER.trailing_zeros()),
+        ];
+        for s in &stated {
+            assert!(
+                common.contains(s.as_str()),
+                "common.proto does not state {s:?}"
             );
         }
         let readme = read("README.md");
@@ -141,6 +174,7 @@ mod tests {
             ),
             format!("document ids ≤ {MAX_ID_BYTES} bytes"),
             format!("{MAX_ALIAS_ACTIONS} actions per `UpdateAliases`"),
+            format!("filters of at most {MAX_FILTER_CONDITIONS} conditions"),
             format!("{MAX_DOCS_PER_BATCH} ids per `GetDocuments`"),
             format!(
                 "{},{:03} chunks (and {}) per `Scroll` page",

@@ -119,6 +119,10 @@ enum Cmd {
         /// Exact metadata filter key=value (repeatable).
         #[arg(long = "filter")]
         filters: Vec<String>,
+        /// Typed filter expression, e.g. 'lang = en AND year >= 2020' (see `ragctl count
+        /// --help`).
+        #[arg(long = "where")]
+        where_: Option<String>,
         /// A write's read token (UpsertDocumentsResponse.read_token): the search sees that
         /// write, read from replicas that applied it.
         #[arg(long)]
@@ -442,9 +446,11 @@ async fn main() -> Result<()> {
             fusion,
             dense_weight,
             filters,
+            where_,
             read_token,
             json,
         } => {
+            let conditions = browse::conditions(&cli, collection, where_.as_deref()).await?;
             docs::search(
                 &cli,
                 query,
@@ -454,6 +460,7 @@ async fn main() -> Result<()> {
                 fusion,
                 *dense_weight,
                 filters,
+                conditions,
                 read_token.as_deref().unwrap_or_default(),
                 *json,
             )

@@ -25,7 +25,7 @@ use ragcluster_proto::v1::{
 
 use crate::error::{Result, ShardError};
 use crate::index::hnsw::dump::Dumps;
-use crate::index::hnsw::{self, HnswParams, SearchPlan};
+use crate::index::hnsw::{self, HnswParams};
 use crate::index::recovery;
 use crate::index::worker::{Committing, Compaction, Dumping, Following, IndexWorker, Job, Policy};
 use crate::index::{Filter, Indexes};
@@ -405,31 +405,8 @@ impl Shard {
                 "vector is zero or not finite".into(),
             ));
         }
-        match self.indexes.hnsw.search(&q, top_k, ef, filter) {
-            SearchPlan::Hits(h) => self.hydrate(h, form),
-            // Scored from the stored vectors, so the chunks are decoded anyway: returned
-            // decoded whatever the form (callers take both).
-            SearchPlan::Exact(ids) => {
-                let mut scored: Vec<ShardHit> = self
-                    .store
-                    .get_chunks(&self.key, &ids, true)?
-                    .into_iter()
-                    .flatten()
-                    .map(|mut c| {
-                        let score = hnsw::dot(&q, &c.embedding);
-                        c.embedding.clear();
-                        ShardHit {
-                            chunk: Some(c),
-                            score,
-                            ..Default::default()
-                        }
-                    })
-                    .collect();
-                scored.sort_by(|a, b| b.score.total_cmp(&a.score));
-                scored.truncate(top_k);
-                Ok(scored)
-            }
-        }
+        let hits = self.indexes.hnsw.search(&q, top_k, ef, filter);
+        self.hydrate(hits, form)
     }
 
     /// Loads hit chunks from RocksDB (without embeddings) in the asked form. A hit whose
@@ -510,11 +487,7 @@ impl Shard {
     /// be newer than the stored chunk, or the reverse).
     pub fn scan(&self, spec: &ScanSpec<'_>, filter: &Filter) -> Result<(Scanned, u64)> {
         let seq = self.visible_seq();
-        let keep = |c: &Chunk| {
-            filter
-                .iter()
-                .all(|(k, v)| c.metadata.get(k).is_some_and(|m| m == v))
-        };
+        let keep = |c: &Chunk| filter.matches_chunk(c);
         if !filter.is_empty()
             && let Some((ids, total)) = self.indexes.bm25.matching_ids(filter)?
             && (ids.len() as u64) * 4 <= total

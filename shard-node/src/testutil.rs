@@ -122,7 +122,13 @@ pub(crate) fn vec_of(seed: f32) -> Vec<f32> {
 
 pub(crate) fn top(shard: &Shard, seed: f32) -> String {
     shard
-        .vector_search(&vec_of(seed), 1, 32, &vec![], HitForm::Id)
+        .vector_search(
+            &vec_of(seed),
+            1,
+            32,
+            &crate::index::Filter::default(),
+            HitForm::Id,
+        )
         .unwrap()
         .pop()
         .and_then(|h| h.chunk)

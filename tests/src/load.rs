@@ -77,7 +77,7 @@ impl Load {
                     self.marker(i)
                 ),
                 metadata: HashMap::new(),
-                embedding: vec![],
+                ..Default::default()
             };
             match c
                 .upsert_documents(UpsertDocumentsRequest {

@@ -42,6 +42,7 @@ fn sample_docs() -> Result<Vec<Document>> {
             .trim_start_matches("# ")
             .to_owned();
         docs.push(Document {
+            fields: Default::default(),
             id,
             title,
             text,
@@ -160,6 +161,7 @@ async fn cluster_end_to_end() -> Result<()> {
 
     // Replace a document: its old chunks disappear from both indexes.
     let volcano = Document {
+        fields: Default::default(),
         id: "tide-pools".into(),
         title: "Volcanoes".into(),
         text: "Volcanoes erupt molten lava and ash when magma rises through the crust.".into(),
@@ -548,6 +550,7 @@ async fn kill_during_writes(cluster: &mut Cluster) -> Result<()> {
         tokio::spawn(async move {
             for i in 0..N {
                 let d = Document {
+                    fields: Default::default(),
                     id: format!("w-{i}"),
                     title: format!("write {i}"),
                     text: format!(

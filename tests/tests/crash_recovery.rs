@@ -96,6 +96,7 @@ hnsw_compact_min = 4
 /// Version `v` of document `id`: its text names both, its vector differs per version.
 fn doc(id: u64, v: u64) -> Document {
     Document {
+        fields: Default::default(),
         id: format!("d{id}"),
         title: String::new(),
         text: format!("raftdoc number {id} version v{id}x{v}"),

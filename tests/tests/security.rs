@@ -197,6 +197,16 @@ async fn try_every_rpc(
         })
     );
     attempt!("ListAliases", c.list_aliases(ListAliasesRequest::default()));
+    attempt!(
+        "AddFields",
+        c.add_fields(AddFieldsRequest {
+            collection: sec(),
+            fields: vec![FieldSchema {
+                name: "evil".into(),
+                r#type: FieldType::Keyword as i32,
+            }],
+        })
+    );
     attempt!("ClusterStatus", a.cluster_status(ClusterStatusRequest {}));
     attempt!(
         "MoveReplica",
@@ -455,7 +465,7 @@ async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> 
             ensure!(*c == Code::Unauthenticated, "{case}: {rpc} answered {c:?}");
             refusals += 1;
         }
-        ensure!(got.len() == 21, "{case}: {:?}", every(&got));
+        ensure!(got.len() == 22, "{case}: {:?}", every(&got));
     }
     // Roles too low: a reader and a writer of "sec".
     let denied = |got: &BTreeMap<&'static str, Code>, rpcs: &[&str], case: &str| -> Result<()> {
@@ -490,6 +500,7 @@ async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> 
         "DropCollection",
         "UpsertDocuments",
         "DeleteDocuments",
+        "AddFields",
         "UpdateAliases",
     ];
     reader_denied.extend(ADMIN_RPCS);
@@ -497,7 +508,7 @@ async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> 
     refusals += reader_denied.len();
     ensure!(got.len() == reader_denied.len(), "{:?}", every(&got));
     let mut writes = reads.to_vec();
-    writes.extend(["UpsertDocuments", "DeleteDocuments"]);
+    writes.extend(["UpsertDocuments", "DeleteDocuments", "AddFields"]);
     let got = try_every_rpc(
         lazy(&co, Some(&ca_only), Some(&writer))?,
         &shard_nodes,

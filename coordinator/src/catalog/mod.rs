@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use prost::Message as _;
 use ragcluster_common::disk::DiskGuard;
 use ragcluster_proto::v1::{
-    Alias, ApiKeyRecord, CatalogCommand, CatalogPeerStatus, CatalogStatus, CollectionInfo,
-    MemberState, RaftRole, UpdateAliasesRequest, catalog_command::Op,
+    AddFieldsRequest, Alias, ApiKeyRecord, CatalogCommand, CatalogPeerStatus, CatalogStatus,
+    CollectionInfo, MemberState, RaftRole, UpdateAliasesRequest, catalog_command::Op,
 };
 use ragcluster_raft::eraftpb::MessageType;
 use ragcluster_raft::{Member, Options, RaftError, Role};
@@ -224,6 +224,14 @@ impl Catalog {
     pub async fn update_aliases(&self, r: UpdateAliasesRequest, timeout: Duration) -> Result<()> {
         let cmd = CatalogCommand {
             op: Some(Op::UpdateAliases(r)),
+        };
+        self.propose(cmd, timeout).await
+    }
+
+    /// Adds fields to a collection's schema (leader only).
+    pub async fn add_fields(&self, r: AddFieldsRequest, timeout: Duration) -> Result<()> {
+        let cmd = CatalogCommand {
+            op: Some(Op::AddFields(r)),
         };
         self.propose(cmd, timeout).await
     }

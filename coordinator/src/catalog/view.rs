@@ -232,6 +232,10 @@ impl View {
                 Ok(())
             }
             Some(Op::UpdateAliases(r)) => self.update_aliases(r),
+            Some(Op::AddFields(r)) => match self.collections.get_mut(&r.collection) {
+                Some(info) => crate::schema::apply_add_fields(info, &r),
+                None => Err(CoordError::UnknownCollection(r.collection)),
+            },
             Some(Op::SetPlacement(p)) => {
                 let c = self
                     .collections

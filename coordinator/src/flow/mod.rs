@@ -157,6 +157,9 @@ impl Engine {
         )?;
         let limits = self.limits(&r)?;
         let read_token = ReadToken::parse("read_token", &r.read_token, &info, &r.collection)?;
+        if let Some(f) = &r.conditions {
+            crate::schema::check_filter("conditions", f, &info)?;
+        }
         self.check_models(&o).await?;
         let timeout = match r.timeout_ms {
             0 => self.opts.timeout,
@@ -181,6 +184,7 @@ impl Engine {
             started,
             deadline: started + timeout,
             read_token,
+            conditions: r.conditions,
         });
         tokio::spawn(drive(run, flow, question, timeout, tx));
         Ok(rx)

@@ -165,6 +165,8 @@ pub struct Run {
     pub deadline: Instant,
     /// The request's read token: every shard read of the flow honours it.
     pub read_token: ReadToken,
+    /// The request's typed filter: every retrieval step applies it (with its own filter).
+    pub conditions: Option<ragcluster_proto::v1::Filter>,
 }
 
 impl Run {

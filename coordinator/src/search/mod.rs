@@ -226,6 +226,7 @@ impl Searcher {
             query: q.text.clone(),
             top_k: q.candidates as u32,
             filter: q.filter.clone(),
+            conditions: q.conditions.clone(),
             ids_only: q.mode == Mode::Hybrid,
             encoded_chunks: encoded_hits(),
             ..Default::default()
@@ -362,6 +363,7 @@ impl Searcher {
             top_k: q.candidates as u32,
             ef_search: ef.max(q.candidates as u32),
             filter: q.filter.clone(),
+            conditions: q.conditions.clone(),
             ids_only: q.mode == Mode::Hybrid,
             encoded_chunks: encoded_hits(),
             ..Default::default()

@@ -55,6 +55,8 @@ pub struct Query {
     pub candidates: usize,
     /// Exact-match metadata filter.
     pub filter: HashMap<String, String>,
+    /// Typed filter (checked against the schema), with `filter`.
+    pub conditions: Option<ragcluster_proto::v1::Filter>,
     /// HNSW search breadth; 0 = the collection's.
     pub ef_search: u32,
     pub consistency: Consistency,

@@ -140,6 +140,9 @@ pub fn search_query(
     if r.filter.keys().any(String::is_empty) {
         return Err(CoordError::invalid("filter", "has an empty key"));
     }
+    if let Some(f) = &r.conditions {
+        crate::schema::check_filter("conditions", f, info)?;
+    }
     let token = ReadToken::parse("read_token", &r.read_token, info, &r.collection)?;
     Ok(Query {
         collection: r.collection.clone(),
@@ -150,6 +153,7 @@ pub fn search_query(
         top_k: r.top_k as usize,
         candidates: candidates as usize,
         filter: r.filter.clone(),
+        conditions: r.conditions.clone(),
         ef_search: r.ef_search,
         consistency: consistency(r)?,
         token,

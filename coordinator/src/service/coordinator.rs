@@ -128,7 +128,7 @@ impl Coordinator for CoordinatorService {
         req: Request<UpsertDocumentsRequest>,
     ) -> Result<Response<UpsertDocumentsResponse>, Status> {
         let coll = req.get_ref().collection.clone();
-        let _g = gate(
+        let (caller, _p) = gate(
             &self.handles,
             &req,
             "UpsertDocuments",
@@ -136,9 +136,22 @@ impl Coordinator for CoordinatorService {
             Some(&coll),
         )?;
         let client = ragcluster_common::server::grpc_timeout(req.metadata());
-        Ok(Response::new(
-            self.ingestor.upsert(req.into_inner(), client).await?,
-        ))
+        let forwarded = is_forwarded(req.metadata());
+        let r = req.into_inner();
+        // Fields new to the collection join its schema first (all checked before anything
+        // changes); the write then finds them there.
+        check_collection("collection", &r.collection)?;
+        let info = self.handles.catalog.get(&r.collection)?;
+        self.ingestor.validate(&r.documents, &info)?;
+        let grow = crate::schema::growth(&r.documents, &info)?;
+        if !grow.is_empty() {
+            let add = AddFieldsRequest {
+                collection: info.name.clone(),
+                fields: grow,
+            };
+            self.add_fields_as(add, &caller, forwarded).await?;
+        }
+        Ok(Response::new(self.ingestor.upsert(r, client).await?))
     }
 
     async fn delete_documents(
@@ -236,6 +249,25 @@ impl Coordinator for CoordinatorService {
         Ok(Response::new(self.documents.count(r).await?))
     }
 
+    async fn add_fields(
+        &self,
+        req: Request<AddFieldsRequest>,
+    ) -> Result<Response<AddFieldsResponse>, Status> {
+        let coll = req.get_ref().collection.clone();
+        let (caller, _p) = gate(&self.handles, &req, "AddFields", Role::Writer, Some(&coll))?;
+        let forwarded = is_forwarded(req.metadata());
+        let mut r = req.into_inner();
+        check_collection("collection", &r.collection)?;
+        if r.fields.is_empty() {
+            return Err(crate::error::CoordError::invalid("fields", "is empty").into());
+        }
+        crate::schema::check_fields("fields", &r.fields)?;
+        // An alias stands for its collection here too; the catalog entry names the collection.
+        r.collection = self.handles.catalog.get(&r.collection)?.name;
+        let fields = self.add_fields_as(r, &caller, forwarded).await?;
+        Ok(Response::new(AddFieldsResponse { fields }))
+    }
+
     async fn update_aliases(
         &self,
         req: Request<UpdateAliasesRequest>,
@@ -279,6 +311,37 @@ impl Coordinator for CoordinatorService {
             .aliases((!r.collection.is_empty()).then_some(r.collection.as_str()));
         aliases.retain(|a| caller.may_see(&a.collection));
         Ok(Response::new(ListAliasesResponse { aliases }))
+    }
+}
+
+impl CoordinatorService {
+    /// Adds fields to a collection's schema on the catalog leader (forwarded there with the
+    /// caller's key when this coordinator does not lead), and waits until this coordinator's
+    /// catalog shows them. Returns the schema after.
+    async fn add_fields_as(
+        &self,
+        r: AddFieldsRequest,
+        caller: &Caller,
+        forwarded: bool,
+    ) -> Result<Vec<FieldSchema>, Status> {
+        let h = &self.handles;
+        match h.catalog.change_target(forwarded).await? {
+            None => Ok(self.collections.add_fields(r).await?),
+            Some(leader) => {
+                let fields = self.forward.add_fields(&leader, r.clone(), caller).await?;
+                h.catalog
+                    .wait_for(
+                        |v| {
+                            v.collections
+                                .get(&r.collection)
+                                .is_some_and(|c| crate::schema::holds(c, &r.fields))
+                        },
+                        CATCH_UP,
+                    )
+                    .await;
+                Ok(fields)
+            }
+        }
     }
 }
 

@@ -109,6 +109,18 @@ impl Forwarder {
         Ok(())
     }
 
+    pub async fn add_fields(
+        &self,
+        leader: &str,
+        r: AddFieldsRequest,
+        caller: &Caller,
+    ) -> Result<Vec<FieldSchema>> {
+        let mut c = self.coordinator(leader)?;
+        let what = format!("leader coordinator {leader}");
+        let r = call(&what, TIMEOUT, c.add_fields(forward(r, TIMEOUT, caller))).await?;
+        Ok(r.fields)
+    }
+
     pub async fn create_api_key(
         &self,
         leader: &str,

@@ -2,8 +2,6 @@
 //! read token's floor for that shard) and sent through `Shards::read`'s failover, so every
 //! read kind (search, chunks, scroll, count...) follows the same replica and token rules.
 
-use std::collections::HashMap;
-
 use ragcluster_proto::v1::*;
 
 use super::{ReadPlan, ShardCallError, ShardNode, Shards};
@@ -181,18 +179,14 @@ impl Shards {
             .await
     }
 
-    /// One shard's count of the chunks and documents matching `filter`.
+    /// One shard's count of the chunks and documents matching the request's filters.
     pub async fn count(
         &self,
         plan: &ReadPlan<'_>,
         shard: u32,
         first: &str,
-        filter: &HashMap<String, String>,
+        req: ShardCountRequest,
     ) -> Result<ShardCountResponse> {
-        let req = ShardCountRequest {
-            filter: filter.clone(),
-            ..Default::default()
-        };
         self.pinned(plan, shard, first, req, async |n, r, t| n.count(r, t).await)
             .await
     }

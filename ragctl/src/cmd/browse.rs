@@ -1,7 +1,7 @@
 //! Reading stored data back: `ragctl get`, `ragctl scroll` (pages through a collection, or
 //! exports all of it as JSON lines) and `ragctl count`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write as _;
 
 use anyhow::{Context, Result};
@@ -22,11 +22,67 @@ pub fn filter(pairs: &[String]) -> Result<HashMap<String, String>> {
         .collect()
 }
 
+/// `--where EXPR` as a typed filter, its values read by the collection's schema.
+pub async fn conditions(cli: &Cli, collection: &str, expr: Option<&str>) -> Result<Option<Filter>> {
+    let Some(expr) = expr else {
+        return Ok(None);
+    };
+    let info = client(cli)
+        .await?
+        .describe_collection(DescribeCollectionRequest {
+            name: collection.to_owned(),
+        })
+        .await?
+        .into_inner()
+        .collection
+        .unwrap_or_default();
+    let mut schema: BTreeMap<String, FieldType> = info
+        .fields
+        .iter()
+        .map(|f| (f.name.clone(), f.r#type()))
+        .collect();
+    schema.entry("section".into()).or_insert(FieldType::Keyword);
+    Ok(Some(ragctl::filter::parse(expr, &schema)?))
+}
+
+/// A typed value as JSON (datetimes as RFC 3339).
+pub fn value_json(v: &Value) -> serde_json::Value {
+    use value::Kind;
+    match &v.kind {
+        Some(Kind::Keyword(s)) => serde_json::json!(s),
+        Some(Kind::Integer(i)) => serde_json::json!(i),
+        Some(Kind::Float(f)) => serde_json::json!(f),
+        Some(Kind::Boolean(b)) => serde_json::json!(b),
+        Some(Kind::DatetimeUs(us)) => {
+            let t = std::time::UNIX_EPOCH
+                .checked_add(std::time::Duration::from_micros(us.unsigned_abs()))
+                .filter(|_| *us >= 0);
+            match t {
+                Some(t) => serde_json::json!(humantime::format_rfc3339_micros(t).to_string()),
+                None => serde_json::json!(us),
+            }
+        }
+        Some(Kind::Keywords(k)) => serde_json::json!(k.values),
+        None => serde_json::Value::Null,
+    }
+}
+
+fn fields_json(fields: &HashMap<String, Value>) -> serde_json::Value {
+    let m: serde_json::Map<String, serde_json::Value> = fields
+        .iter()
+        .map(|(k, v)| (k.clone(), value_json(v)))
+        .collect();
+    serde_json::Value::Object(m)
+}
+
 fn chunk_json(c: &Chunk) -> serde_json::Value {
     let mut v = serde_json::json!({
         "chunk_id": c.chunk_id, "doc_id": c.doc_id, "position": c.position, "title": c.title,
         "section": c.section, "metadata": c.metadata, "text": c.text,
     });
+    if !c.fields.is_empty() {
+        v["fields"] = fields_json(&c.fields);
+    }
     if !c.embedding.is_empty() {
         v["embedding"] = serde_json::json!(c.embedding);
     }
@@ -72,7 +128,8 @@ pub async fn get(cli: &Cli, a: &GetArgs) -> Result<()> {
         println!(
             "{}",
             serde_json::json!({
-                "id": d.id, "title": d.title, "metadata": d.metadata, "chunks": chunks,
+                "id": d.id, "title": d.title, "metadata": d.metadata,
+                "fields": fields_json(&d.fields), "chunks": chunks,
             })
         );
     }
@@ -91,6 +148,11 @@ pub struct ScrollArgs {
     /// Exact metadata filter key=value (repeatable).
     #[arg(long = "filter")]
     filters: Vec<String>,
+    /// Typed filter expression, e.g. 'lang = en AND year >= 2020 AND tags IN [a, b]'
+    /// (AND, OR, NOT, parentheses, = != < <= > >=, IN [..], exists(field); values read by
+    /// their field's type in the collection's schema).
+    #[arg(long = "where")]
+    where_: Option<String>,
     /// Chunks per page, [1, 1000].
     #[arg(long, default_value_t = 1000)]
     limit: u32,
@@ -115,6 +177,7 @@ pub async fn scroll(cli: &Cli, a: &ScrollArgs) -> Result<()> {
     let started = std::time::Instant::now();
     let mut cursor = a.cursor.clone();
     let filter = filter(&a.filters)?;
+    let conditions = conditions(cli, &a.collection, a.where_.as_deref()).await?;
     let mut n = 0u64;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
@@ -123,6 +186,7 @@ pub async fn scroll(cli: &Cli, a: &ScrollArgs) -> Result<()> {
             .scroll(ScrollRequest {
                 collection: a.collection.clone(),
                 filter: filter.clone(),
+                conditions: conditions.clone(),
                 limit: a.limit,
                 cursor: cursor.clone(),
                 with_embedding: a.with_embedding,
@@ -162,6 +226,11 @@ pub struct CountArgs {
     /// Exact metadata filter key=value (repeatable).
     #[arg(long = "filter")]
     filters: Vec<String>,
+    /// Typed filter expression, e.g. 'lang = en AND year >= 2020 AND tags IN [a, b]'
+    /// (AND, OR, NOT, parentheses, = != < <= > >=, IN [..], exists(field); values read by
+    /// their field's type in the collection's schema).
+    #[arg(long = "where")]
+    where_: Option<String>,
     /// A write's read token: count on replicas that applied it.
     #[arg(long, default_value = "")]
     read_token: String,
@@ -177,6 +246,7 @@ pub async fn count(cli: &Cli, a: &CountArgs) -> Result<()> {
         .count(CountRequest {
             collection: a.collection.clone(),
             filter: filter(&a.filters)?,
+            conditions: conditions(cli, &a.collection, a.where_.as_deref()).await?,
             read_token: a.read_token.clone(),
             ..Default::default()
         })

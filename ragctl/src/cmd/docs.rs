@@ -149,6 +149,7 @@ pub async fn search(
     fusion: &str,
     dense_weight: Option<f32>,
     filters: &[String],
+    conditions: Option<Filter>,
     read_token: &str,
     json: bool,
 ) -> Result<()> {
@@ -169,6 +170,7 @@ pub async fn search(
         fusion: fusion.to_owned(),
         dense_weight,
         filter,
+        conditions,
         read_token: read_token.to_owned(),
         ..Default::default()
     };

@@ -113,6 +113,7 @@ fn file_document(f: &Path) -> Result<Document> {
     let mut metadata = HashMap::new();
     metadata.insert("path".to_string(), f.display().to_string());
     Ok(Document {
+        fields: Default::default(),
         id: f.display().to_string(),
         title: title_of(f, &text),
         text,
@@ -155,6 +156,7 @@ pub fn corpus_document(
         text
     };
     (!text.trim().is_empty()).then_some(Document {
+        fields: Default::default(),
         id,
         title,
         text,

@@ -4,9 +4,11 @@
 //! shard opens, and `worker` applies committed batches to them off the Raft thread (its apply
 //! pipeline) and runs their upkeep between batches (its maintenance scheduler: HNSW dumps so
 //! that a restart need not rebuild the graph, flat copies, segment merges, op-log trims).
-//! This module holds only what both share: the filter, the pair, and a chunk as a point.
+//! This module holds only what both share: the filter (`filter`: typed metadata, conditions
+//! and the terms BM25 stores for them), the pair, and a chunk as a point.
 
 pub mod bm25;
+pub mod filter;
 pub mod hnsw;
 pub mod recovery;
 pub mod worker;
@@ -14,8 +16,7 @@ pub mod worker;
 use parking_lot::Mutex;
 use ragcluster_proto::v1::Chunk;
 
-/// Metadata filter: every (key, value) pair must match exactly.
-pub type Filter = Vec<(String, String)>;
+pub use filter::Filter;
 
 /// A shard's BM25 and HNSW indexes.
 pub struct Indexes {
@@ -32,10 +33,6 @@ pub fn point(c: &Chunk) -> hnsw::Point {
         chunk_id: c.chunk_id.clone(),
         doc_id: c.doc_id.clone(),
         vector: c.embedding.clone(),
-        meta: c
-            .metadata
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect(),
+        meta: filter::meta_of(c),
     }
 }

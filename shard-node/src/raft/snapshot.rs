@@ -257,7 +257,13 @@ mod tests {
         assert_ne!(top(shard, 1.0), "d1#0");
         assert_eq!(top(shard, 7.0), "d7#0");
         let hits = shard
-            .bm25_search("newcomer", 5, &vec![], None, HitForm::Id)
+            .bm25_search(
+                "newcomer",
+                5,
+                &crate::index::Filter::default(),
+                None,
+                HitForm::Id,
+            )
             .unwrap();
         assert_eq!(hits.len(), 1);
         let f = shard.figures();

@@ -214,10 +214,12 @@ async fn blocking<T: Send + 'static>(
         .map_err(Status::from)
 }
 
-fn filter(m: &std::collections::HashMap<String, String>) -> Vec<(String, String)> {
-    let mut f: Vec<_> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    f.sort();
-    f
+/// A request's filter: its exact-match map and typed conditions together.
+fn filter(
+    m: &std::collections::HashMap<String, String>,
+    conditions: Option<&ragcluster_proto::v1::Filter>,
+) -> Result<crate::index::Filter, Status> {
+    crate::index::Filter::of_request(m, conditions).map_err(Status::from)
 }
 
 fn hits(hits: Vec<ShardHit>) -> ShardSearchResponse {
@@ -312,11 +314,12 @@ impl ShardRpc for ShardService {
                 stats_stale: true,
             }));
         }
+        let f = filter(&r.filter, r.conditions.as_ref())?;
         let v = read(r.top_k as usize, || {
             shard.bm25_search(
                 &r.query,
                 r.top_k as usize,
-                &filter(&r.filter),
+                &f,
                 r.stats.as_ref(),
                 HitForm::of(r.ids_only, r.encoded_chunks),
             )
@@ -339,7 +342,8 @@ impl ShardRpc for ShardService {
         } as usize;
         // The walk's cost grows with ef; a filtered search may score its matches exactly:
         // never inline.
-        let items = if r.filter.is_empty() {
+        let f = filter(&r.filter, r.conditions.as_ref())?;
+        let items = if f.is_empty() {
             ef.max(r.top_k as usize)
         } else {
             usize::MAX
@@ -349,7 +353,7 @@ impl ShardRpc for ShardService {
                 &r.vector,
                 r.top_k as usize,
                 ef,
-                &filter(&r.filter),
+                &f,
                 HitForm::of(r.ids_only, r.encoded_chunks),
             )
         })?;
@@ -400,6 +404,7 @@ impl ShardRpc for ShardService {
         let wait = deadline(&req);
         let r = req.into_inner();
         in_range("limit", r.limit)?;
+        let f = filter(&r.filter, r.conditions.as_ref())?;
         let shard = (self.ready(r.shard.as_ref(), r.min_applied_seq, r.consistency, wait)).await?;
         let (scanned, seq) = blocking(move || {
             let after = r.after.then(|| crate::storage::After {
@@ -412,7 +417,7 @@ impl ShardRpc for ShardService {
                 max_bytes: usize::try_from(r.max_bytes).unwrap_or(usize::MAX),
                 with_embedding: r.with_embedding,
             };
-            shard.scan(&spec, &filter(&r.filter))
+            shard.scan(&spec, &f)
         })
         .await?;
         Ok(Response::new(ScanResponse {
@@ -430,8 +435,9 @@ impl ShardRpc for ShardService {
         let r = req.into_inner();
         let shard = (self.ready(r.shard.as_ref(), r.min_applied_seq, r.consistency, wait)).await?;
         // A filtered count walks every match: off the async worker.
-        let items = if r.filter.is_empty() { 1 } else { usize::MAX };
-        let (chunks, documents, seq) = read(items, || shard.count(&filter(&r.filter)))?;
+        let f = filter(&r.filter, r.conditions.as_ref())?;
+        let items = if f.is_empty() { 1 } else { usize::MAX };
+        let (chunks, documents, seq) = read(items, || shard.count(&f))?;
         Ok(Response::new(ShardCountResponse {
             chunks,
             documents,

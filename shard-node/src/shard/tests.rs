@@ -20,13 +20,19 @@ fn batch_committed_only_to_rocksdb_is_replayed_on_open() {
     assert_eq!(shard.applied_seq(), 2);
     assert_eq!(shard.visible_seq(), 2);
     let hits = shard
-        .bm25_search("bananas", 5, &vec![], None, HitForm::Chunk)
+        .bm25_search(
+            "bananas",
+            5,
+            &crate::index::Filter::default(),
+            None,
+            HitForm::Chunk,
+        )
         .unwrap();
     assert_eq!(hits.len(), 1);
     assert_eq!(hits[0].chunk.as_ref().unwrap().doc_id, "b");
     let v: Vec<f32> = (0..DIM).map(|i| (2.0 + i as f32).sin()).collect();
     let hits = shard
-        .vector_search(&v, 1, 16, &vec![], HitForm::Chunk)
+        .vector_search(&v, 1, 16, &crate::index::Filter::default(), HitForm::Chunk)
         .unwrap();
     assert_eq!(hits[0].chunk.as_ref().unwrap().doc_id, "b");
     assert!(
@@ -54,8 +60,16 @@ fn encoded_hits_decode_to_the_chunk_hits() {
     .unwrap();
     let v: Vec<f32> = (0..DIM).map(|i| (2.0 + i as f32).sin()).collect();
     let searches: [&dyn Fn(HitForm) -> Vec<ShardHit>; 2] = [
-        &|f| shard.bm25_search("apples", 5, &vec![], None, f).unwrap(),
-        &|f| shard.vector_search(&v, 2, 16, &vec![], f).unwrap(),
+        &|f| {
+            shard
+                .bm25_search("apples", 5, &crate::index::Filter::default(), None, f)
+                .unwrap()
+        },
+        &|f| {
+            shard
+                .vector_search(&v, 2, 16, &crate::index::Filter::default(), f)
+                .unwrap()
+        },
     ];
     for search in searches {
         let (plain, encoded, ids) = (
@@ -257,7 +271,7 @@ fn hnsw_dump_is_loaded_and_caught_up_from_the_op_log() {
     assert_ne!(top(&shard, 100.0), "d0#0");
     let v = normalized_vec(300.0);
     let ids: Vec<String> = shard
-        .vector_search(&v, 60, 64, &vec![], HitForm::Chunk)
+        .vector_search(&v, 60, 64, &crate::index::Filter::default(), HitForm::Chunk)
         .unwrap()
         .into_iter()
         .map(|h| h.chunk.unwrap().chunk_id)
@@ -297,7 +311,13 @@ fn request_ids_apply_at_most_once() {
     assert!(r2.duplicate);
     assert_eq!(r2.applied_seq, r1.applied_seq);
     let hits = shard
-        .bm25_search("two", 5, &vec![], None, HitForm::Chunk)
+        .bm25_search(
+            "two",
+            5,
+            &crate::index::Filter::default(),
+            None,
+            HitForm::Chunk,
+        )
         .unwrap();
     assert_eq!(hits.len(), 1, "the retry did not overwrite the newer write");
 }
@@ -362,7 +382,13 @@ fn staged_writes_stay_in_the_op_log_until_committed() {
     settle(&reopened);
     assert_eq!(reopened.indexes.bm25.committed_seq().unwrap(), 6);
     let hits = reopened
-        .bm25_search("bananas", 10, &vec![], None, HitForm::Chunk)
+        .bm25_search(
+            "bananas",
+            10,
+            &crate::index::Filter::default(),
+            None,
+            HitForm::Chunk,
+        )
         .unwrap();
     assert_eq!(hits.len(), 6);
 }
@@ -426,10 +452,15 @@ fn dump_taken_while_points_are_held_is_caught_up_at_open() {
     assert_eq!(state.dumped, Some(2), "loaded, not rebuilt");
     assert_eq!(back.counts().0, 21);
     assert_eq!(back.pending_len(), 2, "entry 3's chunks are held again");
-    let hit = |i: &hnsw::HnswIndex, seed: f32| match i.search(&normalized_vec(seed), 1, 16, &vec![])
-    {
-        hnsw::SearchPlan::Hits(h) => h[0].0.clone(),
-        hnsw::SearchPlan::Exact(_) => unreachable!("no filter"),
+    let hit = |i: &hnsw::HnswIndex, seed: f32| {
+        i.search(
+            &normalized_vec(seed),
+            1,
+            16,
+            &crate::index::Filter::default(),
+        )[0]
+        .0
+        .clone()
     };
     for seed in [0.0, 7.0, 15.0, 300.0, 400.0] {
         assert_eq!(hit(&back, seed), hit(&idx, seed), "seed {seed}");

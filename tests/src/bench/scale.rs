@@ -5,7 +5,7 @@
 //! shard nodes (embedding excluded), query embedding, and one search request per mode.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use futures::{StreamExt, TryStreamExt};
@@ -347,6 +347,42 @@ pub async fn qps(
         d?;
     }
     Ok((n as f64 / t.elapsed().as_secs_f64(), n))
+}
+
+/// One search shape measured: 20 warm-up queries, then each query once from one client
+/// (p50 / p99 and the hit ids), then QPS with `concurrency` clients for at least
+/// `qps_seconds`, with the coordinator and shard nodes' CPU per query (the client not
+/// counted).
+pub async fn measure(
+    cluster: &crate::Cluster,
+    c: &mut coordinator_client::CoordinatorClient<Channel>,
+    queries: &[BeirQuery],
+    qvecs: &[Vec<f32>],
+    request: &dyn Fn(&BeirQuery, &[f32]) -> SearchRequest,
+    (concurrency, qps_seconds): (usize, f64),
+) -> Result<(serde_json::Value, Vec<Vec<String>>)> {
+    for (q, v) in queries.iter().zip(qvecs).take(20) {
+        c.search(request(q, v)).await?;
+    }
+    let mut lat = Vec::with_capacity(queries.len());
+    let mut top = Vec::with_capacity(queries.len());
+    for (q, v) in queries.iter().zip(qvecs) {
+        let t = Instant::now();
+        let r = c.search(request(q, v)).await?.into_inner();
+        lat.push(t.elapsed().as_secs_f64() * 1e3);
+        top.push(r.hits.into_iter().map(|h| h.chunk_id).collect());
+    }
+    let reqs: Vec<SearchRequest> = queries
+        .iter()
+        .zip(qvecs)
+        .map(|(q, v)| request(q, v))
+        .collect();
+    let cpu_before = cluster.data_path_cpu_seconds();
+    let (qps, n) = qps(c, reqs, concurrency, qps_seconds).await?;
+    let cpu_ms = 1e3 * (cluster.data_path_cpu_seconds() - cpu_before) / n as f64;
+    let row = serde_json::json!({"p50_ms": crate::percentile(&mut lat, 50.0), "p99_ms": crate::percentile(&mut lat, 99.0),
+                     "qps": qps, "qps_queries": n, "cpu_ms_per_query": cpu_ms});
+    Ok((row, top))
 }
 
 /// Creates a collection and returns its placement (which `write_direct` needs).

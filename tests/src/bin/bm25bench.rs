@@ -79,7 +79,7 @@ fn one_size(args: &Args, real: &[Chunk], n: usize, queries: &[String]) -> Result
         let t = Instant::now();
         for pass in 0..args.passes {
             for q in queries {
-                let top = idx.search(q, 10, &Vec::new(), None)?;
+                let top = idx.search(q, 10, &shard_node::index::Filter::default(), None)?;
                 if pass == 0 {
                     tops.push(top);
                 }

@@ -81,6 +81,7 @@ fn corpus(abstracts: &[BeirDoc], n: usize) -> Vec<Chunk> {
             v.iter_mut().for_each(|x| *x /= norm);
             let id = |p: usize| format!("{doc}#{p}");
             Chunk {
+                fields: Default::default(),
                 chunk_id: id(position),
                 doc_id: doc.clone(),
                 position: position as u32,

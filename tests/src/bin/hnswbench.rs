@@ -39,9 +39,10 @@ use ragcluster_proto::v1::{Chunk, GetChunksResponse};
 use ragcluster_tests::bench::scale::{embed_queries, perturbed_copies};
 use ragcluster_tests::{BeirQuery, Proc, datasets_dir, percentile, read_jsonl, read_qrels};
 use serde_json::{Map, Value, json};
+use shard_node::index::Filter;
 use shard_node::index::hnsw::distance::{UnitCosine, dot, dot_portable};
 use shard_node::index::hnsw::sq8::{self, Sq8Cosine};
-use shard_node::index::hnsw::{HnswIndex, HnswParams, SearchPlan};
+use shard_node::index::hnsw::{HnswIndex, HnswParams};
 use shard_node::index::point;
 use tonic::transport::Channel;
 
@@ -282,9 +283,11 @@ fn index_rows(args: &Args, points: &[Chunk], queries: &[Vec<f32>], exact: &[Vec<
         .enumerate()
         .map(|(i, c)| (c.chunk_id.as_str(), i))
         .collect();
-    let search = |q: &[f32], ef: usize| match idx.search(q, 10, ef, &vec![]) {
-        SearchPlan::Hits(h) => h.iter().map(|(id, _)| pos[id.as_str()]).collect(),
-        SearchPlan::Exact(_) => Vec::new(),
+    let search = |q: &[f32], ef: usize| {
+        idx.search(q, 10, ef, &Filter::default())
+            .iter()
+            .map(|(id, _)| pos[id.as_str()])
+            .collect()
     };
     let rows = sweep(args, queries, exact, search);
     let t = Instant::now();

@@ -467,7 +467,7 @@ async fn compare_latency(
         for (_, mode, fusion) in MODES {
             c.search(req(coll, q, v, mode, fusion, 10)).await?;
         }
-        bm25.search(&q.text, 10, &vec![], None)?;
+        bm25.search(&q.text, 10, &shard_node::index::Filter::default(), None)?;
         hnsw.search(v, 10, 64);
     }
     let mut lat: HashMap<&str, Vec<f64>> = HashMap::new();
@@ -486,7 +486,7 @@ async fn compare_latency(
             }
         }
         let t = Instant::now();
-        bm25.search(&q.text, 10, &vec![], None)?;
+        bm25.search(&q.text, 10, &shard_node::index::Filter::default(), None)?;
         lat.entry("inprocess_tantivy")
             .or_default()
             .push(ms(t.elapsed()));

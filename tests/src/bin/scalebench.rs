@@ -32,8 +32,8 @@ use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 use ragcluster_proto::v1::model_worker_client::ModelWorkerClient;
 use ragcluster_proto::v1::*;
 use ragcluster_tests::bench::scale::{
-    QPS_SECONDS, create_collection, embed_queries, held_points, perturbed_copies, qps, quiet_cpu,
-    req, settled_bytes, wait_graphs, write_direct_with,
+    QPS_SECONDS, create_collection, embed_queries, held_points, measure, perturbed_copies,
+    quiet_cpu, req, settled_bytes, wait_graphs, write_direct_with,
 };
 use ragcluster_tests::{
     BeirQuery, Cluster, bench::engines, datasets_dir, percentile, read_jsonl, read_qrels,
@@ -348,25 +348,7 @@ async fn latency(
         ef_search: ef,
         ..req("scale", q, v, mode, fusion, 10)
     };
-    for (q, v) in queries.iter().zip(qvecs).take(20) {
-        c.search(req(q, v)).await?;
-    }
-    let mut lat = Vec::with_capacity(queries.len());
-    let mut top = Vec::with_capacity(queries.len());
-    for (q, v) in queries.iter().zip(qvecs) {
-        let t = Instant::now();
-        let r = c.search(req(q, v)).await?.into_inner();
-        lat.push(t.elapsed().as_secs_f64() * 1e3);
-        top.push(r.hits.into_iter().map(|h| h.chunk_id).collect());
-    }
-    let reqs: Vec<SearchRequest> = queries.iter().zip(qvecs).map(|(q, v)| req(q, v)).collect();
-    let cpu_before = cluster.data_path_cpu_seconds();
-    let (qps, n) = qps(c, reqs, concurrency, qps_seconds).await?;
-    // Coordinator + shard nodes CPU per query under load (the bench client is not counted).
-    let cpu_ms = 1e3 * (cluster.data_path_cpu_seconds() - cpu_before) / n as f64;
-    let row = json!({"p50_ms": percentile(&mut lat, 50.0), "p99_ms": percentile(&mut lat, 99.0),
-                     "qps": qps, "qps_queries": n, "cpu_ms_per_query": cpu_ms});
-    Ok((row, top))
+    measure(cluster, c, queries, qvecs, &req, (concurrency, qps_seconds)).await
 }
 
 fn soak_mode(args: &Args) -> Result<&'static (&'static str, SearchMode, &'static str)> {

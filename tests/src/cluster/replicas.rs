@@ -40,8 +40,8 @@ pub fn doc(id: u64) -> Document {
         id: format!("d{id}"),
         title: String::new(),
         text: format!("raftdoc number {id}"),
-        metadata: Default::default(),
         embedding: vector(id),
+        ..Default::default()
     }
 }
 

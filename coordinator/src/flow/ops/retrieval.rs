@@ -148,6 +148,7 @@ pub async fn retrieve(
             top_k
         },
         filter: r.filter.clone(),
+        conditions: rt.conditions.clone(),
         ef_search: 0,
         consistency: search::Consistency::Eventual,
         token: rt.read_token.clone(),

@@ -1,18 +1,21 @@
-//! Exact counts by metadata filter, and the chunk ids a filter matches (filtered scans): the filter's metadata terms intersected by tantivy, every
+//! Exact counts by metadata filter, and the chunk ids a filter matches (filtered scans): the
+//! filter as a query over the metadata terms (`index::filter::terms`), every
 //! live match counted, and its document told apart by the chunk id that the segment's id cache
 //! already holds (`ids`), so counting reads no stored field and decompresses nothing.
 
 use std::collections::HashSet;
 
+use std::ops::Bound;
 use tantivy::collector::{Collector, SegmentCollector};
-use tantivy::query::{BooleanQuery, Occur, Query, TermQuery};
+
+use tantivy::query::{AllQuery, BooleanQuery, Occur, Query, RangeQuery, TermQuery, TermSetQuery};
 use tantivy::schema::IndexRecordOption;
 use tantivy::{DocId, Score, SegmentOrdinal, SegmentReader, Term};
 
-use super::META_SEP;
 use super::index::Bm25Index;
 use crate::error::Result;
 use crate::index::Filter;
+use crate::index::filter::{self, Cond};
 
 /// Every match, by segment.
 struct Matches;
@@ -64,22 +67,78 @@ fn doc_of(chunk_id: &str) -> &str {
 }
 
 impl Bm25Index {
-    /// Every metadata pair of `filter` as one conjunction (None for an empty filter).
+    /// `filter` as a tantivy query over the metadata terms (None for an empty filter).
     pub(super) fn filter_query(&self, filter: &Filter) -> Option<Box<dyn Query>> {
-        if filter.is_empty() {
-            return None;
+        (!filter.is_empty()).then(|| self.bool_query(filter))
+    }
+
+    fn bool_query(&self, f: &Filter) -> Box<dyn Query> {
+        let mut clauses: Vec<(Occur, Box<dyn Query>)> = Vec::new();
+        for c in &f.must {
+            clauses.push((Occur::Must, self.cond_query(c)));
         }
-        let must: Vec<(Occur, Box<dyn Query>)> = filter
-            .iter()
-            .map(|(k, v)| {
-                let q: Box<dyn Query> = Box::new(TermQuery::new(
-                    Term::from_field_text(self.f_meta, &format!("{k}{META_SEP}{v}")),
-                    IndexRecordOption::Basic,
-                ));
-                (Occur::Must, q)
-            })
-            .collect();
-        Some(Box::new(BooleanQuery::new(must)))
+        // tantivy's Should only ranks beside a Must; "at least one" is its own Must group.
+        if !f.should.is_empty() {
+            let any = f.should.iter().map(|c| (Occur::Should, self.cond_query(c)));
+            clauses.push((Occur::Must, Box::new(BooleanQuery::new(any.collect()))));
+        }
+        if clauses.is_empty() {
+            // Only must_not: everything else (tantivy matches nothing from exclusions alone).
+            clauses.push((Occur::Must, Box::new(AllQuery)));
+        }
+        for c in &f.must_not {
+            clauses.push((Occur::MustNot, self.cond_query(c)));
+        }
+        Box::new(BooleanQuery::new(clauses))
+    }
+
+    fn term(&self, text: &str) -> Term {
+        Term::from_field_text(self.f_meta, text)
+    }
+
+    fn cond_query(&self, c: &Cond) -> Box<dyn Query> {
+        match c {
+            Cond::Eq(field, s) => Box::new(TermQuery::new(
+                self.term(&filter::scalar_term(field, s)),
+                IndexRecordOption::Basic,
+            )),
+            Cond::AnyOf(field, set) => Box::new(TermSetQuery::new(
+                set.iter()
+                    .map(|s| self.term(&filter::scalar_term(field, s))),
+            )),
+            Cond::Range(field, lo, hi) => {
+                // Unbounded sides end at the field's numeric terms: `key 0x1e` sorts before
+                // every one of them, `key 0x1f` after.
+                let lo = match lo {
+                    Bound::Included(x) => {
+                        Bound::Included(self.term(&filter::number_term(field, *x)))
+                    }
+                    Bound::Excluded(x) => {
+                        Bound::Excluded(self.term(&filter::number_term(field, *x)))
+                    }
+                    Bound::Unbounded => {
+                        Bound::Included(self.term(&format!("{field}{}", filter::NUMBER_SEP)))
+                    }
+                };
+                let hi = match hi {
+                    Bound::Included(x) => {
+                        Bound::Included(self.term(&filter::number_term(field, *x)))
+                    }
+                    Bound::Excluded(x) => {
+                        Bound::Excluded(self.term(&filter::number_term(field, *x)))
+                    }
+                    Bound::Unbounded => {
+                        Bound::Excluded(self.term(&format!("{field}{}", filter::KEYWORD_SEP)))
+                    }
+                };
+                Box::new(RangeQuery::new(lo, hi))
+            }
+            Cond::Exists(field) => Box::new(TermQuery::new(
+                self.term(&filter::exists_term(field)),
+                IndexRecordOption::Basic,
+            )),
+            Cond::Nested(f) => self.bool_query(f),
+        }
     }
 
     /// The ids of the chunks matching a non-empty `filter` (a filtered Scroll walks them

@@ -18,8 +18,8 @@ use tantivy::{Index, IndexReader, IndexWriter, ReloadPolicy, TantivyDocument, Te
 use super::ids::{IdCache, SegmentIds};
 use super::terms::{LocalStats, TermCache, score_all};
 use super::{
-    CHUNK_ID, EXHAUSTIVE_BELOW_DOCS, META_SEP, Scoring, TERM_AT_A_TIME_BELOW_DOCS, TOKENIZER,
-    analyzer, indexed_text, schema,
+    CHUNK_ID, EXHAUSTIVE_BELOW_DOCS, Scoring, TERM_AT_A_TIME_BELOW_DOCS, TOKENIZER, analyzer,
+    indexed_text, schema,
 };
 use crate::error::{Result, ShardError};
 use crate::index::Filter;
@@ -122,8 +122,8 @@ impl Bm25Index {
         doc.add_text(self.f_chunk_id, &c.chunk_id);
         doc.add_text(self.f_doc_id, &c.doc_id);
         doc.add_text(self.f_body, indexed_text(&c.title, &c.section, &c.text));
-        for (k, v) in &c.metadata {
-            doc.add_text(self.f_meta, format!("{k}{META_SEP}{v}"));
+        for term in crate::index::filter::terms(&crate::index::filter::meta_of(c)) {
+            doc.add_text(self.f_meta, term);
         }
         doc
     }
@@ -442,10 +442,17 @@ mod tests {
         .unwrap();
         idx.commit(7).unwrap();
         assert_eq!(idx.committed_seq().unwrap(), 7);
-        let hits = idx.search("running dog", 10, &vec![], None).unwrap();
+        let hits = idx
+            .search("running dog", 10, &crate::index::Filter::default(), None)
+            .unwrap();
         assert_eq!(hits.len(), 2);
         let hits = idx
-            .search("dog", 10, &vec![("lang".into(), "de".into())], None)
+            .search(
+                "dog",
+                10,
+                &crate::index::Filter::keywords([("lang", "de")]),
+                None,
+            )
             .unwrap();
         assert_eq!(
             hits.iter().map(|h| h.0.as_str()).collect::<Vec<_>>(),
@@ -454,7 +461,9 @@ mod tests {
         // Replacing a document removes its old chunks.
         idx.stage(&[write("a", &["birds"])]).unwrap();
         idx.commit(8).unwrap();
-        let hits = idx.search("dog cats", 10, &vec![], None).unwrap();
+        let hits = idx
+            .search("dog cats", 10, &crate::index::Filter::default(), None)
+            .unwrap();
         assert_eq!(
             hits.iter().map(|h| h.0.as_str()).collect::<Vec<_>>(),
             vec!["b#0"]
@@ -488,7 +497,9 @@ mod tests {
             Bm25StatisticsProvider::total_num_tokens(&fresh, idx.f_body).unwrap(),
             3
         );
-        let hits = idx.search("zeta", 3, &vec![], None).unwrap();
+        let hits = idx
+            .search("zeta", 3, &crate::index::Filter::default(), None)
+            .unwrap();
         assert_eq!(
             hits.iter().map(|h| h.0.as_str()).collect::<Vec<_>>(),
             ["b#0"]
@@ -513,7 +524,7 @@ mod tests {
         }
         let ids = |q: &str| -> Vec<String> {
             let mut v: Vec<String> = idx
-                .search(q, 50, &vec![], None)
+                .search(q, 50, &crate::index::Filter::default(), None)
                 .unwrap()
                 .into_iter()
                 .map(|h| h.0)
@@ -583,13 +594,17 @@ mod tests {
             total_tokens: 20_000,
             doc_freq: [("alpha".to_string(), 400)].into(),
         };
-        let filter = vec![("lang".into(), "en".into())];
+        let filter = crate::index::Filter::keywords([("lang", "en")]);
         for q in [
             "alpha beta",
             "gamma delta epsilon zeta eta",
             "theta alpha theta",
         ] {
-            for (f, s) in [(&vec![], None), (&vec![], Some(&stats)), (&filter, None)] {
+            for (f, s) in [
+                (&crate::index::Filter::default(), None),
+                (&crate::index::Filter::default(), Some(&stats)),
+                (&filter, None),
+            ] {
                 // 1,000: every live match, so the counts must agree too.
                 for k in [10, 1000] {
                     let run = |scoring| {
@@ -618,14 +633,20 @@ mod tests {
         idx.stage(&[write("a", &["rare word here"]), write("c", &["other text"])])
             .unwrap();
         idx.commit(1).unwrap();
-        let before = idx.search("rare", 10, &vec![], None).unwrap();
+        let before = idx
+            .search("rare", 10, &crate::index::Filter::default(), None)
+            .unwrap();
         idx.stage(&[write("b", &["rare again", "rare thrice"])])
             .unwrap();
         idx.commit(2).unwrap();
-        let after = idx.search("rare", 10, &vec![], None).unwrap();
+        let after = idx
+            .search("rare", 10, &crate::index::Filter::default(), None)
+            .unwrap();
         drop(idx);
         let fresh = Bm25Index::open(dir.path(), 20_000_000).unwrap();
-        let expected = fresh.search("rare", 10, &vec![], None).unwrap();
+        let expected = fresh
+            .search("rare", 10, &crate::index::Filter::default(), None)
+            .unwrap();
         assert_eq!(after.len(), 3);
         assert_eq!(after, expected);
         let score_a = |v: &[(String, f32)]| v.iter().find(|h| h.0 == "a#0").unwrap().1;

@@ -28,8 +28,6 @@ const CHUNK_ID: &str = "chunk_id";
 /// English analysis as in Lucene's EnglishAnalyzer: split on non-alphanumerics, lowercase,
 /// drop stop words, Porter-style stemming.
 const TOKENIZER: &str = "ragcluster_en";
-/// Metadata is indexed as raw terms `key 0x1f value` in one multi-valued field.
-const META_SEP: char = '\u{1f}';
 
 /// Below this many documents (all segments) a filtered query scores every matching document
 /// instead of pruning with block-WAND. With SciFact's queries (about a dozen terms after stop
@@ -86,6 +84,8 @@ fn schema() -> Schema {
             .set_index_option(IndexRecordOption::WithFreqs),
     );
     b.add_text_field("body", body);
+    // Metadata as raw terms in one multi-valued field (`index::filter::terms`: keywords,
+    // order-preserving numbers, presence), so filters are term and term-range queries.
     b.add_text_field("meta", STRING);
     b.build()
 }

@@ -348,10 +348,11 @@ mod tests {
     use hnsw_rs::hnsw::Hnsw;
 
     use super::*;
+    use crate::index::Filter;
     use crate::index::hnsw::distance::dot;
     use crate::index::hnsw::sq8;
     use crate::index::hnsw::tests::unit;
-    use crate::index::hnsw::{HnswIndex, HnswParams, Point as IndexPoint, SearchPlan};
+    use crate::index::hnsw::{HnswIndex, HnswParams, Point as IndexPoint};
 
     fn exact(points: &[Vec<f32>], q: &[f32], k: usize) -> Vec<usize> {
         let mut s: Vec<(f32, usize)> = points
@@ -479,9 +480,7 @@ mod tests {
         assert!(idx.refresh_flat());
         let r = idx.flat_reach().unwrap();
         assert_eq!((r.points, r.unreachable), (1560, 0));
-        let SearchPlan::Hits(h) = idx.search(&unit(7, 32), 61, 128, &vec![]) else {
-            panic!()
-        };
+        let h = idx.search(&unit(7, 32), 61, 128, &Filter::default());
         let copies = h.iter().filter(|(_, s)| *s > 0.9999).count();
         assert_eq!(copies, 61, "d7 and its 60 copies; relinked {}", r.relinked);
     }
@@ -493,9 +492,10 @@ mod tests {
         idx.insert((0..100).map(|i| point(i, unit(i, 24))).collect());
         assert!(idx.refresh_flat());
         assert!(!idx.refresh_flat(), "already current");
-        let top = |seed| match idx.search(&unit(seed, 24), 1, 32, &vec![]) {
-            SearchPlan::Hits(h) => h[0].0.clone(),
-            SearchPlan::Exact(_) => panic!(),
+        let top = |seed| {
+            idx.search(&unit(seed, 24), 1, 32, &Filter::default())[0]
+                .0
+                .clone()
         };
         assert_eq!(top(42), "d42#0");
         // A point inserted after the copy is found (the copy is stale, hnsw_rs walks) ...

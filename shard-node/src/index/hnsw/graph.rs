@@ -12,18 +12,16 @@ use parking_lot::RwLock;
 use super::distance::dot;
 use super::flat::{FlatGraph, Reach};
 use super::pending::Pending;
+use super::planner::{self, Plan};
 use super::sq8::{self, Sq8Cosine};
-use super::{
-    BRUTE_FORCE_LIMIT, CodeGraph, Filter, HnswParams, Point, SearchPlan, meta_matches,
-    prefetch_lines,
-};
+use super::{CodeGraph, Filter, HnswParams, Meta, Point, prefetch_lines};
 
 /// One graph id: the chunk it stands for, alive or a tombstone.
 pub(super) struct Slot {
     pub(super) chunk_id: String,
     /// Kept so that a dump can be caught up by document (`tombstone_docs`).
     pub(super) doc_id: String,
-    pub(super) meta: Vec<(String, String)>,
+    pub(super) meta: Meta,
     /// The f32 vector hits are rescored with; emptied when the slot dies (the graph keeps only
     /// its code).
     pub(super) vector: Box<[f32]>,
@@ -41,13 +39,23 @@ impl Slot {
         }
     }
 
-    fn matches(&self, filter: &Filter) -> bool {
-        meta_matches(&self.meta, filter)
-    }
-
     fn kill(&mut self) {
         self.alive = false;
         self.vector = Box::default();
+    }
+}
+
+impl planner::Candidate for Slot {
+    fn alive(&self) -> bool {
+        self.alive
+    }
+
+    fn meta(&self) -> &Meta {
+        &self.meta
+    }
+
+    fn vector(&self) -> &[f32] {
+        &self.vector
     }
 }
 
@@ -62,6 +70,16 @@ pub(super) struct Slots {
     pub(super) slots: Vec<Slot>,
     pub(super) by_chunk: HashMap<String, usize>,
     pub(super) dead: usize,
+    /// The payload index the planner reads (`planner::Postings`).
+    pub(super) postings: planner::Postings,
+}
+
+impl Slots {
+    /// Appends a slot (its id is the next one) and indexes its metadata.
+    pub(super) fn push(&mut self, slot: Slot) {
+        self.postings.add(self.slots.len(), &slot.meta);
+        self.slots.push(slot);
+    }
 }
 
 /// hnsw_rs's graph with its slot table and the flat copy of its bottom layer.
@@ -127,6 +145,37 @@ impl Graph {
             .into_iter()
             .map(|n| (n.d_id, n.distance))
             .collect()
+    }
+
+    /// hnsw_rs's walk keeping only the points `accept` takes.
+    fn filtered_walk(
+        &self,
+        s: &Slots,
+        code: &[i8],
+        ef: usize,
+        top_k: usize,
+        accept: &(impl Fn(&usize) -> bool + Sync),
+    ) -> Vec<(usize, f32)> {
+        metrics::counter!("shard_hnsw_walks_total", "walk" => "filtered").increment(1);
+        let found: Vec<(usize, f32)> = self
+            .hnsw
+            .search_filter(code, ef, ef, Some(accept))
+            .into_iter()
+            .map(|n| (n.d_id, n.distance))
+            .collect();
+        // hnsw_rs's filtered walk only grows its result set from accepted points, so a walk
+        // that enters a cluster of tombstones whose edges lead only to each other ends with
+        // nothing. Rare (compaction rebuilds such graphs), but the answer must stay right:
+        // score every live point instead.
+        let live = s.slots.len() - s.dead;
+        if found.len() < top_k && found.len() < live {
+            metrics::counter!("shard_hnsw_walks_total", "walk" => "exact").increment(1);
+            return (0..s.slots.len())
+                .filter(|id| accept(id))
+                .map(|id| (id, 0.0))
+                .collect();
+        }
+        found
     }
 }
 
@@ -271,7 +320,7 @@ impl HnswIndex {
             let first = s.slots.len();
             for p in points {
                 chunk_ids.push(p.chunk_id.clone());
-                s.slots.push(Slot::new(p, false));
+                s.push(Slot::new(p, false));
             }
             first
         };
@@ -325,67 +374,50 @@ impl HnswIndex {
         (s.slots.len() - s.dead + self.pending.read().len(), s.dead)
     }
 
-    pub fn search(&self, query: &[f32], top_k: usize, ef: usize, filter: &Filter) -> SearchPlan {
+    /// The `top_k` nearest live points that match `filter`, best first, with exact cosines.
+    /// A filter is planned by the share of points it matches (`hnsw::planner`).
+    pub fn search(
+        &self,
+        query: &[f32],
+        top_k: usize,
+        ef: usize,
+        filter: &Filter,
+    ) -> Vec<(String, f32)> {
         let g = self.graph.read();
         let s = g.slots.read();
         let pending = self.pending.read();
-        if !filter.is_empty() {
-            let mut matching: Vec<String> = s
-                .slots
-                .iter()
-                .filter(|sl| sl.alive && sl.matches(filter))
-                .map(|sl| sl.chunk_id.clone())
-                .collect();
-            matching.extend(
-                pending
-                    .points()
-                    .iter()
-                    .filter(|p| meta_matches(&p.meta, filter))
-                    .map(|p| p.chunk_id.clone()),
-            );
-            if matching.len() <= BRUTE_FORCE_LIMIT.max(ef) {
-                matching.sort_unstable();
-                matching.dedup();
-                return SearchPlan::Exact(matching);
-            }
-        }
         let ef = ef.max(top_k);
         let accept = |id: &usize| {
             s.slots
                 .get(*id)
-                .is_some_and(|sl| sl.alive && sl.matches(filter))
+                .is_some_and(|sl| sl.alive && filter.matches(&sl.meta))
         };
         let code = sq8::encode(query);
-        // hnsw_rs never ends its layer-0 walk early when given a filter (it expands every
-        // candidate left), which costs several times the distance evaluations. Without a
-        // metadata filter, walk unfiltered, keep all ef results and drop tombstones; only
-        // when fewer than top_k survive walk again with the filter.
-        let mut found = Vec::new();
-        if filter.is_empty() {
-            found = g.walk(&code, ef);
-            found.retain(|n| accept(&n.0));
-        }
-        if found.len() < top_k {
-            metrics::counter!("shard_hnsw_walks_total", "walk" => "filtered").increment(1);
-            found = g
-                .hnsw
-                .search_filter(&code, ef, ef, Some(&accept))
-                .into_iter()
-                .map(|n| (n.d_id, n.distance))
-                .collect();
-            // hnsw_rs's filtered walk only grows its result set from accepted points, so a
-            // walk that enters a cluster of tombstones whose edges lead only to each other
-            // ends with nothing. Rare (compaction rebuilds such graphs), but the answer must
-            // stay right: score every live point instead.
-            let live = s.slots.len() - s.dead;
-            if found.len() < top_k && found.len() < live {
-                metrics::counter!("shard_hnsw_walks_total", "walk" => "exact").increment(1);
-                found = (0..s.slots.len())
-                    .filter(|id| accept(id))
-                    .map(|id| (id, 0.0))
-                    .collect();
+        let plan = planner::plan(&s.slots, &s.postings, s.slots.len() - s.dead, filter, ef);
+        let found = match plan {
+            Plan::Candidates(ids) => {
+                metrics::counter!("shard_hnsw_walks_total", "walk" => "postings").increment(1);
+                let ids = ids.into_iter().map(|i| i as usize);
+                planner::exact(&s.slots, ids, query, top_k, filter)
             }
-        }
+            Plan::Exact => {
+                metrics::counter!("shard_hnsw_walks_total", "walk" => "exact").increment(1);
+                planner::exact(&s.slots, 0..s.slots.len(), query, top_k, filter)
+            }
+            // hnsw_rs never ends its layer-0 walk early when given a filter (it expands every
+            // candidate left), which costs several times the distance evaluations: walk
+            // unfiltered, keep what matches (tombstones dropped too); only when fewer than
+            // top_k survive walk again with the filter.
+            Plan::Walk { ef: walk_ef } => {
+                let mut found = g.walk(&code, walk_ef);
+                found.retain(|n| accept(&n.0));
+                if found.len() < top_k {
+                    found = g.filtered_walk(&s, &code, ef, top_k, &accept);
+                }
+                found
+            }
+            Plan::FilteredWalk => g.filtered_walk(&s, &code, ef, top_k, &accept),
+        };
         // Every candidate rescored with its f32 vector: exact scores, exact order. The vectors
         // are separate allocations, so all their loads are started before the first is scored.
         for (id, _) in &found {
@@ -416,7 +448,7 @@ impl HnswIndex {
             hits.retain(|h| seen.insert(h.0.clone()));
             hits.truncate(top_k);
         }
-        SearchPlan::Hits(hits)
+        hits
     }
 
     /// Replaces the graph with one built from `points` (the shard's live chunks), dropping every
@@ -428,7 +460,7 @@ impl HnswIndex {
             let mut s = fresh.slots.write();
             for (i, p) in points.into_iter().enumerate() {
                 s.by_chunk.insert(p.chunk_id.clone(), i);
-                s.slots.push(Slot::new(p, true));
+                s.push(Slot::new(p, true));
             }
         }
         let data: Vec<(&Vec<i8>, usize)> = codes.iter().enumerate().map(|(i, c)| (c, i)).collect();

@@ -8,9 +8,9 @@
 //!
 //! hnsw_rs cannot delete points, so a replaced or deleted chunk leaves a tombstone: its slot is
 //! marked dead and filtered out at query time. When tombstones pile up the shard rebuilds the
-//! graph from RocksDB (`HnswIndex::rebuild`). Metadata filters run inside the graph search; a
-//! filter that matches few points is answered exactly by brute force instead, because graph
-//! search degrades when most neighbours are filtered out.
+//! graph from RocksDB (`HnswIndex::rebuild`). A metadata filter is planned by the share of
+//! points it matches (`planner`): few are scored exactly, a large share walks the plain graph
+//! wider and drops the rest, and in between hnsw_rs walks with the filter.
 //!
 //! The graph and its slot table can be written to a directory and read back
 //! (`write_parts`/`read_parts`; `dump` owns the files' lifecycle), so a restart loads the
@@ -19,7 +19,7 @@
 //! The files: `graph` (the index: slots, inserts, searches, rebuilds), `pending` (points
 //! searched beside the graph), `flat` and `links` (the read-optimised copy of the bottom layer
 //! and the links it mends), `parts` (the graph and slot table as files), `dump` (those files'
-//! lifecycle), `vectors` (dumps without a second copy of the vectors), `sq8` and `distance`
+//! lifecycle), `vectors` (dumps without a second copy of the vectors), `planner` (how a filtered search walks), `sq8` and `distance`
 //! (the codes the graph walks and the exact scores). They share the vocabulary below; none
 //! reaches into another's types.
 
@@ -30,6 +30,7 @@ mod graph;
 mod links;
 mod parts;
 mod pending;
+pub mod planner;
 pub mod sq8;
 mod vectors;
 
@@ -42,10 +43,8 @@ pub use vectors::FetchVectors;
 use hnsw_rs::hnsw::Hnsw;
 
 use super::Filter;
+pub use super::filter::Meta;
 use sq8::Sq8Cosine;
-
-/// Below this many matching points a filtered search is answered by exact brute force.
-pub const BRUTE_FORCE_LIMIT: usize = 2000;
 
 /// The graph as hnsw_rs holds it: int8 codes under the code distance.
 pub type CodeGraph = Hnsw<'static, i8, Sq8Cosine>;
@@ -56,27 +55,13 @@ pub struct Point {
     pub chunk_id: String,
     pub doc_id: String,
     pub vector: Vec<f32>,
-    pub meta: Vec<(String, String)>,
-}
-
-/// Outcome of a search: graph hits, or the ids a caller must score exactly (brute force needs
-/// the vectors, which live in RocksDB).
-pub enum SearchPlan {
-    Hits(Vec<(String, f32)>),
-    Exact(Vec<String>),
+    pub meta: Meta,
 }
 
 /// File names inside a dump directory: hnsw_rs writes `<GRAPH_BASENAME>.hnsw.graph` and
 /// `.hnsw.data` (the codes; replaced by `vectors`' files); the slot table is ours.
 pub const GRAPH_BASENAME: &str = "graph";
 pub const SLOTS_FILE: &str = "slots.bin";
-
-/// Whether a point's metadata holds every (key, value) pair of `filter`.
-pub fn meta_matches(meta: &[(String, String)], filter: &Filter) -> bool {
-    filter
-        .iter()
-        .all(|(k, v)| meta.iter().any(|(mk, mv)| mk == k && mv == v))
-}
 
 /// Starts loading the first `lines` cache lines of `data` (fewer if it is shorter).
 #[inline]

@@ -15,6 +15,46 @@ use super::sq8::{self, Sq8Cosine};
 use super::vectors::{self, FetchVectors};
 use super::{CodeGraph, GRAPH_BASENAME, HnswParams, SLOTS_FILE};
 use crate::error::{Result, ShardError};
+use crate::index::filter::Value;
+
+/// First word of a slot table with typed metadata (no count of slots comes near it).
+const TYPED_SLOTS: u64 = 0x5459_5045_4453_4c31; // "TYPEDSL1"
+
+fn put_value(out: &mut impl Write, v: &Value) -> std::io::Result<()> {
+    match v {
+        Value::Keyword(s) => {
+            out.write_all(&[0])?;
+            put_str(out, s)
+        }
+        Value::Number(x) => {
+            out.write_all(&[1])?;
+            out.write_all(&x.to_le_bytes())
+        }
+        Value::Bool(b) => out.write_all(&[2, u8::from(*b)]),
+        Value::Keywords(list) => {
+            out.write_all(&[3])?;
+            out.write_all(&(list.len() as u32).to_le_bytes())?;
+            list.iter().try_for_each(|s| put_str(out, s))
+        }
+    }
+}
+
+fn get_value(input: &mut impl Read) -> Result<Value> {
+    Ok(match get_u8(input)? {
+        0 => Value::Keyword(get_str(input)?),
+        1 => Value::Number(f64::from_bits(get_u64(input)?)),
+        2 => Value::Bool(get_u8(input)? == 1),
+        3 => {
+            let n = get_u32(input)? as usize;
+            let mut list = Vec::with_capacity(n.min(1024));
+            for _ in 0..n {
+                list.push(get_str(input)?);
+            }
+            Value::Keywords(list)
+        }
+        t => return Err(ShardError::Corrupt(format!("slot value tag {t}"))),
+    })
+}
 
 impl HnswIndex {
     /// Writes the graph (hnsw_rs's own format) and the slot table into the existing, empty
@@ -41,6 +81,7 @@ impl HnswIndex {
             vectors::strip(dir, GRAPH_BASENAME, self.dim, &alive)?;
         }
         let mut out = std::io::BufWriter::new(std::fs::File::create(dir.join(SLOTS_FILE))?);
+        out.write_all(&TYPED_SLOTS.to_le_bytes())?;
         out.write_all(&(s.slots.len() as u64).to_le_bytes())?;
         for sl in &s.slots {
             out.write_all(&[u8::from(sl.alive)])?;
@@ -49,7 +90,7 @@ impl HnswIndex {
             out.write_all(&(sl.meta.len() as u32).to_le_bytes())?;
             for (k, v) in &sl.meta {
                 put_str(&mut out, k)?;
-                put_str(&mut out, v)?;
+                put_value(&mut out, v)?;
             }
         }
         out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
@@ -68,7 +109,10 @@ impl HnswIndex {
     ) -> Result<(Self, HashSet<String>)> {
         let corrupt = |m: String| ShardError::Corrupt(format!("hnsw dump {}: {m}", dir.display()));
         let mut input = std::io::BufReader::new(std::fs::File::open(dir.join(SLOTS_FILE))?);
-        let n = get_u64(&mut input)? as usize;
+        // Dumps written before typed metadata start with the count and hold keywords only.
+        let first = get_u64(&mut input)?;
+        let typed = first == TYPED_SLOTS;
+        let n = if typed { get_u64(&mut input)? } else { first } as usize;
         let mut slots = Slots::default();
         for i in 0..n {
             let alive = get_u8(&mut input)? == 1;
@@ -77,14 +121,20 @@ impl HnswIndex {
             let pairs = get_u32(&mut input)? as usize;
             let mut meta = Vec::with_capacity(pairs.min(1024));
             for _ in 0..pairs {
-                meta.push((get_str(&mut input)?, get_str(&mut input)?));
+                let key = get_str(&mut input)?;
+                let value = if typed {
+                    get_value(&mut input)?
+                } else {
+                    Value::Keyword(get_str(&mut input)?)
+                };
+                meta.push((key, value));
             }
             if alive {
                 slots.by_chunk.insert(chunk_id.clone(), i);
             } else {
                 slots.dead += 1;
             }
-            slots.slots.push(Slot {
+            slots.push(Slot {
                 chunk_id,
                 doc_id,
                 meta,

@@ -15,8 +15,8 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet};
 
-use super::distance::dot;
-use super::{Filter, Point, meta_matches, sq8};
+use super::distance::{OrdF32, dot};
+use super::{Filter, Point, sq8};
 
 /// Candidates kept from the int8 scan for f32 rescoring, at least (or `ef`, or 4 x top_k).
 const RESCORE_MIN: usize = 64;
@@ -126,7 +126,7 @@ impl Pending {
         filter: &Filter,
     ) -> Vec<(usize, f32)> {
         let keep = ef.max(4 * top_k).max(RESCORE_MIN);
-        let matches = |i: usize| filter.is_empty() || meta_matches(&self.points[i].meta, filter);
+        let matches = |i: usize| filter.is_empty() || filter.matches(&self.points[i].meta);
         let candidates: Vec<usize> = if self.len() <= keep || qcode.len() != self.code_len {
             (0..self.len()).filter(|&i| matches(i)).collect()
         } else {
@@ -161,27 +161,10 @@ impl Pending {
     }
 }
 
-/// An f32 ordered by `total_cmp`, for the scan's heap.
-#[derive(Clone, Copy, PartialEq)]
-struct OrdF32(f32);
-
-impl Eq for OrdF32 {}
-
-impl PartialOrd for OrdF32 {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for OrdF32 {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.0.total_cmp(&other.0)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::index::filter::Value;
 
     fn unit(seed: u64, dim: usize) -> Vec<f32> {
         // A small LCG: deterministic, spread over the sphere well enough for ranking checks.
@@ -205,7 +188,7 @@ mod tests {
             chunk_id: format!("c{i}"),
             doc_id: format!("d{i}"),
             vector: unit(i, dim),
-            meta: vec![("parity".into(), (i % 2).to_string())],
+            meta: vec![("parity".into(), Value::Keyword((i % 2).to_string()))],
         }
     }
 
@@ -224,7 +207,7 @@ mod tests {
         for q in 0..20u64 {
             let query = unit(10_000 + q, dim);
             let qcode = sq8::encode(&query);
-            for filter in [vec![], vec![("parity".to_string(), "1".to_string())]] {
+            for filter in [Filter::default(), Filter::keywords([("parity", "1")])] {
                 let got = p.search(&query, &qcode, 10, 16, &filter);
                 let mut exact: Vec<(usize, f32)> = (0..p.len())
                     .filter(|&i| filter.is_empty() || i % 2 == 1)
@@ -255,7 +238,7 @@ mod tests {
         p.drop_chunks(&["c4"].into_iter().collect());
         assert_eq!(p.len(), 2);
         let q = p.points[1].vector.clone();
-        let got = p.search(&q, &sq8::encode(&q), 1, 1, &vec![]);
+        let got = p.search(&q, &sq8::encode(&q), 1, 1, &crate::index::Filter::default());
         assert_eq!(p.points[got[0].0].chunk_id, "c5");
         assert!((got[0].1 - 1.0).abs() < 1e-5);
         p.drop_front(5);

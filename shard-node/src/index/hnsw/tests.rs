@@ -1,6 +1,11 @@
 use std::collections::HashSet;
 
 use super::*;
+use crate::index::filter::{Meta, Value};
+
+fn parity(i: u32) -> Meta {
+    vec![("parity".into(), Value::Keyword((i % 2).to_string()))]
+}
 
 /// A unit vector determined by `seed` (shared with the `hnsw::flat` tests).
 pub(crate) fn unit(seed: u32, dim: usize) -> Vec<f32> {
@@ -27,26 +32,27 @@ fn finds_itself_and_respects_tombstones() {
             chunk_id: format!("d{i}#0"),
             doc_id: format!("d{i}"),
             vector: unit(i, 32),
-            meta: vec![("parity".into(), (i % 2).to_string())],
+            meta: parity(i),
         })
         .collect();
     idx.insert(pts);
-    let SearchPlan::Hits(h) = idx.search(&unit(5, 32), 3, 64, &vec![]) else {
-        panic!()
-    };
+    let h = idx.search(&unit(5, 32), 3, 64, &Filter::default());
     assert_eq!(h[0].0, "d5#0");
     assert!((h[0].1 - 1.0).abs() < 1e-5);
     idx.remove(&["d5#0".to_string()]);
-    let SearchPlan::Hits(h) = idx.search(&unit(5, 32), 3, 64, &vec![]) else {
-        panic!()
-    };
+    let h = idx.search(&unit(5, 32), 3, 64, &Filter::default());
     assert!(h.iter().all(|(id, _)| id != "d5#0"));
     assert_eq!(idx.counts(), (199, 1));
-    // Small filtered sets are answered exactly by the caller.
-    match idx.search(&unit(5, 32), 3, 64, &vec![("parity".into(), "1".into())]) {
-        SearchPlan::Exact(ids) => assert_eq!(ids.len(), 99),
-        SearchPlan::Hits(_) => panic!("expected exact plan"),
-    }
+    // Small filtered sets are scored exactly: the best odd points, d5 gone.
+    let h = idx.search(&unit(5, 32), 3, 64, &Filter::keywords([("parity", "1")]));
+    let mut exact: Vec<(String, f32)> = (1..200)
+        .step_by(2)
+        .filter(|&i| i != 5)
+        .map(|i| (format!("d{i}#0"), dot(&unit(5, 32), &unit(i, 32))))
+        .collect();
+    exact.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let ids = |v: &[(String, f32)]| v.iter().map(|x| x.0.clone()).collect::<Vec<_>>();
+    assert_eq!(ids(&h), ids(&exact[..3]));
     // Re-inserting a chunk id replaces the old point.
     idx.insert(vec![Point {
         chunk_id: "d7#0".into(),
@@ -97,9 +103,7 @@ fn tombstones_crowding_the_walk_fall_back_to_the_filtered_walk() {
         let dead: Vec<String> = (0..40).map(|i| format!("n{i}#0")).collect();
         idx.remove(&dead);
         // ef 16 < 40 tombstones nearest the query: every unfiltered result is dead.
-        let SearchPlan::Hits(h) = idx.search(&base, 5, 16, &vec![]) else {
-            panic!()
-        };
+        let h = idx.search(&base, 5, 16, &Filter::default());
         assert_eq!(h.len(), 5, "{h:?}");
         assert!(h.iter().all(|(id, _)| id.starts_with('d')), "{h:?}");
     }
@@ -114,25 +118,18 @@ fn pending_points_are_searched_beside_the_graph() {
         chunk_id: format!("d{i}#0"),
         doc_id: format!("d{i}"),
         vector: unit(i, 32),
-        meta: vec![("parity".into(), (i % 2).to_string())],
+        meta: parity(i),
     };
     idx.insert((0..100).map(point).collect());
     idx.set_pending((100..110).map(point).collect(), 0);
     assert_eq!(idx.counts(), (110, 0));
-    let top = |idx: &HnswIndex| match idx.search(&unit(105, 32), 3, 64, &vec![]) {
-        SearchPlan::Hits(h) => h,
-        SearchPlan::Exact(_) => panic!("expected hits"),
-    };
+    let top = |idx: &HnswIndex| idx.search(&unit(105, 32), 3, 64, &Filter::default());
     let before = top(&idx);
     assert_eq!(before[0].0, "d105#0");
     assert!((before[0].1 - 1.0).abs() < 1e-5);
-    match idx.search(&unit(5, 32), 3, 64, &vec![("parity".into(), "1".into())]) {
-        SearchPlan::Exact(ids) => {
-            assert_eq!(ids.len(), 55);
-            assert!(ids.contains(&"d105#0".to_string()));
-        }
-        SearchPlan::Hits(_) => panic!("expected exact plan"),
-    }
+    let odd = idx.search(&unit(105, 32), 55, 64, &Filter::keywords([("parity", "1")]));
+    assert_eq!(odd.len(), 55, "every odd point, the pending ones included");
+    assert_eq!(odd[0].0, "d105#0");
     // Removing a pending chunk drops it before it ever reaches the graph.
     idx.remove(&["d109#0".to_string()]);
     assert_eq!(idx.absorb_pending(), 9);

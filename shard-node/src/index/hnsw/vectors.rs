@@ -202,7 +202,7 @@ mod tests {
 
     use super::*;
     use crate::index::hnsw::tests::unit;
-    use crate::index::hnsw::{GRAPH_BASENAME, HnswIndex, HnswParams, Point, SearchPlan};
+    use crate::index::hnsw::{GRAPH_BASENAME, HnswIndex, HnswParams, Point};
 
     const DIM: usize = 32;
 
@@ -216,10 +216,7 @@ mod tests {
     }
 
     fn hits(idx: &HnswIndex, q: &[f32]) -> Vec<(String, f32)> {
-        match idx.search(q, 5, 64, &vec![]) {
-            SearchPlan::Hits(h) => h,
-            SearchPlan::Exact(_) => panic!("expected hits"),
-        }
+        idx.search(q, 5, 64, &crate::index::Filter::default())
     }
 
     /// The dump keeps dead points' vectors only; loading with RocksDB's vectors gives back

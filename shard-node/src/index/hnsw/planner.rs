@@ -1,0 +1,212 @@
+//! How a filtered search walks the graph, chosen by the share of points the filter matches
+//! (as Qdrant plans by the cardinality its payload index estimates):
+//!
+//! - few matches (at most `EXACT_MAX_MATCHES`): no walk at all, every matching point scored
+//!   exactly (recall 1, and cheaper than a walk that must cross many non-matching points);
+//! - a large share (at least `POST_FILTER_MIN_SHARE`): the plain walk, widened to ef / share
+//!   so that about ef matching candidates survive when the rest are dropped;
+//! - in between: hnsw_rs's filtered walk, which crosses non-matching points but keeps only
+//!   matching ones.
+//!
+//! The graph keeps a payload index beside its slot table (`Postings`: for every metadata term
+//! the BM25 index also stores, the slots holding it, in slot order, as Qdrant's payload index
+//! does), so a filter with a selective indexed condition finds its candidates without reading
+//! every point: the slots of its smallest `must` condition (or the union of its `should`
+//! ones) are checked against the whole filter and scored. Slots only ever append, so a
+//! posting list stays sorted; tombstones stay in it and are skipped (a rebuild drops them).
+//! Otherwise the share is estimated from an even sample of the slot table. A wrong guess
+//! costs speed, never results (a walk that ends with fewer than top_k matches falls back to
+//! the filtered walk, and that one to the exact scan).
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
+use std::ops::Bound;
+
+use super::distance::{OrdF32, dot};
+use crate::index::Filter;
+use crate::index::filter::{self, Cond, Meta};
+
+/// What the planner reads of a graph point (the graph's slots implement it).
+pub(super) trait Candidate {
+    fn alive(&self) -> bool;
+    fn meta(&self) -> &Meta;
+    fn vector(&self) -> &[f32];
+}
+
+/// At most this many estimated matches are scored exactly: a 384-dimension shard scores
+/// about as many points in the time a filtered walk at ef 64 takes.
+pub const EXACT_MAX_MATCHES: usize = 5_000;
+/// At least this share of matches: the plain walk widened by 1 / share.
+pub const POST_FILTER_MIN_SHARE: f64 = 0.2;
+/// Slots sampled for the estimate.
+const SAMPLE: usize = 512;
+/// A range condition spanning more distinct values than this is not read from the postings
+/// (summing them would cost more than the sample).
+const MAX_RANGE_TERMS: usize = 4096;
+
+/// Metadata terms (`index::filter::terms`) to the slots holding them, ascending.
+#[derive(Default)]
+pub(super) struct Postings(BTreeMap<String, Vec<u32>>);
+
+impl Postings {
+    /// Indexes slot `id` (the next one: ids only grow).
+    pub(super) fn add(&mut self, id: usize, meta: &Meta) {
+        for t in filter::terms(meta) {
+            self.0.entry(t).or_default().push(id as u32);
+        }
+    }
+
+    fn term(&self, t: &str) -> &[u32] {
+        self.0.get(t).map_or(&[], Vec::as_slice)
+    }
+
+    /// Posting lists whose union holds every slot matching `c` (None: not answerable here).
+    fn cond<'a>(&'a self, c: &Cond) -> Option<Vec<&'a [u32]>> {
+        Some(match c {
+            Cond::Eq(f, v) => vec![self.term(&filter::scalar_term(f, v))],
+            Cond::AnyOf(f, set) => set
+                .iter()
+                .map(|v| self.term(&filter::scalar_term(f, v)))
+                .collect(),
+            Cond::Exists(f) => vec![self.term(&filter::exists_term(f))],
+            Cond::Range(f, lo, hi) => {
+                let key = |b: &Bound<f64>, open: String| match b {
+                    Bound::Included(x) => Bound::Included(filter::number_term(f, *x)),
+                    Bound::Excluded(x) => Bound::Excluded(filter::number_term(f, *x)),
+                    Bound::Unbounded => Bound::Included(open),
+                };
+                let lo = key(lo, format!("{f}{}", filter::NUMBER_SEP));
+                let hi = match key(hi, String::new()) {
+                    Bound::Included(s) if s.is_empty() => {
+                        Bound::Excluded(format!("{f}{}", filter::KEYWORD_SEP))
+                    }
+                    b => b,
+                };
+                // BTreeMap::range panics on an empty range; nothing matches one.
+                let empty = match (&lo, &hi) {
+                    (Bound::Included(a), Bound::Included(b)) => a > b,
+                    (
+                        Bound::Included(a) | Bound::Excluded(a),
+                        Bound::Included(b) | Bound::Excluded(b),
+                    ) => a >= b,
+                    _ => false,
+                };
+                if empty {
+                    return Some(Vec::new());
+                }
+                let lists: Vec<&[u32]> = self
+                    .0
+                    .range::<String, _>((lo, hi))
+                    .take(MAX_RANGE_TERMS + 1)
+                    .map(|(_, v)| v.as_slice())
+                    .collect();
+                if lists.len() > MAX_RANGE_TERMS {
+                    return None;
+                }
+                lists
+            }
+            Cond::Nested(f) => self.candidates(f)?,
+        })
+    }
+
+    /// Posting lists whose union holds every slot matching `f`: its smallest answerable
+    /// `must` condition, else the union of its `should` ones when all are answerable.
+    fn candidates<'a>(&'a self, f: &Filter) -> Option<Vec<&'a [u32]>> {
+        let size = |l: &Vec<&[u32]>| l.iter().map(|p| p.len()).sum::<usize>();
+        let best = f.must.iter().filter_map(|c| self.cond(c)).min_by_key(size);
+        if best.is_some() || f.should.is_empty() {
+            return best;
+        }
+        let mut all = Vec::new();
+        for c in &f.should {
+            all.extend(self.cond(c)?);
+        }
+        Some(all)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Plan {
+    /// Score every matching point among these candidate slots (sorted, deduplicated).
+    Candidates(Vec<u32>),
+    /// Score every matching point.
+    Exact,
+    /// The plain walk with this ef, then keep the matching points.
+    Walk { ef: usize },
+    /// hnsw_rs's filtered walk.
+    FilteredWalk,
+}
+
+/// The plan for `filter` over a slot table with `live` live points, for a search at `ef`.
+pub(super) fn plan(
+    slots: &[impl Candidate],
+    postings: &Postings,
+    live: usize,
+    filter: &Filter,
+    ef: usize,
+) -> Plan {
+    if filter.is_empty() {
+        return Plan::Walk { ef };
+    }
+    if let Some(lists) = postings.candidates(filter)
+        && lists.iter().map(|l| l.len()).sum::<usize>() <= EXACT_MAX_MATCHES
+    {
+        let mut ids: Vec<u32> = lists.concat();
+        if lists.len() > 1 {
+            ids.sort_unstable();
+            ids.dedup();
+        }
+        return Plan::Candidates(ids);
+    }
+    if live <= EXACT_MAX_MATCHES {
+        return Plan::Exact;
+    }
+    let step = (slots.len() / SAMPLE).max(1);
+    let (mut seen, mut hits) = (0usize, 0usize);
+    for sl in slots.iter().step_by(step) {
+        if sl.alive() {
+            seen += 1;
+            hits += usize::from(filter.matches(sl.meta()));
+        }
+    }
+    if seen == 0 {
+        return Plan::Exact;
+    }
+    let share = hits as f64 / seen as f64;
+    if share * live as f64 <= EXACT_MAX_MATCHES as f64 {
+        Plan::Exact
+    } else if share >= POST_FILTER_MIN_SHARE {
+        Plan::Walk {
+            ef: (ef as f64 / share).ceil() as usize,
+        }
+    } else {
+        Plan::FilteredWalk
+    }
+}
+
+/// The `top_k` best live points matching `filter` among the slots `ids` yields, scored
+/// exactly from their f32 vectors: (slot, cosine), in no particular order.
+pub(super) fn exact(
+    slots: &[impl Candidate],
+    ids: impl Iterator<Item = usize>,
+    query: &[f32],
+    top_k: usize,
+    filter: &Filter,
+) -> Vec<(usize, f32)> {
+    let mut heap: BinaryHeap<Reverse<(OrdF32, usize)>> = BinaryHeap::with_capacity(top_k + 1);
+    for id in ids {
+        let Some(sl) = slots.get(id) else { continue };
+        if !sl.alive() || !filter.matches(sl.meta()) {
+            continue;
+        }
+        let score = dot(query, sl.vector());
+        if heap.len() == top_k && heap.peek().is_some_and(|m| score <= m.0.0.0) {
+            continue;
+        }
+        heap.push(Reverse((OrdF32(score), id)));
+        if heap.len() > top_k {
+            heap.pop();
+        }
+    }
+    heap.into_iter().map(|Reverse((s, id))| (id, s.0)).collect()
+}
