@@ -221,6 +221,9 @@ struct AskArgs {
     /// Deadline of the whole flow in milliseconds (at most 600000).
     #[arg(long)]
     timeout_ms: Option<u32>,
+    /// Typed filter expression every retrieval step applies (as `ragctl search --where`).
+    #[arg(long = "where")]
+    where_: Option<String>,
     /// Print every operator that ran.
     #[arg(long)]
     trace: bool,

@@ -25,6 +25,7 @@ pub async fn ask(cli: &Cli, a: &AskArgs) -> Result<()> {
             ..Default::default()
         }),
         timeout_ms: a.timeout_ms.unwrap_or(0),
+        conditions: super::browse::conditions(cli, &a.collection, a.where_.as_deref()).await?,
         ..Default::default()
     };
     let mut stream = CoordinatorClient::new(channel(cli).await?)

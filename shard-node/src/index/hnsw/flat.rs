@@ -214,7 +214,7 @@ impl FlatGraph {
 
     /// Slot `slot`'s code, if it is in the graph.
     #[inline]
-    fn code(&self, slot: u32) -> Option<&[i8]> {
+    pub(super) fn code(&self, slot: u32) -> Option<&[i8]> {
         let i = slot as usize;
         if !*self.present.get(i)? {
             return None;

@@ -147,6 +147,28 @@ impl Graph {
             .collect()
     }
 
+    /// Every matching slot among `ids` scored (`planner::exact`): by the flat copy's codes
+    /// when it is current, keeping max(ef, 4 top_k, 64) for the f32 rescoring every search
+    /// ends with, else by f32 vectors, keeping top_k.
+    fn exact(
+        &self,
+        s: &Slots,
+        ids: impl Iterator<Item = usize>,
+        query: (&[f32], &[i8]),
+        top_k: usize,
+        ef: usize,
+        filter: &Filter,
+    ) -> Vec<(usize, f32)> {
+        match self.fresh_flat() {
+            Some(f) => {
+                let code = |id: usize| f.code(id as u32);
+                let keep = ef.max(4 * top_k).max(64);
+                planner::exact(&s.slots, ids, query, keep, filter, Some(&code))
+            }
+            None => planner::exact(&s.slots, ids, query, top_k, filter, None),
+        }
+    }
+
     /// hnsw_rs's walk keeping only the points `accept` takes.
     fn filtered_walk(
         &self,
@@ -395,14 +417,16 @@ impl HnswIndex {
         let code = sq8::encode(query);
         let plan = planner::plan(&s.slots, &s.postings, s.slots.len() - s.dead, filter, ef);
         let found = match plan {
-            Plan::Candidates(ids) => {
+            Plan::Candidates { ids, exact } => {
                 metrics::counter!("shard_hnsw_walks_total", "walk" => "postings").increment(1);
                 let ids = ids.into_iter().map(|i| i as usize);
-                planner::exact(&s.slots, ids, query, top_k, filter)
+                let all = Filter::default();
+                let check = if exact { &all } else { filter };
+                g.exact(&s, ids, (query, &code), top_k, ef, check)
             }
             Plan::Exact => {
                 metrics::counter!("shard_hnsw_walks_total", "walk" => "exact").increment(1);
-                planner::exact(&s.slots, 0..s.slots.len(), query, top_k, filter)
+                g.exact(&s, 0..s.slots.len(), (query, &code), top_k, ef, filter)
             }
             // hnsw_rs never ends its layer-0 walk early when given a filter (it expands every
             // candidate left), which costs several times the distance evaluations: walk
