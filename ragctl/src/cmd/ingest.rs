@@ -31,7 +31,7 @@ enum Source {
 }
 
 /// One JSON line: BEIR's `_id`/`title`/`text`, or `id`, plus optional metadata (scalar values
-/// are stored as their text).
+/// are stored as their text) and typed `fields` (`json_value`).
 #[derive(Deserialize)]
 struct JsonDoc {
     #[serde(rename = "_id", alias = "id")]
@@ -42,6 +42,38 @@ struct JsonDoc {
     text: String,
     #[serde(default)]
     metadata: HashMap<String, serde_json::Value>,
+    #[serde(default)]
+    fields: HashMap<String, serde_json::Value>,
+}
+
+/// A JSON value as a typed field: an integer, a float, a boolean, a string (keyword), an
+/// array of strings (keyword list), or `{"datetime": "2024-05-01T00:00:00Z"}` (RFC 3339, UTC).
+fn json_value(v: serde_json::Value) -> std::result::Result<Value, String> {
+    use serde_json::Value as J;
+    use value::Kind;
+    let kind = match v {
+        J::Bool(b) => Kind::Boolean(b),
+        J::Number(n) => match n.as_i64() {
+            Some(i) => Kind::Integer(i),
+            None => Kind::Float(n.as_f64().ok_or("not a finite number")?),
+        },
+        J::String(s) => Kind::Keyword(s),
+        J::Array(items) => Kind::Keywords(KeywordList {
+            values: items
+                .into_iter()
+                .map(|x| match x {
+                    J::String(s) => Ok(s),
+                    other => Err(format!("a keyword list holds strings, not {other}")),
+                })
+                .collect::<std::result::Result<_, _>>()?,
+        }),
+        J::Object(m) => match m.get("datetime") {
+            Some(J::String(t)) if m.len() == 1 => Kind::DatetimeUs(ragctl::filter::datetime_us(t)?),
+            _ => return Err("an object field must be {\"datetime\": \"RFC 3339\"}".into()),
+        },
+        J::Null => return Err("null is not a value".into()),
+    };
+    Ok(Value { kind: Some(kind) })
 }
 
 fn text_of(v: serde_json::Value) -> String {
@@ -139,7 +171,13 @@ fn json_document(path: &Path, n: usize, line: &str) -> Result<Option<Document>> 
         .into_iter()
         .map(|(k, v)| (k, text_of(v)))
         .collect();
-    Ok(corpus_document(id, d.title, d.text, metadata))
+    let mut fields = HashMap::new();
+    for (k, v) in d.fields {
+        let v = json_value(v)
+            .map_err(|e| anyhow::anyhow!("{}:{n}: field {k:?}: {e}", path.display()))?;
+        fields.insert(k, v);
+    }
+    Ok(corpus_document(id, d.title, d.text, metadata).map(|doc| Document { fields, ..doc }))
 }
 
 /// A corpus row as a document: a row without text is indexed by its title (BEIR corpora
@@ -507,7 +545,7 @@ mod tests {
         )?;
         std::fs::write(
             d.join("rows.jsonl"),
-            "{\"id\":\"r1\",\"text\":\"two\",\"metadata\":{\"year\":2024,\"lang\":\"en\"}}\n",
+            "{\"id\":\"r1\",\"text\":\"two\",\"metadata\":{\"year\":2024,\"lang\":\"en\"},\"fields\":{\"n\":3,\"x\":0.5,\"ok\":true,\"tags\":[\"a\"],\"at\":{\"datetime\":\"1970-01-01T00:00:01Z\"}}}\n",
         )?;
         let s = sources(&[d.join("beir"), d.join("rows.jsonl")])?;
         assert_eq!(
@@ -526,6 +564,12 @@ mod tests {
         assert_eq!(docs[1].text, "only a title");
         assert_eq!(docs[2].metadata["year"], "2024");
         assert_eq!(docs[2].metadata["lang"], "en");
+        let kind = |k: &str| docs[2].fields[k].kind.clone();
+        assert_eq!(kind("n"), Some(value::Kind::Integer(3)));
+        assert_eq!(kind("x"), Some(value::Kind::Float(0.5)));
+        assert_eq!(kind("ok"), Some(value::Kind::Boolean(true)));
+        assert_eq!(kind("at"), Some(value::Kind::DatetimeUs(1_000_000)));
+        assert!(json_value(serde_json::json!([1])).is_err());
 
         std::fs::write(
             d.join("bad.jsonl"),
