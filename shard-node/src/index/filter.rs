@@ -301,6 +301,26 @@ pub fn scalar_term(field: &str, s: &Scalar) -> String {
     }
 }
 
+/// A numeric range on `field` as bounds on its terms. An unbounded side ends at the field's
+/// numeric terms: `key 0x1e` sorts before every one of them, `key 0x1f` after.
+pub fn range_terms(
+    field: &str,
+    lo: &Bound<f64>,
+    hi: &Bound<f64>,
+) -> (Bound<String>, Bound<String>) {
+    let lo = match lo {
+        Bound::Included(x) => Bound::Included(number_term(field, *x)),
+        Bound::Excluded(x) => Bound::Excluded(number_term(field, *x)),
+        Bound::Unbounded => Bound::Included(format!("{field}{NUMBER_SEP}")),
+    };
+    let hi = match hi {
+        Bound::Included(x) => Bound::Included(number_term(field, *x)),
+        Bound::Excluded(x) => Bound::Excluded(number_term(field, *x)),
+        Bound::Unbounded => Bound::Excluded(format!("{field}{KEYWORD_SEP}")),
+    };
+    (lo, hi)
+}
+
 /// Every term a chunk with this metadata is indexed under.
 pub fn terms(meta: &[(String, Value)]) -> Vec<String> {
     let mut out = Vec::with_capacity(meta.len() * 2);

@@ -5,9 +5,7 @@
 
 use std::collections::HashSet;
 
-use std::ops::Bound;
 use tantivy::collector::{Collector, SegmentCollector};
-
 use tantivy::query::{AllQuery, BooleanQuery, Occur, Query, RangeQuery, TermQuery, TermSetQuery};
 use tantivy::schema::IndexRecordOption;
 use tantivy::{DocId, Score, SegmentOrdinal, SegmentReader, Term};
@@ -107,30 +105,9 @@ impl Bm25Index {
                     .map(|s| self.term(&filter::scalar_term(field, s))),
             )),
             Cond::Range(field, lo, hi) => {
-                // Unbounded sides end at the field's numeric terms: `key 0x1e` sorts before
-                // every one of them, `key 0x1f` after.
-                let lo = match lo {
-                    Bound::Included(x) => {
-                        Bound::Included(self.term(&filter::number_term(field, *x)))
-                    }
-                    Bound::Excluded(x) => {
-                        Bound::Excluded(self.term(&filter::number_term(field, *x)))
-                    }
-                    Bound::Unbounded => {
-                        Bound::Included(self.term(&format!("{field}{}", filter::NUMBER_SEP)))
-                    }
-                };
-                let hi = match hi {
-                    Bound::Included(x) => {
-                        Bound::Included(self.term(&filter::number_term(field, *x)))
-                    }
-                    Bound::Excluded(x) => {
-                        Bound::Excluded(self.term(&filter::number_term(field, *x)))
-                    }
-                    Bound::Unbounded => {
-                        Bound::Excluded(self.term(&format!("{field}{}", filter::KEYWORD_SEP)))
-                    }
-                };
+                let (lo, hi) = filter::range_terms(field, lo, hi);
+                let lo = lo.map(|t| self.term(&t));
+                let hi = hi.map(|t| self.term(&t));
                 Box::new(RangeQuery::new(lo, hi))
             }
             Cond::Exists(field) => Box::new(TermQuery::new(

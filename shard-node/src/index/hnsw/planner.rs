@@ -80,18 +80,7 @@ impl Postings {
                 .collect(),
             Cond::Exists(f) => vec![self.term(&filter::exists_term(f))],
             Cond::Range(f, lo, hi) => {
-                let key = |b: &Bound<f64>, open: String| match b {
-                    Bound::Included(x) => Bound::Included(filter::number_term(f, *x)),
-                    Bound::Excluded(x) => Bound::Excluded(filter::number_term(f, *x)),
-                    Bound::Unbounded => Bound::Included(open),
-                };
-                let lo = key(lo, format!("{f}{}", filter::NUMBER_SEP));
-                let hi = match key(hi, String::new()) {
-                    Bound::Included(s) if s.is_empty() => {
-                        Bound::Excluded(format!("{f}{}", filter::KEYWORD_SEP))
-                    }
-                    b => b,
-                };
+                let (lo, hi) = filter::range_terms(f, lo, hi);
                 // BTreeMap::range panics on an empty range; nothing matches one.
                 let empty = match (&lo, &hi) {
                     (Bound::Included(a), Bound::Included(b)) => a > b,
