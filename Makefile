@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: images compose-up compose-down setup build build-demo demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-cpu-decode bench-embed-nomic bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-engines bench-bm25 bench-tokenize bench-ingest bench-browse bench-filter bench-chunking bench-sampling
+.PHONY: images compose-up compose-down setup build build-demo demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-cpu-decode bench-embed-nomic bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-engines bench-bm25 bench-tokenize bench-ingest bench-browse bench-filter bench-update bench-backup bench-chunking bench-sampling
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -113,6 +113,12 @@ bench-tokenize: build ## Embed calls of 16 MB: their latency, and health checks 
 bench-browse: build ## Scroll and Count at 100k and 1M chunks (3 shards): chunks/s, count p50/p99 per filter selectivity; beside the Qdrant engine when ENGINES_PYTHON has qdrant-edge-py
 	mkdir -p bench-out
 	$(BIN)/browsebench --sizes 100000,1000000 $(if $(wildcard $(ENGINES_PYTHON)),--engines $(ENGINES_PYTHON)) --out bench-out/browse.json
+
+bench-update: ## partial updates: UpdateDocuments by ids and by filter against re-upserting whole documents (vectors reused / re-embedded), delete by filter, 2,000 SciFact abstracts, beside the Qdrant engine
+	$(BIN)/updatebench $(if $(wildcard $(ENGINES_PYTHON)),--engines $(ENGINES_PYTHON)) --out bench-out/update.json
+
+bench-backup: bench-chunks ## backup under a write load and restore into a fresh one-node cluster, 200k SciFact chunks: times, writes acknowledged before the backup all restored, top 10 agreement over 300 queries
+	$(BIN)/backupbench --size $${BACKUP_CHUNKS:-200000} --out bench-out/backup.json
 
 bench-filter: bench-chunks ## filtered dense search at 100k chunks, keyword filters matching 50/10/1/0.1%: recall@10 and QPS at 8 clients, 3 shards and 1 colocated shard, beside the Qdrant engine
 	$(BIN)/filterbench $(if $(wildcard $(ENGINES_PYTHON)),--engines $(ENGINES_PYTHON)) --out bench-out/filter.json

@@ -148,6 +148,32 @@ def check(name, out_dir):
     for sm in sms:
         if sm["spec"]["endpoints"][0]["port"] != "metrics":
             fail(f"{name}: ServiceMonitor port")
+    # Scheduled backups: ragctl from the coordinator image, to the coordinator Service, with
+    # the CA and admin key where TLS and API keys are on, into a volume.
+    jobs = by_kind(objects, "CronJob", "-backup")
+    if merged["backup"]["enabled"] != bool(jobs):
+        fail(f"{name}: backup CronJob")
+    for job in jobs:
+        pod = job["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        args = c["args"]
+        scheme = "https" if merged["tls"]["enabled"] else "http"
+        want = f"{scheme}://rag-ragcluster-coordinator:{merged['coordinator']['service']['port']}"
+        if c["command"] != ["/usr/local/bin/ragctl"] or args[1] != want:
+            fail(f"{name}: backup job calls {c['command']} {args[:2]}")
+        if args[-7:] != ["backup", "create", "--to", "/backups", "--stamp", "--keep", str(merged["backup"]["keep"])]:
+            fail(f"{name}: backup job args {args}")
+        if merged["tls"]["enabled"] != ("--tls-ca" in args):
+            fail(f"{name}: backup job TLS")
+        keyed = any(e["name"] == "RAGCLUSTER_API_KEY" for e in c.get("env", []))
+        if merged["auth"]["enabled"] != keyed:
+            fail(f"{name}: backup job API key")
+        claim = pod["volumes"][0]["persistentVolumeClaim"]["claimName"]
+        pvcs = {o["metadata"]["name"] for o in by_kind(objects, "PersistentVolumeClaim")}
+        if not merged["backup"]["existingClaim"] and claim not in pvcs:
+            fail(f"{name}: backup claim {claim} is not rendered")
+        if pod["securityContext"].get("runAsUser") != 10001:
+            fail(f"{name}: backup job user")
     # The rendered process config.
     cm = one(objects, "ConfigMap", "-config")
     toml_text = cm["data"]["ragcluster.toml"]
@@ -217,6 +243,7 @@ def main():
     check_rejected("unknown-key", {"shardNode": {"replica": 3}}, "a misspelt key")
     check_rejected("tls-without-secret", {"tls": {"enabled": True}}, "TLS without a Secret")
     check_rejected("bad-size", {"shardNode": {"persistence": {"size": "lots"}}}, "a bad size")
+    check_rejected("bad-schedule", {"backup": {"enabled": True, "schedule": "nightly"}}, "a bad schedule")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use coordinator::shards::node::{call, request};
+use coordinator::shards::node::{EXPORT_START, ExportStream, call, request};
 use coordinator::shards::{ShardCallError, ShardNode};
 use ragcluster_proto::v1::shard_server::Shard as ShardRpc;
 use ragcluster_proto::v1::*;
@@ -126,5 +126,13 @@ impl ShardNode for LocalNode {
         call(timeout, self.svc.transfer_leader(request(req, timeout)))
             .await
             .map(|_| ())
+    }
+
+    async fn export(&self, req: ExportRequest) -> Result<ExportStream> {
+        use futures::StreamExt;
+        let parts = call(EXPORT_START, self.svc.export(tonic::Request::new(req))).await?;
+        Ok(parts
+            .map(|p| p.map_err(ShardCallError::from_status))
+            .boxed())
     }
 }

@@ -20,7 +20,12 @@ use crate::limits::{
 use crate::models::Models;
 use crate::placement;
 use crate::read_token::ReadToken;
-use crate::shards::Shards;
+use crate::shards::{Batch, Shards};
+
+mod changes;
+mod restore;
+mod reuse;
+pub use changes::check_patch;
 
 pub(crate) fn check_id(field: &str, id: &str) -> Result<()> {
     if id.is_empty() {
@@ -234,13 +239,8 @@ impl Ingestor {
             })
             .collect();
         let t_embed = std::time::Instant::now();
-        let vectors = if texts.is_empty() {
-            Vec::new()
-        } else {
-            self.models
-                .embed(&info.embedding_model, texts, EmbedInput::Document)
-                .await?
-        };
+        let timeout = self.timeout(client_timeout, started);
+        let (vectors, reused) = self.vectors(&info, &docs, texts, label, timeout).await?;
         let embed_took = t_embed.elapsed();
         let per_shard = writes(docs, vectors, info.shard_count);
         let chunks_of: HashMap<String, usize> = per_shard
@@ -250,7 +250,11 @@ impl Ingestor {
             .collect();
         let timeout = self.timeout(client_timeout, started);
         let t_write = std::time::Instant::now();
-        let outcomes = self.write_shards(&info, per_shard, timeout).await;
+        let batches = per_shard
+            .into_iter()
+            .map(|(s, w)| (s, Batch::Writes(w)))
+            .collect();
+        let outcomes = self.write_shards(&info, batches, timeout).await;
         let write_took = t_write.elapsed();
         let timings = IngestTimings {
             chunk_us: chunk_took.as_micros() as u64,
@@ -268,12 +272,61 @@ impl Ingestor {
         raise(&mut token, &outcomes);
         let mut report = Report::new(&ids, &chunks_of, outcomes, &info.name);
         report.response.timings = Some(timings);
+        report.response.reused_chunks = reused as u32;
         report.response.read_token = token.encode(&info);
         metrics::counter!("coordinator_ingested_documents_total")
             .increment(u64::from(report.response.documents));
         metrics::counter!("coordinator_ingested_chunks_total")
             .increment(u64::from(report.response.chunks));
         report.into_result()
+    }
+
+    /// The vector of each text (in order) and the model revision it comes from: stored ones
+    /// where the text is unchanged (`reuse`), the rest embedded. Also returns how many were
+    /// reused.
+    async fn vectors(
+        &self,
+        info: &CollectionInfo,
+        docs: &[Chunked],
+        texts: Vec<String>,
+        label: bool,
+        timeout: Duration,
+    ) -> Result<(Vec<(Vec<f32>, String)>, usize)> {
+        if texts.is_empty() {
+            return Ok((Vec::new(), 0));
+        }
+        let model = &info.embedding_model;
+        let revision = self.models.meta(model).and_then(|m| m.revision);
+        let stored = match &revision {
+            Some(rev) => self.stored_vectors(info, docs, rev, label, timeout).await,
+            None => HashMap::new(),
+        };
+        let todo: Vec<String> = texts
+            .iter()
+            .filter(|t| !stored.contains_key(*t))
+            .cloned()
+            .collect();
+        let reused = texts.len() - todo.len();
+        let (fresh, fresh_rev) = if todo.is_empty() {
+            (Vec::new(), None)
+        } else {
+            self.models
+                .embed_revised(model, todo, EmbedInput::Document)
+                .await?
+        };
+        let mut fresh = fresh.into_iter();
+        let fresh_rev = fresh_rev.unwrap_or_default();
+        let revision = revision.unwrap_or_default();
+        metrics::counter!("coordinator_reused_vectors_total").increment(reused as u64);
+        let vectors = texts
+            .into_iter()
+            .map(|t| match stored.get(&t) {
+                // A text twice in the batch takes the stored vector each time.
+                Some(v) => (v.clone(), revision.clone()),
+                None => (fresh.next().unwrap_or_default(), fresh_rev.clone()),
+            })
+            .collect();
+        Ok((vectors, reused))
     }
 
     /// The write deadline: `write_timeout`, or less when the caller's deadline is nearer.
@@ -310,91 +363,22 @@ impl Ingestor {
         .map_err(|e| CoordError::Catalog(e.to_string()))
     }
 
-    pub async fn delete(
-        &self,
-        r: DeleteDocumentsRequest,
-        client_timeout: Option<Duration>,
-    ) -> Result<DeleteDocumentsResponse> {
-        let started = std::time::Instant::now();
-        check_collection("collection", &r.collection)?;
-        let info = self.catalog.get(&r.collection)?;
-        if r.ids.is_empty() {
-            return Err(CoordError::invalid("ids", "is empty"));
-        }
-        let mut token = ReadToken::parse("read_token", &r.read_token, &info, &r.collection)?;
-        let max = self.max_batch.min(MAX_DOCS_PER_BATCH);
-        if r.ids.len() > max {
-            return Err(CoordError::TooLarge {
-                field: "ids".into(),
-                reason: format!("at most {max} per call (limits.max_batch_documents)"),
-            });
-        }
-        let mut seen = HashSet::new();
-        let mut per_shard: BTreeMap<u32, Vec<DocumentWrite>> = BTreeMap::new();
-        for (i, id) in r.ids.iter().enumerate() {
-            check_id(&format!("ids[{i}]"), id)?;
-            if !seen.insert(id) {
-                return Err(CoordError::invalid(
-                    format!("ids[{i}]"),
-                    format!("{id:?} appears more than once"),
-                ));
-            }
-            per_shard
-                .entry(placement::shard_for_doc(id, info.shard_count))
-                .or_default()
-                .push(DocumentWrite {
-                    doc_id: id.clone(),
-                    chunks: vec![],
-                    delete: true,
-                });
-        }
-        let timeout = self.timeout(client_timeout, started);
-        let mut not_found = Vec::new();
-        let mut failed = Vec::new();
-        let outcomes = self.write_shards(&info, per_shard, timeout).await;
-        raise(&mut token, &outcomes);
-        for (shard, docs, r) in outcomes {
-            match r {
-                Ok(r) => not_found.extend(r.not_found),
-                Err(e) => failed.push((shard, docs.len(), e)),
-            }
-        }
-        if let Some((_, _, first)) = failed.first() {
-            let n: usize = failed.iter().map(|(_, n, _)| n).sum();
-            let shards: Vec<String> = failed.iter().map(|(s, _, _)| s.to_string()).collect();
-            return Err(CoordError::Partial {
-                code: first.to_status_code(),
-                reason: format!(
-                    "{n} of {} deletes not applied (shards {} of {}: {first}); retrying the \
-                     whole call is safe",
-                    r.ids.len(),
-                    shards.join(", "),
-                    info.name
-                ),
-                retry_after_ms: 500,
-                details: Vec::new(),
-            });
-        }
-        Ok(DeleteDocumentsResponse {
-            deleted: (r.ids.len() - not_found.len()) as u32,
-            not_found,
-            read_token: token.encode(&info),
-        })
-    }
-
     /// Writes every shard's batch in parallel; each outcome with the shard and its doc ids.
     async fn write_shards(
         &self,
         info: &CollectionInfo,
-        per_shard: BTreeMap<u32, Vec<DocumentWrite>>,
+        per_shard: BTreeMap<u32, Batch>,
         timeout: Duration,
     ) -> Vec<(u32, Vec<String>, Result<WriteBatchResponse>)> {
-        let writes = per_shard.into_iter().map(|(shard, writes)| async move {
-            let docs: Vec<String> = writes.iter().map(|w| w.doc_id.clone()).collect();
+        let writes = per_shard.into_iter().map(|(shard, batch)| async move {
+            let docs: Vec<String> = match &batch {
+                Batch::Writes(w) => w.iter().map(|w| w.doc_id.clone()).collect(),
+                Batch::Changes(c) => c.iter().flat_map(|c| c.doc_ids.clone()).collect(),
+            };
             let r = match info.shards.get(shard as usize) {
                 Some(p) => {
                     self.shards
-                        .write(&info.name, shard, &p.nodes, writes, timeout)
+                        .write(&info.name, shard, &p.nodes, batch, timeout)
                         .await
                 }
                 None => Err(CoordError::Catalog(format!(
@@ -521,7 +505,7 @@ impl Report {
 /// grouped by the shard that owns the document.
 fn writes(
     docs: Vec<Chunked>,
-    vectors: Vec<Vec<f32>>,
+    vectors: Vec<(Vec<f32>, String)>,
     shard_count: u32,
 ) -> BTreeMap<u32, Vec<DocumentWrite>> {
     let mut vectors = vectors.into_iter();
@@ -554,11 +538,19 @@ fn writes(
                     text: p.text,
                     metadata,
                     fields: doc.fields.clone(),
-                    embedding: if own.is_empty() {
-                        vectors.next().unwrap_or_default()
+                    ..if own.is_empty() {
+                        let (embedding, embedding_revision) = vectors.next().unwrap_or_default();
+                        Chunk {
+                            embedding,
+                            embedding_revision,
+                            ..Default::default()
+                        }
                     } else {
-                        own.clone()
-                    },
+                        Chunk {
+                            embedding: own.clone(),
+                            ..Default::default()
+                        }
+                    }
                 }
             })
             .collect();

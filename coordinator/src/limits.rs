@@ -51,6 +51,11 @@ pub const MAX_SAFE_INTEGER: i64 = 1 << 53;
 pub const MAX_FILTER_CONDITIONS: usize = 64;
 pub const MAX_FILTER_DEPTH: usize = 8;
 pub const MAX_ANY_OF: usize = 1024;
+/// Keys set and deleted by one UpdateDocuments patch, all four lists together.
+pub const MAX_PATCH_ENTRIES: usize = 64;
+
+/// Bytes of one RestoreDocuments call (documents per call: `MAX_DOCS_PER_BATCH`).
+pub const MAX_RESTORE_BYTES: usize = 64 << 20;
 
 /// Bytes of an Ask question.
 pub const MAX_QUESTION_BYTES: usize = 8 * 1024;
@@ -142,6 +147,9 @@ mod tests {
             format!("Typed fields declared up front (at most {MAX_SCHEMA_FIELDS})"),
             format!("more than {MAX_SCHEMA_FIELDS} fields in the schema is RESOURCE_EXHAUSTED"),
             format!("Typed fields (at most {MAX_DOC_FIELDS}, names as FieldSchema's"),
+            format!(
+                "At most {MAX_DOCS_PER_BATCH} ids and {MAX_PATCH_ENTRIES} patch entries per call"
+            ),
         ];
         for s in &stated {
             assert!(
@@ -159,6 +167,7 @@ mod tests {
             ),
             format!("at most {} values", fmt_thousands(MAX_ANY_OF)),
             format!("Within +-2^{}", MAX_SAFE_INTEGER.trailing_zeros()),
+            format!("at most {MAX_PATCH_ENTRIES} entries in all"),
         ];
         for s in &stated {
             assert!(
@@ -166,6 +175,15 @@ mod tests {
                 "common.proto does not state {s:?}"
             );
         }
+        let admin = read("proto/ragcluster/v1/admin.proto");
+        let stated = format!(
+            "At most {MAX_DOCS_PER_BATCH} documents and {} per call",
+            size(MAX_RESTORE_BYTES)
+        );
+        assert!(
+            admin.contains(&stated),
+            "admin.proto does not state {stated:?}"
+        );
         let readme = read("README.md");
         let stated = [
             format!(
@@ -175,6 +193,10 @@ mod tests {
             format!("document ids ≤ {MAX_ID_BYTES} bytes"),
             format!("{MAX_ALIAS_ACTIONS} actions per `UpdateAliases`"),
             format!("filters of at most {MAX_FILTER_CONDITIONS} conditions"),
+            format!(
+                "{MAX_DOCS_PER_BATCH} documents and {} per `RestoreDocuments`",
+                size(MAX_RESTORE_BYTES)
+            ),
             format!("{MAX_DOCS_PER_BATCH} ids per `GetDocuments`"),
             format!(
                 "{},{:03} chunks (and {}) per `Scroll` page",

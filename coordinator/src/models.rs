@@ -100,6 +100,12 @@ pub fn merge_meta<'a>(
         .collect()
 }
 
+/// The revision all of `revisions` name, if they agree on one.
+fn one_revision(revisions: &[String]) -> Option<String> {
+    let first = revisions.first()?;
+    (!first.is_empty() && revisions.iter().all(|r| r == first)).then(|| first.clone())
+}
+
 /// A registered model worker (from the member table).
 #[derive(Debug, Clone)]
 pub struct Worker {
@@ -407,6 +413,17 @@ impl Models {
         texts: Vec<String>,
         input: EmbedInput,
     ) -> Result<Vec<Vec<f32>>> {
+        Ok(self.embed_revised(model, texts, input).await?.0)
+    }
+
+    /// As `embed`, with the model revision every vector comes from (None when the workers
+    /// reported none, or several: a model being replaced).
+    pub async fn embed_revised(
+        &self,
+        model: &str,
+        texts: Vec<String>,
+        input: EmbedInput,
+    ) -> Result<(Vec<Vec<f32>>, Option<String>)> {
         let mut meta = self.meta(model);
         // A model not listed yet (just started, a worker just joined): list now, not in 10 s.
         let retry = self
@@ -419,7 +436,8 @@ impl Models {
         }
         let batch = self.batch_for(meta.as_ref());
         let (Some(_), Some(revision)) = (&self.cache, meta.and_then(|m| m.revision)) else {
-            return Ok(self.embed_calls(model, texts, input, batch).await?.0);
+            let (vectors, revisions) = self.embed_calls(model, texts, input, batch).await?;
+            return Ok((vectors, one_revision(&revisions)));
         };
         // A query's vector is keyed apart (revisions are hex: no document key is "…/query").
         let keyed = match input {
@@ -431,6 +449,7 @@ impl Models {
         let mut out: Vec<Option<Arc<[f32]>>> = cache.get_many(&keys);
         // The misses, each distinct text once, and where each answer goes.
         let mut todo: Vec<String> = Vec::new();
+        let mut answered = Some(revision.clone());
         let mut todo_keys: Vec<Key> = Vec::new();
         let mut slot_of: HashMap<Key, usize> = HashMap::new();
         let mut wanted: Vec<(usize, usize)> = Vec::new();
@@ -452,15 +471,18 @@ impl Models {
             // answers with another).
             if revisions.iter().all(|r| *r == revision) {
                 cache.put_many(todo_keys.into_iter().zip(vectors.iter().cloned()));
+            } else {
+                answered = None;
             }
             for (i, slot) in wanted {
                 out[i] = Some(vectors[slot].clone());
             }
         }
-        Ok(out
+        let vectors = out
             .into_iter()
             .map(|v| v.map(|v| v.to_vec()).unwrap_or_default())
-            .collect())
+            .collect();
+        Ok((vectors, answered))
     }
 
     /// Embeds through the workers, `batch` texts per call with `concurrency` calls in flight;

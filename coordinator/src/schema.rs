@@ -3,11 +3,11 @@
 //! mapping does), and the check of a filter against it, so that a shard only ever sees
 //! conditions that fit their fields' types and every mistake is named by its path.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use ragcluster_proto::v1::{
-    AddFieldsRequest, CollectionInfo, Condition, Document, FieldSchema, FieldType, Filter, Range,
-    Value, condition, value,
+    AddFieldsRequest, CollectionInfo, Condition, Document, DocumentWrite, FieldSchema, FieldType,
+    Filter, MetadataPatch, Range, Value, condition, value,
 };
 
 use crate::error::{CoordError, Result};
@@ -117,6 +117,61 @@ pub fn check_value(path: &str, v: &Value) -> Result<FieldType> {
 /// A value of another type than its field's, in the schema or earlier in the batch, is
 /// INVALID_ARGUMENT.
 pub fn growth(docs: &[Document], info: &CollectionInfo) -> Result<Vec<FieldSchema>> {
+    grow(
+        docs.iter().enumerate().map(|(i, d)| Source {
+            fields_path: format!("documents[{i}].fields"),
+            metadata_path: format!("documents[{i}].metadata"),
+            fields: &d.fields,
+            metadata: &d.metadata,
+        }),
+        info,
+        "documents",
+    )
+}
+
+/// The fields a metadata patch sets, checked and grown as an upsert's are (`growth`).
+pub fn patch_growth(p: &MetadataPatch, info: &CollectionInfo) -> Result<Vec<FieldSchema>> {
+    grow(
+        std::iter::once(Source {
+            fields_path: "patch.set_fields".into(),
+            metadata_path: "patch.set_metadata".into(),
+            fields: &p.set_fields,
+            metadata: &p.set_metadata,
+        }),
+        info,
+        "patch",
+    )
+}
+
+/// The fields of restored chunks (`RestoreDocuments`), checked and grown as an upsert's are.
+pub fn chunk_growth(docs: &[DocumentWrite], info: &CollectionInfo) -> Result<Vec<FieldSchema>> {
+    grow(
+        docs.iter().enumerate().flat_map(|(i, d)| {
+            d.chunks.iter().enumerate().map(move |(j, c)| Source {
+                fields_path: format!("documents[{i}].chunks[{j}].fields"),
+                metadata_path: format!("documents[{i}].chunks[{j}].metadata"),
+                fields: &c.fields,
+                metadata: &c.metadata,
+            })
+        }),
+        info,
+        "documents",
+    )
+}
+
+/// Typed fields and string metadata of one document (or patch), and how errors name them.
+struct Source<'a> {
+    fields_path: String,
+    metadata_path: String,
+    fields: &'a HashMap<String, Value>,
+    metadata: &'a HashMap<String, String>,
+}
+
+fn grow<'a>(
+    sources: impl Iterator<Item = Source<'a>>,
+    info: &CollectionInfo,
+    whole: &str,
+) -> Result<Vec<FieldSchema>> {
     let schema = schema_of(info);
     let mut added: BTreeMap<String, FieldType> = BTreeMap::new();
     let mut see = |path: String, name: &str, t: FieldType| -> Result<()> {
@@ -137,17 +192,17 @@ pub fn growth(docs: &[Document], info: &CollectionInfo) -> Result<Vec<FieldSchem
             }
         }
     };
-    for (i, d) in docs.iter().enumerate() {
+    for d in sources {
         if d.fields.len() > MAX_DOC_FIELDS {
             return Err(CoordError::invalid(
-                format!("documents[{i}].fields"),
+                d.fields_path,
                 format!("has more than {MAX_DOC_FIELDS} fields"),
             ));
         }
         let mut names: Vec<&String> = d.fields.keys().collect();
         names.sort();
         for name in names {
-            let path = format!("documents[{i}].fields[{name:?}]");
+            let path = format!("{}[{name:?}]", d.fields_path);
             check_field_name(&path, name)?;
             if d.metadata.contains_key(name) {
                 return Err(CoordError::invalid(path, "is also a metadata key"));
@@ -158,7 +213,7 @@ pub fn growth(docs: &[Document], info: &CollectionInfo) -> Result<Vec<FieldSchem
         let mut keys: Vec<&String> = d.metadata.keys().collect();
         keys.sort();
         for k in keys {
-            let path = format!("documents[{i}].metadata[{k:?}]");
+            let path = format!("{}[{k:?}]", d.metadata_path);
             check_field_name(&path, k)?;
             check_keyword(&path, &d.metadata[k])?;
             see(path, k, FieldType::Keyword)?;
@@ -166,9 +221,9 @@ pub fn growth(docs: &[Document], info: &CollectionInfo) -> Result<Vec<FieldSchem
     }
     if info.fields.len() + added.len() > MAX_SCHEMA_FIELDS {
         return Err(CoordError::TooLarge {
-            field: "documents".into(),
+            field: whole.into(),
             reason: format!(
-                "the batch adds {} fields to a schema of {}; at most {MAX_SCHEMA_FIELDS}",
+                "adds {} fields to a schema of {}; at most {MAX_SCHEMA_FIELDS}",
                 added.len(),
                 info.fields.len()
             ),

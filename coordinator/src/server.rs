@@ -158,7 +158,12 @@ async fn serve(
                 .max_decoding_message_size(cfg.limits.max_request_bytes)
                 .max_encoding_message_size(64 * 1024 * 1024),
         )
-        .add_service(AdminServer::new(admin).max_decoding_message_size(1024 * 1024))
+        .add_service(
+            // RestoreDocuments carries backed-up documents with their vectors.
+            AdminServer::new(admin)
+                .max_decoding_message_size(crate::limits::MAX_RESTORE_BYTES)
+                .max_encoding_message_size(64 * 1024 * 1024),
+        )
         .add_service(CatalogPeerServer::new(peer).max_decoding_message_size(64 * 1024 * 1024))
         .add_service(MembershipServer::new(members).max_decoding_message_size(1024 * 1024))
         .serve_with_incoming_shutdown(incoming, shutdown)
@@ -229,14 +234,14 @@ fn services(
         cfg.search_timeout,
         limits.max_batch_documents,
     ));
-    let ingestor = Ingestor::new(
+    let ingestor = Arc::new(Ingestor::new(
         catalog.clone(),
         h.shards.clone(),
         h.models.clone(),
         tokens.clone(),
         cfg.write_timeout,
         limits.max_batch_documents,
-    );
+    ));
     let engine = Engine {
         flows,
         catalog: catalog.clone(),
@@ -257,7 +262,7 @@ fn services(
     let coordinator = CoordinatorService {
         handles: h.clone(),
         collections: collections.clone(),
-        ingestor: Arc::new(ingestor),
+        ingestor: ingestor.clone(),
         searcher,
         documents,
         engine: Arc::new(engine),
@@ -276,6 +281,7 @@ fn services(
     let admin = AdminService {
         handles: h,
         collections,
+        ingestor,
         rebalancer,
         forward,
         channels,

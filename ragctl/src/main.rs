@@ -5,7 +5,9 @@
 mod cmd;
 
 use cmd::local::LocalCluster;
-use cmd::{aliases, ask, browse, docs, eval, ingest, keys, local, ops, optimize, status};
+use cmd::{
+    aliases, ask, backup, browse, docs, edit, eval, ingest, keys, local, ops, optimize, status,
+};
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -138,6 +140,11 @@ enum Cmd {
     Scroll(browse::ScrollArgs),
     /// Count the chunks (and their documents) that match a filter, exactly.
     Count(browse::CountArgs),
+    /// Set or delete metadata keys and typed fields of documents (by id or --where) without
+    /// re-embedding them.
+    Update(edit::UpdateArgs),
+    /// Delete documents by id, or every document with a chunk matching --where.
+    Delete(edit::DeleteArgs),
     /// Ask a question: a flow retrieves, generates a cited answer (streamed) and traces itself.
     Ask(AskArgs),
     /// Evaluate quality on BEIR-format data.
@@ -179,6 +186,12 @@ enum Cmd {
     Alias {
         #[command(subcommand)]
         cmd: aliases::AliasCmd,
+    },
+    /// Backups (admin): save collections and aliases to a directory, restore them into a
+    /// cluster (any number of shard nodes), verify a backup's checksums.
+    Backup {
+        #[command(subcommand)]
+        cmd: backup::BackupCmd,
     },
     /// API keys (admin): create, list, revoke.
     Key {
@@ -472,6 +485,8 @@ async fn main() -> Result<()> {
         Cmd::Get(a) => browse::get(&cli, a).await,
         Cmd::Scroll(a) => browse::scroll(&cli, a).await,
         Cmd::Count(a) => browse::count(&cli, a).await,
+        Cmd::Update(a) => edit::update(&cli, a).await,
+        Cmd::Delete(a) => edit::delete(&cli, a).await,
         Cmd::Ask(a) => ask::ask(&cli, a).await,
         Cmd::Optimize(a) => {
             let addr = model_worker_addr(&cli, &a.model_worker);
@@ -500,6 +515,7 @@ async fn main() -> Result<()> {
             ops::rebalance(&mut AdminClient::new(channel(&cli).await?), *dry_run).await
         }
         Cmd::Alias { cmd } => aliases::run(CoordinatorClient::new(channel(&cli).await?), cmd).await,
+        Cmd::Backup { cmd } => backup::run(&cli, cmd).await,
         Cmd::Key { cmd } => keys::run(&mut AdminClient::new(channel(&cli).await?), cmd).await,
         Cmd::Health {
             addr,

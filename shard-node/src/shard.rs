@@ -191,6 +191,10 @@ impl Shard {
         if req.request_id.len() > 128 {
             return bad("request_id is longer than 128 bytes".into());
         }
+        if !req.changes.is_empty() && !req.writes.is_empty() {
+            return bad("a batch carries writes or changes, not both".into());
+        }
+        changes::validate(&req.changes)?;
         let mut seen = std::collections::HashSet::new();
         for (i, w) in req.writes.iter_mut().enumerate() {
             if w.doc_id.is_empty() {
@@ -257,14 +261,31 @@ impl Shard {
             self.apply_noop(seq, None)?;
             return Ok(Err(e));
         }
+        // 0. Changes become plain writes against the state at this entry (`changes`).
+        let resolved = if req.changes.is_empty() {
+            changes::Resolved::default()
+        } else {
+            let mut r = match changes::resolve(&self.store, &self.key, &req.changes) {
+                Ok(r) => r,
+                Err(e @ ShardError::InvalidArgument(_)) => {
+                    self.apply_noop(seq, None)?;
+                    return Ok(Err(e));
+                }
+                Err(e) => return Err(e),
+            };
+            req.changes.clear();
+            req.writes = std::mem::take(&mut r.writes);
+            r
+        };
         // 1. Durable. A failure here leaves nothing behind (atomic write) and nothing
         // acknowledged.
         let respond = |e: &crate::storage::BatchEffect| WriteBatchResponse {
             applied_seq: seq,
             existed: e.existed,
-            not_found: e.not_found.clone(),
+            not_found: [&e.not_found[..], &resolved.not_found[..]].concat(),
             duplicate: false,
             forwarded_to: String::new(),
+            changed: resolved.changed,
         };
         let effect =
             self.store
@@ -635,6 +656,8 @@ impl Shard {
     }
 }
 
+pub mod changes;
 pub mod clock;
+pub mod export;
 #[cfg(test)]
 mod tests;

@@ -90,9 +90,8 @@ pub(crate) fn deleted(id: &str) -> DocumentWrite {
 
 pub(crate) fn batch(writes: Vec<DocumentWrite>) -> WriteBatchRequest {
     WriteBatchRequest {
-        shard: None,
         writes,
-        request_id: String::new(),
+        ..Default::default()
     }
 }
 

@@ -159,6 +159,45 @@ pub fn refused<T: std::fmt::Debug>(
     }
 }
 
+/// Which of `ids` `collection` (or an alias) does not hold, asked 256 at a time.
+pub async fn missing_documents(
+    c: &mut CoordinatorClient<Channel>,
+    collection: &str,
+    ids: &[String],
+) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    for part in ids.chunks(256) {
+        let r = c
+            .get_documents(ragcluster_proto::v1::GetDocumentsRequest {
+                collection: collection.into(),
+                ids: part.to_vec(),
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        out.extend(r.not_found);
+    }
+    Ok(out)
+}
+
+/// The same scores, and the same hits above the 10th score: hits tied at the cut may differ
+/// (equal scores are ordered by where the documents sit in each index, which a restore
+/// writes in id order).
+pub fn same_ranking(a: &[(String, f32)], b: &[(String, f32)]) -> bool {
+    let scores = |h: &[(String, f32)]| h.iter().map(|x| x.1).collect::<Vec<_>>();
+    let cut = a.last().map_or(f32::NEG_INFINITY, |x| x.1);
+    let above = |h: &[(String, f32)]| {
+        let mut ids: Vec<String> = h
+            .iter()
+            .filter(|x| x.1 > cut)
+            .map(|x| x.0.clone())
+            .collect();
+        ids.sort_unstable();
+        ids
+    };
+    scores(a) == scores(b) && above(a) == above(b)
+}
+
 /// Percentile (0..=100) of an unsorted sample, nearest rank.
 pub fn percentile(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {

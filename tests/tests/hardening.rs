@@ -182,6 +182,7 @@ async fn malformed_requests_are_refused_whole() -> Result<()> {
             collection: "h".into(),
             ids: vec!["seed0".into()],
             read_token: "rt1.AAAA".into(),
+            ..Default::default()
         })
         .await;
     refused(
@@ -355,6 +356,106 @@ async fn malformed_requests_are_refused_whole() -> Result<()> {
         c.search(search("missing")).await,
         Code::NotFound,
         &["missing"],
+    )?;
+
+    // Partial updates and deletes by filter: each malformed request is refused whole.
+    let set = |k: &str, v: &str| MetadataPatch {
+        set_metadata: [(k.to_owned(), v.to_owned())].into(),
+        ..Default::default()
+    };
+    let updates: Vec<(&str, UpdateDocumentsRequest, &str)> = vec![
+        (
+            "no selection",
+            UpdateDocumentsRequest {
+                patch: Some(set("k", "v")),
+                ..Default::default()
+            },
+            "ids",
+        ),
+        (
+            "empty patch",
+            UpdateDocumentsRequest {
+                ids: vec!["seed0".into()],
+                ..Default::default()
+            },
+            "patch",
+        ),
+        (
+            "section",
+            UpdateDocumentsRequest {
+                ids: vec!["seed0".into()],
+                patch: Some(set("section", "x")),
+                ..Default::default()
+            },
+            "section",
+        ),
+        (
+            "ids and filter",
+            UpdateDocumentsRequest {
+                ids: vec!["seed0".into()],
+                conditions: Some(Filter::default()),
+                patch: Some(set("k", "v")),
+                ..Default::default()
+            },
+            "conditions",
+        ),
+        (
+            "repeated id",
+            UpdateDocumentsRequest {
+                ids: vec!["seed0".into(), "seed0".into()],
+                patch: Some(set("k", "v")),
+                ..Default::default()
+            },
+            "ids[1]",
+        ),
+        (
+            "unknown field in filter",
+            UpdateDocumentsRequest {
+                conditions: Some(Filter {
+                    must: vec![Condition {
+                        kind: Some(condition::Kind::Exists("nope".into())),
+                    }],
+                    ..Default::default()
+                }),
+                patch: Some(set("k", "v")),
+                ..Default::default()
+            },
+            "conditions.must[0]",
+        ),
+        (
+            "too many entries",
+            UpdateDocumentsRequest {
+                ids: vec!["seed0".into()],
+                patch: Some(MetadataPatch {
+                    delete_fields: (0..65).map(|i| format!("f{i}")).collect(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            "patch",
+        ),
+    ];
+    for (case, mut r, says) in updates {
+        r.collection = "h".into();
+        let code = if case == "too many entries" {
+            Code::ResourceExhausted
+        } else {
+            Code::InvalidArgument
+        };
+        refused(case, c.update_documents(r).await, code, &[says])?;
+    }
+    let del = c
+        .delete_documents(DeleteDocumentsRequest {
+            collection: "h".into(),
+            conditions: Some(Filter::default()),
+            ..Default::default()
+        })
+        .await;
+    refused(
+        "delete everything by an empty filter",
+        del,
+        Code::InvalidArgument,
+        &["conditions"],
     )?;
 
     ensure!(

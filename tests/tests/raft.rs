@@ -128,6 +128,7 @@ async fn partitioned_leader_cannot_acknowledge() -> Result<()> {
             delete: false,
         }],
         request_id: "minority-write".into(),
+        ..Default::default()
     });
     req.set_timeout(Duration::from_secs(3));
     let t = Instant::now();
@@ -936,6 +937,7 @@ async fn write_direct(sc: &mut ShardClient<Channel>, id: u64) -> Result<bool> {
             delete: false,
         }],
         request_id: format!("direct-{id}"),
+        ..Default::default()
     });
     req.set_timeout(Duration::from_secs(10));
     Ok(sc.write_batch(req).await.is_ok())

@@ -147,6 +147,18 @@ async fn try_every_rpc(
         })
     );
     attempt!(
+        "UpdateDocuments",
+        c.update_documents(UpdateDocumentsRequest {
+            collection: sec(),
+            ids: vec!["raft-consensus.md".into()],
+            patch: Some(MetadataPatch {
+                set_metadata: [("evil".to_owned(), "yes".to_owned())].into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+    );
+    attempt!(
         "Search",
         c.search(SearchRequest {
             collection: sec(),
@@ -251,10 +263,34 @@ async fn try_every_rpc(
         "RemoveNode",
         a.remove_node(RemoveNodeRequest { node_id: 424_242 })
     );
+    attempt!(
+        "BackupShard",
+        a.backup_shard(BackupShardRequest {
+            collection: sec(),
+            shard: 0,
+        })
+    );
+    attempt!(
+        "RestoreDocuments",
+        a.restore_documents(RestoreDocumentsRequest {
+            collection: sec(),
+            documents: vec![DocumentWrite {
+                doc_id: "evil".into(),
+                chunks: vec![Chunk {
+                    chunk_id: "evil#0".into(),
+                    doc_id: "evil".into(),
+                    text: "evil".into(),
+                    embedding: vec![0.1; 384],
+                    ..Default::default()
+                }],
+                delete: false,
+            }],
+        })
+    );
     out
 }
 
-const ADMIN_RPCS: [&str; 8] = [
+const ADMIN_RPCS: [&str; 10] = [
     "ClusterStatus",
     "MoveReplica",
     "TransferShardLeader",
@@ -263,6 +299,8 @@ const ADMIN_RPCS: [&str; 8] = [
     "RevokeApiKey",
     "SetNodeState",
     "RemoveNode",
+    "BackupShard",
+    "RestoreDocuments",
 ];
 
 /// What must stay the same whatever refused callers tried.
@@ -465,7 +503,7 @@ async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> 
             ensure!(*c == Code::Unauthenticated, "{case}: {rpc} answered {c:?}");
             refusals += 1;
         }
-        ensure!(got.len() == 22, "{case}: {:?}", every(&got));
+        ensure!(got.len() == 25, "{case}: {:?}", every(&got));
     }
     // Roles too low: a reader and a writer of "sec".
     let denied = |got: &BTreeMap<&'static str, Code>, rpcs: &[&str], case: &str| -> Result<()> {
@@ -500,6 +538,7 @@ async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> 
         "DropCollection",
         "UpsertDocuments",
         "DeleteDocuments",
+        "UpdateDocuments",
         "AddFields",
         "UpdateAliases",
     ];
@@ -508,7 +547,12 @@ async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> 
     refusals += reader_denied.len();
     ensure!(got.len() == reader_denied.len(), "{:?}", every(&got));
     let mut writes = reads.to_vec();
-    writes.extend(["UpsertDocuments", "DeleteDocuments", "AddFields"]);
+    writes.extend([
+        "UpsertDocuments",
+        "DeleteDocuments",
+        "UpdateDocuments",
+        "AddFields",
+    ]);
     let got = try_every_rpc(
         lazy(&co, Some(&ca_only), Some(&writer))?,
         &shard_nodes,

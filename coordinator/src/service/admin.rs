@@ -15,7 +15,9 @@ use super::gate;
 use crate::auth;
 use crate::channels::Channels;
 use crate::collections::Collections;
+use crate::error::CoordError;
 use crate::handles::Handles;
+use crate::ingest::{Ingestor, check_collection};
 use crate::membership::Membership;
 use crate::rebalance::Rebalancer;
 
@@ -26,6 +28,8 @@ pub struct AdminService {
     pub handles: Arc<Handles>,
     pub collections: Arc<Collections>,
     pub rebalancer: Arc<Rebalancer>,
+    /// Writes restored documents (RestoreDocuments).
+    pub ingestor: Arc<Ingestor>,
     pub forward: Arc<Forwarder>,
     pub channels: Arc<Channels>,
     pub membership: Arc<Membership>,
@@ -123,6 +127,7 @@ fn replicas_on(collections: &[CollectionInfo], id: u64, address: &str) -> u32 {
 }
 
 type MoveStream = tokio_stream::wrappers::ReceiverStream<Result<MoveReplicaProgress, Status>>;
+type ExportParts = futures::stream::BoxStream<'static, Result<ExportPart, Status>>;
 
 #[tonic::async_trait]
 impl Admin for AdminService {
@@ -196,6 +201,56 @@ impl Admin for AdminService {
         Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(
             rx,
         )))
+    }
+
+    type BackupShardStream = ExportParts;
+
+    /// A shard's export, passed through: the stream holds no admission slot (it is long).
+    async fn backup_shard(
+        &self,
+        req: Request<BackupShardRequest>,
+    ) -> Result<Response<ExportParts>, Status> {
+        use futures::StreamExt;
+        let _g = gate(&self.handles, &req, "BackupShard", Role::Admin, None)?;
+        let r = req.into_inner();
+        check_collection("collection", &r.collection)?;
+        let info = self.handles.catalog.get(&r.collection)?;
+        let Some(p) = info.shards.get(r.shard as usize) else {
+            return Err(CoordError::invalid(
+                "shard",
+                format!("{} has shards 0 to {}", info.name, info.shard_count - 1),
+            )
+            .into());
+        };
+        let parts = (self.handles.shards)
+            .export(&info.name, r.shard, &p.nodes)
+            .await?;
+        let what = format!("shard {} of {}", r.shard, info.name);
+        tracing::info!(
+            collection = info.name,
+            shard = r.shard,
+            "backup of a shard started"
+        );
+        Ok(Response::new(
+            parts
+                .map(move |p| {
+                    p.map_err(|error| {
+                        let what = what.clone();
+                        Status::from(CoordError::Shard { what, error })
+                    })
+                })
+                .boxed(),
+        ))
+    }
+
+    async fn restore_documents(
+        &self,
+        req: Request<RestoreDocumentsRequest>,
+    ) -> Result<Response<UpsertDocumentsResponse>, Status> {
+        let _g = gate(&self.handles, &req, "RestoreDocuments", Role::Admin, None)?;
+        let client = ragcluster_common::server::grpc_timeout(req.metadata());
+        let r = self.ingestor.restore(req.into_inner(), client).await?;
+        Ok(Response::new(r))
     }
 
     async fn transfer_shard_leader(

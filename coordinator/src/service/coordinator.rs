@@ -172,6 +172,35 @@ impl Coordinator for CoordinatorService {
         ))
     }
 
+    async fn update_documents(
+        &self,
+        req: Request<UpdateDocumentsRequest>,
+    ) -> Result<Response<UpdateDocumentsResponse>, Status> {
+        let coll = req.get_ref().collection.clone();
+        let (caller, _p) = gate(
+            &self.handles,
+            &req,
+            "UpdateDocuments",
+            Role::Writer,
+            Some(&coll),
+        )?;
+        let client = ragcluster_common::server::grpc_timeout(req.metadata());
+        let forwarded = is_forwarded(req.metadata());
+        let r = req.into_inner();
+        // As for upserts: fields the patch sets for the first time join the schema first.
+        check_collection("collection", &r.collection)?;
+        let info = self.handles.catalog.get(&r.collection)?;
+        let grow = crate::ingest::check_patch(r.patch.as_ref(), &info)?;
+        if !grow.is_empty() {
+            let add = AddFieldsRequest {
+                collection: info.name.clone(),
+                fields: grow,
+            };
+            self.add_fields_as(add, &caller, forwarded).await?;
+        }
+        Ok(Response::new(self.ingestor.update(r, client).await?))
+    }
+
     async fn search(
         &self,
         req: Request<SearchRequest>,

@@ -100,6 +100,13 @@ const DISK_FULL_WAIT: Duration = Duration::from_secs(3);
 /// Admin calls (membership views, node ids).
 const ADMIN_CALL: Duration = Duration::from_secs(10);
 
+/// One shard's part of a write: whole documents, or changes the shard resolves when it
+/// applies them (`WriteBatchRequest.changes`).
+pub enum Batch {
+    Writes(Vec<DocumentWrite>),
+    Changes(Vec<DocumentChange>),
+}
+
 pub struct Shards {
     connector: Arc<dyn Connector>,
     routing: Routing,
@@ -210,9 +217,13 @@ impl Shards {
         collection: &str,
         shard: u32,
         replicas: &[String],
-        writes: Vec<DocumentWrite>,
+        batch: Batch,
         timeout: Duration,
     ) -> Result<WriteBatchResponse> {
+        let (writes, changes) = match batch {
+            Batch::Writes(w) => (w, Vec::new()),
+            Batch::Changes(c) => (Vec::new(), c),
+        };
         let req = WriteBatchRequest {
             shard: Some(ShardRef {
                 collection: collection.to_owned(),
@@ -220,6 +231,7 @@ impl Shards {
             }),
             writes,
             request_id: format!("{:032x}", rand::random::<u128>()),
+            changes,
         };
         let deadline = Instant::now() + timeout;
         let mut target = self.routing.leader(collection, shard, replicas);
@@ -424,6 +436,41 @@ impl Shards {
                 _ => self.routing.next_replica(nodes, &target),
             };
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Starts the export of a shard (backups) on one of its replicas, the leader first: each
+    /// serves it after a read index, so every write acknowledged before the call is in it.
+    pub async fn export(
+        &self,
+        collection: &str,
+        shard: u32,
+        replicas: &[String],
+    ) -> Result<node::ExportStream> {
+        let mut target = self.routing.leader(collection, shard, replicas);
+        let mut tried = 1;
+        loop {
+            let req = ExportRequest {
+                shard: Some(ShardRef {
+                    collection: collection.to_owned(),
+                    shard,
+                }),
+                max_bytes: 0,
+            };
+            let res = match self.node(&target) {
+                Ok(n) => n.export(req).await,
+                Err(e) => Err(e),
+            };
+            match res {
+                Ok(parts) => return Ok(parts),
+                Err(e) if e.is_retryable() && tried < replicas.len() => {
+                    tracing::info!(collection, shard, node = %target, error = %e,
+                                   "export: trying the next replica");
+                    tried += 1;
+                    target = self.routing.next_replica(replicas, &target);
+                }
+                Err(e) => return Err(shard_error(collection, shard, e)),
+            }
         }
     }
 

@@ -22,6 +22,12 @@ use crate::error::ShardCallError;
 
 type Result<T> = std::result::Result<T, ShardCallError>;
 
+/// A shard's export (`Shard.Export`): its documents as of one moment, message by message.
+pub type ExportStream = futures::stream::BoxStream<'static, Result<ExportPart>>;
+
+/// How long an export may take to start (its read index); the stream itself has no deadline.
+pub const EXPORT_START: Duration = Duration::from_secs(10);
+
 /// The calls the coordinator makes to a shard node.
 #[tonic::async_trait]
 pub trait ShardNode: Send + Sync {
@@ -65,6 +71,8 @@ pub trait ShardNode: Send + Sync {
         timeout: Duration,
     ) -> Result<ChangeReplicasResponse>;
     async fn transfer_leader(&self, req: TransferLeaderRequest, timeout: Duration) -> Result<()>;
+    /// Starts a shard's export (backups) within `EXPORT_START`.
+    async fn export(&self, req: ExportRequest) -> Result<ExportStream>;
 }
 
 /// Resolves a shard node's address.
@@ -297,5 +305,14 @@ impl ShardNode for GrpcShardNode {
         call(timeout, c.transfer_leader(request(req, timeout)))
             .await
             .map(|_| ())
+    }
+
+    async fn export(&self, req: ExportRequest) -> Result<ExportStream> {
+        use futures::StreamExt;
+        let mut c = self.client.clone();
+        let parts = call(EXPORT_START, c.export(tonic::Request::new(req))).await?;
+        Ok(parts
+            .map(|p| p.map_err(ShardCallError::from_status))
+            .boxed())
     }
 }

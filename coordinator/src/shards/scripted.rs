@@ -514,6 +514,30 @@ impl ShardNode for ScriptedNode {
             None => Ok(()),
         }
     }
+
+    async fn export(&self, _req: ExportRequest) -> Result<super::node::ExportStream> {
+        use futures::StreamExt;
+        self.answer("export", "", super::node::EXPORT_START).await?;
+        let mut held = self.chunks.lock().clone();
+        held.sort_by(|a, b| (&a.doc_id, a.position).cmp(&(&b.doc_id, b.position)));
+        let mut documents: Vec<DocumentWrite> = Vec::new();
+        for c in held {
+            match documents.last_mut() {
+                Some(d) if d.doc_id == c.doc_id => d.chunks.push(c),
+                _ => documents.push(DocumentWrite {
+                    doc_id: c.doc_id.clone(),
+                    chunks: vec![c],
+                    delete: false,
+                }),
+            }
+        }
+        let part = ExportPart {
+            seq: 1,
+            documents,
+            done: true,
+        };
+        Ok(futures::stream::iter([Ok(part)]).boxed())
+    }
 }
 
 /// Lower-cased alphanumeric words.

@@ -43,7 +43,8 @@ fn sref() -> ShardRef {
 }
 
 async fn write(s: &Shards, within: Duration) -> Result<WriteBatchResponse> {
-    s.write("c", 0, &nodes(3), Vec::new(), within).await
+    s.write("c", 0, &nodes(3), super::Batch::Writes(Vec::new()), within)
+        .await
 }
 
 #[tokio::test]

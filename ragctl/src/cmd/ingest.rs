@@ -48,7 +48,7 @@ struct JsonDoc {
 
 /// A JSON value as a typed field: an integer, a float, a boolean, a string (keyword), an
 /// array of strings (keyword list), or `{"datetime": "2024-05-01T00:00:00Z"}` (RFC 3339, UTC).
-fn json_value(v: serde_json::Value) -> std::result::Result<Value, String> {
+pub(crate) fn json_value(v: serde_json::Value) -> std::result::Result<Value, String> {
     use serde_json::Value as J;
     use value::Kind;
     let kind = match v {

@@ -2,8 +2,10 @@
 
 pub mod aliases;
 pub mod ask;
+pub mod backup;
 pub mod browse;
 pub mod docs;
+pub mod edit;
 pub mod eval;
 pub mod ingest;
 pub mod keys;

@@ -28,7 +28,7 @@ pub enum Value {
 /// A chunk's metadata: string metadata as keywords, then its typed fields.
 pub type Meta = Vec<(String, Value)>;
 
-/// The metadata of a stored chunk.
+/// The metadata of a stored chunk, by name (so equal metadata compares equal).
 pub fn meta_of(c: &pb::Chunk) -> Meta {
     let mut m: Meta = c
         .metadata
@@ -40,6 +40,7 @@ pub fn meta_of(c: &pb::Chunk) -> Meta {
             .iter()
             .filter_map(|(k, v)| Some((k.clone(), value(v)?))),
     );
+    m.sort_by(|a, b| a.0.cmp(&b.0));
     m
 }
 

@@ -445,6 +445,38 @@ impl ShardRpc for ShardService {
         }))
     }
 
+    type ExportStream = tokio_stream::wrappers::ReceiverStream<Result<ExportPart, Status>>;
+
+    async fn export(
+        &self,
+        req: Request<ExportRequest>,
+    ) -> Result<Response<Self::ExportStream>, Status> {
+        use crate::shard::export::{DEFAULT_PART_BYTES, MAX_PART_BYTES};
+        let wait = deadline(&req);
+        let r = req.into_inner();
+        let max_bytes = match usize::try_from(r.max_bytes).unwrap_or(usize::MAX) {
+            0 => DEFAULT_PART_BYTES,
+            n => n.min(MAX_PART_BYTES),
+        };
+        // A read index first: every write acknowledged before the call is in the snapshot.
+        let strong = Consistency::Strong as i32;
+        let shard = (self.ready(r.shard.as_ref(), 0, strong, wait)).await?;
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tokio::task::spawn_blocking(move || {
+            let sent = shard.export(max_bytes, |p| tx.blocking_send(Ok(p)).is_ok());
+            match sent {
+                Ok(seq) => tracing::info!(shard = %shard.key, seq, "export done"),
+                Err(e) => {
+                    tracing::warn!(shard = %shard.key, error = %e, "export failed");
+                    let _ = tx.blocking_send(Err(Status::from(e)));
+                }
+            }
+        });
+        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(
+            rx,
+        )))
+    }
+
     async fn get_neighbours(
         &self,
         req: Request<GetNeighboursRequest>,

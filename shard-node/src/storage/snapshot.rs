@@ -9,9 +9,14 @@
 
 use std::io::{Read, Write};
 
+use prost::Message;
+use ragcluster_proto::v1::{Chunk, DocumentWrite};
 use rocksdb::{DB, Direction, IteratorMode, SnapshotWithThreadMode, WriteBatch};
 
-use super::{ALL_CFS, CF_CHUNKS, CF_DOCS, CF_META, CF_OPLOG, CF_RAFT, CF_VECTORS, ShardKey, Store};
+use super::{
+    ALL_CFS, CF_CHUNKS, CF_DOCS, CF_META, CF_OPLOG, CF_RAFT, CF_VECTORS, ShardKey, Store,
+    decode_ids, decode_vector,
+};
 use crate::error::{Result, ShardError};
 use ragcluster_raft::Keys;
 use ragcluster_raft::eraftpb::{ConfState, HardState};
@@ -140,6 +145,60 @@ impl StoreSnapshot<'_> {
             self.each(key, CF_OPLOG, &start, |k, v| put(OPLOG_TAG, k, v))?;
         }
         Ok(n)
+    }
+
+    /// The applied seq as of the snapshot.
+    pub fn applied_seq(&self, key: &ShardKey) -> Result<u64> {
+        Ok(self
+            .snap
+            .get_cf(self.store.cf(CF_META), key.key(b"s"))?
+            .and_then(|v| v.as_slice().try_into().ok().map(u64::from_be_bytes))
+            .unwrap_or(0))
+    }
+
+    /// Every document as of the snapshot, in id order, with its chunks in position order and
+    /// their vectors (a backup's content): `f` takes each and answers whether to go on.
+    pub fn for_each_document(
+        &self,
+        key: &ShardKey,
+        mut f: impl FnMut(DocumentWrite) -> Result<bool>,
+    ) -> Result<()> {
+        let prefix = key.prefix();
+        let mode = IteratorMode::From(&prefix, Direction::Forward);
+        let (chunks_cf, vectors_cf) = (self.store.cf(CF_CHUNKS), self.store.cf(CF_VECTORS));
+        for item in self.snap.iterator_cf(self.store.cf(CF_DOCS), mode) {
+            let (k, v) = item?;
+            if !k.starts_with(&prefix) {
+                break;
+            }
+            let doc_id = String::from_utf8(k[prefix.len()..].to_vec())
+                .map_err(|_| ShardError::Corrupt(format!("a document id in {key}")))?;
+            let ids = decode_ids(&v)?;
+            let keys = |cf| ids.iter().map(move |id| (cf, key.key(id.as_bytes())));
+            let stored = self.snap.multi_get_cf(keys(chunks_cf));
+            let vectors = self.snap.multi_get_cf(keys(vectors_cf));
+            let mut chunks = Vec::with_capacity(ids.len());
+            for ((id, c), v) in ids.iter().zip(stored).zip(vectors) {
+                let c = c?.ok_or_else(|| {
+                    ShardError::Corrupt(format!("chunk {id} of {key} is listed but not stored"))
+                })?;
+                let mut c = Chunk::decode(&*c)
+                    .map_err(|e| ShardError::Corrupt(format!("chunk {id} in {key}: {e}")))?;
+                if let Some(v) = v? {
+                    c.embedding = decode_vector(&v);
+                }
+                chunks.push(c);
+            }
+            let write = DocumentWrite {
+                doc_id,
+                chunks,
+                delete: false,
+            };
+            if !f(write)? {
+                break;
+            }
+        }
+        Ok(())
     }
 
     /// Calls `f(key suffix, value)` for the shard's keys in `cf` from suffix `from` on.

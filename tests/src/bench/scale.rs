@@ -247,7 +247,7 @@ pub async fn write_direct_with(
                             shard,
                         }),
                         writes,
-                        request_id: String::new(),
+                        ..Default::default()
                     };
                     async move { write_retrying(&mut sc, req).await }
                 })

@@ -82,6 +82,7 @@ fn corpus(abstracts: &[BeirDoc], n: usize) -> Vec<Chunk> {
             let id = |p: usize| format!("{doc}#{p}");
             Chunk {
                 fields: Default::default(),
+                embedding_revision: String::new(),
                 chunk_id: id(position),
                 doc_id: doc.clone(),
                 position: position as u32,

@@ -374,6 +374,37 @@ impl HnswIndex {
         }
     }
 
+    /// Takes the metadata of points already in the graph with the same vector (a metadata
+    /// patch, or an upsert that changed nothing the embedding sees) in place of inserting them
+    /// again: the slot keeps its place in the graph and only its payload postings change.
+    /// Returns the points still to insert.
+    pub fn update_in_place(&self, points: Vec<Point>) -> Vec<Point> {
+        if points.is_empty() {
+            return points;
+        }
+        let g = self.graph.read();
+        let mut s = g.slots.write();
+        let mut rest = Vec::new();
+        let mut changes = Vec::new();
+        for p in points {
+            // A pending copy is never alive in the graph too (`defer` removes it first).
+            match s.by_chunk.get(&p.chunk_id).copied() {
+                Some(slot) if s.slots[slot].alive && *s.slots[slot].vector == *p.vector => {
+                    let old = std::mem::replace(&mut s.slots[slot].meta, p.meta);
+                    if old != s.slots[slot].meta {
+                        changes.push((slot, old));
+                    }
+                }
+                _ => rest.push(p),
+            }
+        }
+        let Slots {
+            slots, postings, ..
+        } = &mut *s;
+        postings.reindex(changes.iter().map(|(id, old)| (*id, old, &slots[*id].meta)));
+        rest
+    }
+
     /// Tombstones chunks (unknown ids are ignored).
     pub fn remove(&self, chunk_ids: &[String]) {
         self.drop_pending(chunk_ids.iter().map(String::as_str));

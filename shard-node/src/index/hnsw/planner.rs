@@ -20,7 +20,7 @@
 //! the filtered walk, and that one to the exact scan).
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 use std::ops::Bound;
 
 use super::distance::{OrdF32, dot};
@@ -63,6 +63,42 @@ impl Postings {
     pub(super) fn add(&mut self, id: usize, meta: &Meta) {
         for t in filter::terms(meta) {
             self.0.entry(t).or_default().push(id as u32);
+        }
+    }
+
+    /// Moves slots from the terms of their old metadata to those of their new one (in place
+    /// updates), keeping every list ascending; each touched list is rewritten once.
+    pub(super) fn reindex<'a>(
+        &mut self,
+        changes: impl Iterator<Item = (usize, &'a Meta, &'a Meta)>,
+    ) {
+        let mut gone: HashMap<String, HashSet<u32>> = HashMap::new();
+        let mut came: HashMap<String, Vec<u32>> = HashMap::new();
+        for (id, old, new) in changes {
+            let (old, new): (HashSet<String>, HashSet<String>) = (
+                filter::terms(old).into_iter().collect(),
+                filter::terms(new).into_iter().collect(),
+            );
+            for t in old.difference(&new) {
+                gone.entry(t.clone()).or_default().insert(id as u32);
+            }
+            for t in new.difference(&old) {
+                came.entry(t.clone()).or_default().push(id as u32);
+            }
+        }
+        for (t, ids) in gone {
+            if let Some(list) = self.0.get_mut(&t) {
+                list.retain(|x| !ids.contains(x));
+                if list.is_empty() {
+                    self.0.remove(&t);
+                }
+            }
+        }
+        for (t, ids) in came {
+            let list = self.0.entry(t).or_default();
+            list.extend(ids);
+            list.sort_unstable();
+            list.dedup();
         }
     }
 

@@ -245,3 +245,60 @@ fn planned_filtered_searches_find_the_exact_filtered_top() {
         assert!(recall >= *want, "{f:?}: recall {recall}");
     }
 }
+
+/// Points whose vector is unchanged take their new metadata in place (no new slot, no
+/// tombstone), and a selective filter answered from the payload postings finds exactly the
+/// points that hold the value now: the moved ones under their new term, none under the old.
+#[test]
+fn metadata_updated_in_place_moves_the_postings() {
+    let n = 6_000u32;
+    let idx = HnswIndex::new(32, params(), n as usize);
+    let meta = |i: u32, tag: &str| -> Meta {
+        vec![
+            ("m100".into(), Value::Keyword((i % 100).to_string())),
+            ("tag".into(), Value::Keyword(tag.into())),
+        ]
+    };
+    let point = |i: u32, tag: &str| Point {
+        chunk_id: format!("d{i}#0"),
+        doc_id: format!("d{i}"),
+        vector: unit(i, 32),
+        meta: meta(i, tag),
+    };
+    idx.insert((0..n).map(|i| point(i, "old")).collect());
+    // Every 100th point is tagged "new"; one more comes with a changed vector.
+    let mut changed: Vec<Point> = (0..n).step_by(100).map(|i| point(i, "new")).collect();
+    changed.push(Point {
+        vector: unit(99_999, 32),
+        ..point(1, "new")
+    });
+    let rest = idx.update_in_place(changed);
+    assert_eq!(
+        rest.len(),
+        1,
+        "only the point with a new vector is left to insert"
+    );
+    assert_eq!(rest[0].chunk_id, "d1#0");
+    assert_eq!(idx.counts(), (n as usize, 0));
+    let query = unit(3, 32);
+    let new: Vec<String> = idx
+        .search(&query, 100, 64, &Filter::keywords([("tag", "new")]))
+        .into_iter()
+        .map(|h| h.0)
+        .collect();
+    assert_eq!(new.len(), (n / 100) as usize);
+    assert!(
+        new.iter()
+            .all(|id| id[1..id.len() - 2].parse::<u32>().unwrap() % 100 == 0)
+    );
+    let old_and_0 = idx.search(
+        &query,
+        10,
+        64,
+        &Filter::keywords([("tag", "old"), ("m100", "0")]),
+    );
+    assert!(
+        old_and_0.is_empty(),
+        "no point keeps its old term: {old_and_0:?}"
+    );
+}

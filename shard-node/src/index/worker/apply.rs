@@ -127,6 +127,7 @@ impl Worker {
                         .flat_map(|w| w.chunks.iter().map(point))
                         .collect();
                     self.state.changes += points.len() + removed.len();
+                    let points = ix.hnsw.update_in_place(points);
                     let defers = self.defers();
                     self.policy.following.place(&ix.hnsw, defers, points, seq);
                     ix.hnsw.remove(&removed);
