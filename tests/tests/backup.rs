@@ -331,7 +331,7 @@ async fn backups_restore_every_acknowledged_write() -> Result<()> {
         (
             "position",
             vec![write(moved)],
-            "documents[0].chunks[0].position",
+            "documents[0].chunks[0].chunk_id",
         ),
         (
             "twice",

@@ -189,6 +189,8 @@ impl StoreSnapshot<'_> {
                 }
                 chunks.push(c);
             }
+            // Coordinators list chunks in position order; a direct writer may not have.
+            chunks.sort_by_key(|c| c.position);
             let write = DocumentWrite {
                 doc_id,
                 chunks,
