@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: images compose-up compose-down setup build build-demo demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-cpu-decode bench-embed-nomic bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-engines bench-bm25 bench-tokenize bench-ingest bench-browse bench-filter bench-update bench-backup bench-chunking bench-sampling
+.PHONY: images compose-up compose-down setup build build-demo demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-cpu-decode bench-embed-nomic bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-engines bench-bm25 bench-tokenize bench-ingest bench-browse bench-filter bench-update bench-backup bench-reembed bench-chunking bench-sampling
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -119,6 +119,9 @@ bench-update: ## partial updates: UpdateDocuments by ids and by filter against r
 
 bench-backup: bench-chunks ## backup under a write load and restore into a fresh one-node cluster, 200k SciFact chunks: times, writes acknowledged before the backup all restored, top 10 agreement over 300 queries
 	$(BIN)/backupbench --size $${BACKUP_CHUNKS:-200000} --out bench-out/backup.json
+
+bench-reembed: ## re-embedding a live SciFact collection MiniLM -> nomic-embed-text-v1.5 while 8 clients search and 2 write through its alias: failed calls, copy and switch times, acknowledged writes in the new collection, nDCG@10 of both
+	$(BIN)/reembedbench --limit-docs $${REEMBED_DOCS:-300} --out bench-out/reembed.json
 
 bench-filter: bench-chunks ## filtered dense search at 100k chunks, keyword filters matching 50/10/1/0.1%: recall@10 and QPS at 8 clients, 3 shards and 1 colocated shard, beside the Qdrant engine
 	$(BIN)/filterbench $(if $(wildcard $(ENGINES_PYTHON)),--engines $(ENGINES_PYTHON)) --out bench-out/filter.json

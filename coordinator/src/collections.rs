@@ -191,6 +191,7 @@ impl Collections {
                 .map(|d| d.as_millis() as u64)
                 .unwrap_or(0),
             fields: Vec::new(),
+            reembed: None,
         };
         let mut info = info;
         // Declared fields, and the keyword field chunking sets.

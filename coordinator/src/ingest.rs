@@ -21,8 +21,10 @@ use crate::models::Models;
 use crate::placement;
 use crate::read_token::ReadToken;
 use crate::shards::{Batch, Shards};
+pub use mirror::Copied;
 
 mod changes;
+mod mirror;
 mod restore;
 mod reuse;
 pub use changes::check_patch;
@@ -250,11 +252,18 @@ impl Ingestor {
             .collect();
         let timeout = self.timeout(client_timeout, started);
         let t_write = std::time::Instant::now();
+        // A collection being re-embedded: its copy gets the same documents (`mirror`).
+        let mirror = self.catalog.mirror_of(&info.name);
+        let copies = mirror.as_ref().map(|_| per_shard.clone());
         let batches = per_shard
             .into_iter()
             .map(|(s, w)| (s, Batch::Writes(w)))
             .collect();
         let outcomes = self.write_shards(&info, batches, timeout).await;
+        if let (Some(m), Some(copies)) = (&mirror, copies) {
+            let timeout = self.timeout(client_timeout, started);
+            self.mirror_writes(m, copies, &outcomes, timeout).await?;
+        }
         let write_took = t_write.elapsed();
         let timings = IngestTimings {
             chunk_us: chunk_took.as_micros() as u64,
@@ -372,7 +381,9 @@ impl Ingestor {
     ) -> Vec<(u32, Vec<String>, Result<WriteBatchResponse>)> {
         let writes = per_shard.into_iter().map(|(shard, batch)| async move {
             let docs: Vec<String> = match &batch {
-                Batch::Writes(w) => w.iter().map(|w| w.doc_id.clone()).collect(),
+                Batch::Writes(w) | Batch::Versioned(w, _) => {
+                    w.iter().map(|w| w.doc_id.clone()).collect()
+                }
                 Batch::Changes(c) => c.iter().flat_map(|c| c.doc_ids.clone()).collect(),
             };
             let r = match info.shards.get(shard as usize) {

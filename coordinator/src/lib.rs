@@ -7,7 +7,8 @@
 //! - Components, each owning its work: `collections` (lifecycle), `ingest` (chunk, embed,
 //!   write), `search` (distributed BM25/dense/hybrid with the seeds' `fusion` formulas),
 //!   `flow` (Ask and the RAG flow engine), `rebalance` (replica moves and plans),
-//!   `read_token` (reads pinned to a write).
+//!   `read_token` (reads pinned to a write), `reembed` (moving a collection to another
+//!   embedding model while it serves).
 //! - `service`: the gRPC edge (authentication, admission, forwarding to the catalog leader,
 //!   wire <-> domain conversions); `server`: the composition root.
 //!
@@ -36,6 +37,7 @@ pub mod models;
 pub mod placement;
 pub mod read_token;
 pub mod rebalance;
+pub mod reembed;
 pub mod schema;
 pub mod search;
 pub mod server;

@@ -57,6 +57,12 @@ pub const MAX_PATCH_ENTRIES: usize = 64;
 /// Bytes of one RestoreDocuments call (documents per call: `MAX_DOCS_PER_BATCH`).
 pub const MAX_RESTORE_BYTES: usize = 64 << 20;
 
+/// Copy batches a re-embedding keeps in flight per shard (`ReembedRequest.parallel`), and
+/// the documents of one such batch.
+pub const MAX_REEMBED_PARALLEL: u32 = 16;
+pub const DEFAULT_REEMBED_PARALLEL: u32 = 2;
+pub const REEMBED_BATCH_DOCUMENTS: usize = 64;
+
 /// Bytes of an Ask question.
 pub const MAX_QUESTION_BYTES: usize = 8 * 1024;
 /// Earlier turns of an Ask conversation.
@@ -179,6 +185,13 @@ mod tests {
         let stated = format!(
             "At most {MAX_DOCS_PER_BATCH} documents and {} per call",
             size(MAX_RESTORE_BYTES)
+        );
+        assert!(
+            admin.contains(&stated),
+            "admin.proto does not state {stated:?}"
+        );
+        let stated = format!(
+            "Copy batches in flight per shard, at most {MAX_REEMBED_PARALLEL} (0: {DEFAULT_REEMBED_PARALLEL})"
         );
         assert!(
             admin.contains(&stated),

@@ -22,6 +22,7 @@ use crate::ingest::Ingestor;
 use crate::membership::{Membership, MembershipOptions};
 use crate::models::{EmbedOptions, Models};
 use crate::rebalance::Rebalancer;
+use crate::reembed::Reembedder;
 use crate::search::Searcher;
 use crate::service::forward::Forwarder;
 use crate::service::{AdminService, CatalogPeerService, CoordinatorService, MembershipService};
@@ -279,6 +280,7 @@ fn services(
     // Dropped with the server's runtime.
     drop(crate::rebalance::repair::spawn_repairs(rebalancer.clone()));
     let admin = AdminService {
+        reembedder: Reembedder::arc(&h, &collections, &ingestor, cfg.write_timeout),
         handles: h,
         collections,
         ingestor,

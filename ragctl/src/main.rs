@@ -295,6 +295,9 @@ enum CollectionCmd {
         /// Tokens shared by consecutive fixed-size chunks.
         #[arg(long, default_value_t = 0)]
         chunk_overlap: u32,
+        /// Embedding model (a model the worker serves; default: its first embedding model).
+        #[arg(long, default_value = "")]
+        embedding_model: String,
     },
     /// Drop a collection and all its shards.
     Drop {
@@ -308,6 +311,11 @@ enum CollectionCmd {
         /// Collection name.
         name: String,
     },
+    /// Move a collection to another embedding model while it serves: `start` creates the
+    /// new collection and copies every document into it (re-embedded) while writes go to
+    /// both; `switch` moves the collection's aliases to it; `rollback` moves them back;
+    /// `finish` drops the old collection (`cancel`, before a switch, the new one).
+    Reembed(cmd::reembed::ReembedArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]

@@ -195,6 +195,9 @@ impl Shard {
             return bad("a batch carries writes or changes, not both".into());
         }
         changes::validate(&req.changes)?;
+        if req.version > 0 && !req.changes.is_empty() {
+            return bad("a versioned batch carries writes only".into());
+        }
         let mut seen = std::collections::HashSet::new();
         for (i, w) in req.writes.iter_mut().enumerate() {
             if w.doc_id.is_empty() {
@@ -277,6 +280,13 @@ impl Shard {
             req.writes = std::mem::take(&mut r.writes);
             r
         };
+        let changed_ids: Vec<String> = if resolved.changed > 0 {
+            req.writes.iter().map(|w| w.doc_id.clone()).collect()
+        } else {
+            Vec::new()
+        };
+        // A versioned write older than what the shard holds is dropped (`storage::versions`).
+        let stale = self.drop_stale(&mut req)?;
         // 1. Durable. A failure here leaves nothing behind (atomic write) and nothing
         // acknowledged.
         let respond = |e: &crate::storage::BatchEffect| WriteBatchResponse {
@@ -286,6 +296,8 @@ impl Shard {
             duplicate: false,
             forwarded_to: String::new(),
             changed: resolved.changed,
+            stale: stale.clone(),
+            changed_ids: changed_ids.clone(),
         };
         let effect =
             self.store
@@ -317,6 +329,24 @@ impl Shard {
         });
         metrics::counter!("shard_write_batches_total").increment(1);
         Ok(Ok(response))
+    }
+
+    /// Removes from a versioned batch the writes of documents this shard holds in the same or
+    /// a newer version; returns their ids.
+    fn drop_stale(&self, req: &mut WriteBatchRequest) -> Result<Vec<String>> {
+        if req.version == 0 {
+            return Ok(Vec::new());
+        }
+        let mut stale = Vec::new();
+        let mut keep = Vec::with_capacity(req.writes.len());
+        for w in std::mem::take(&mut req.writes) {
+            match self.store.doc_version(&self.key, &w.doc_id)? {
+                Some(v) if v >= req.version => stale.push(w.doc_id),
+                _ => keep.push(w),
+            }
+        }
+        req.writes = keep;
+        Ok(stale)
     }
 
     /// Moves the applied index over an entry without chunk changes (see `Store::commit_noop`).

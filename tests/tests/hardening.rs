@@ -458,6 +458,76 @@ async fn malformed_requests_are_refused_whole() -> Result<()> {
         &["conditions"],
     )?;
 
+    // Re-embedding steps, malformed or out of order: refused, nothing created.
+    let mut a = cluster.admin().await?;
+    let reembed = |action: ReembedAction, model: &str| ReembedRequest {
+        collection: "h".into(),
+        action: action as i32,
+        embedding_model: model.into(),
+        ..Default::default()
+    };
+    let steps: Vec<(&str, ReembedRequest, Code, &str)> = vec![
+        (
+            "reembed bad name",
+            ReembedRequest {
+                collection: "Bad Name".into(),
+                ..reembed(ReembedAction::Start, "m")
+            },
+            Code::InvalidArgument,
+            "collection",
+        ),
+        (
+            "reembed without an action",
+            reembed(ReembedAction::Unspecified, "m"),
+            Code::InvalidArgument,
+            "action",
+        ),
+        (
+            "reembed too parallel",
+            ReembedRequest {
+                parallel: 17,
+                ..reembed(ReembedAction::Start, "m")
+            },
+            Code::InvalidArgument,
+            "parallel",
+        ),
+        (
+            "reembed bad target",
+            ReembedRequest {
+                target: "Bad/Name".into(),
+                ..reembed(ReembedAction::Start, "m")
+            },
+            Code::InvalidArgument,
+            "target",
+        ),
+        (
+            "reembed without a model",
+            reembed(ReembedAction::Start, ""),
+            Code::InvalidArgument,
+            "embedding_model",
+        ),
+        (
+            "reembed an unknown model",
+            reembed(ReembedAction::Start, "no-such-model"),
+            Code::InvalidArgument,
+            "embedding_model",
+        ),
+        (
+            "reembed switch without a job",
+            reembed(ReembedAction::Switch, ""),
+            Code::FailedPrecondition,
+            "not being re-embedded",
+        ),
+    ];
+    for (case, r, code, says) in steps {
+        let run = async {
+            let mut s = a.reembed(r).await?.into_inner();
+            while s.message().await?.is_some() {}
+            Ok::<_, tonic::Status>(())
+        };
+        refused(case, run.await, code, &[says])?;
+    }
+
     ensure!(
         state(&mut c).await? == before,
         "a refused request changed the cluster"

@@ -287,10 +287,20 @@ async fn try_every_rpc(
             }],
         })
     );
+    attempt!(
+        "Reembed",
+        a.reembed(ReembedRequest {
+            collection: sec(),
+            action: ReembedAction::Start as i32,
+            embedding_model: "all-minilm-l6-v2".into(),
+            target: "evil".into(),
+            ..Default::default()
+        })
+    );
     out
 }
 
-const ADMIN_RPCS: [&str; 10] = [
+const ADMIN_RPCS: [&str; 11] = [
     "ClusterStatus",
     "MoveReplica",
     "TransferShardLeader",
@@ -301,6 +311,7 @@ const ADMIN_RPCS: [&str; 10] = [
     "RemoveNode",
     "BackupShard",
     "RestoreDocuments",
+    "Reembed",
 ];
 
 /// What must stay the same whatever refused callers tried.
@@ -503,7 +514,7 @@ async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> 
             ensure!(*c == Code::Unauthenticated, "{case}: {rpc} answered {c:?}");
             refusals += 1;
         }
-        ensure!(got.len() == 25, "{case}: {:?}", every(&got));
+        ensure!(got.len() == 26, "{case}: {:?}", every(&got));
     }
     // Roles too low: a reader and a writer of "sec".
     let denied = |got: &BTreeMap<&'static str, Code>, rpcs: &[&str], case: &str| -> Result<()> {

@@ -6,6 +6,7 @@
 //! part of it: that changes on every election, and coordinators learn it from shard nodes.
 
 mod machine;
+mod reembed;
 mod store;
 mod transport;
 mod view;
@@ -356,6 +357,34 @@ impl Catalog {
         };
         metrics::histogram!("catalog_proposal_seconds").record(started.elapsed().as_secs_f64());
         r
+    }
+
+    /// Starts, changes or (`job` None) ends the re-embedding of `source` (leader only).
+    pub async fn set_reembed(
+        &self,
+        source: &str,
+        job: Option<ragcluster_proto::v1::ReembedJob>,
+        timeout: Duration,
+    ) -> Result<()> {
+        let cmd = CatalogCommand {
+            op: Some(Op::SetReembed(ragcluster_proto::v1::SetReembed {
+                source: source.to_owned(),
+                job,
+            })),
+        };
+        self.propose(cmd, timeout).await
+    }
+
+    /// The re-embedding `name` (a collection's own name) takes part in, with its source.
+    pub fn reembed_job(&self, name: &str) -> Option<(String, ragcluster_proto::v1::ReembedJob)> {
+        self.machine.view().reembed_job(name)
+    }
+
+    /// The collection writes to `name` are mirrored to (a re-embedding), if any.
+    pub fn mirror_of(&self, name: &str) -> Option<CollectionInfo> {
+        let v = self.machine.view();
+        v.mirror_of(name)
+            .and_then(|m| v.collections.get(&m).cloned())
     }
 
     /// Records a new collection (leader only); refused if the name exists.

@@ -224,6 +224,13 @@ impl View {
                 Ok(())
             }
             Some(Op::DropCollection(name)) => {
+                if let Some((source, job)) = self.reembed_job(&name) {
+                    return Err(CoordError::FailedPrecondition(format!(
+                        "{name} takes part in the re-embedding of {source} into {}: finish or \
+                         cancel it (`ragctl collection reembed`)",
+                        job.target
+                    )));
+                }
                 self.collections
                     .remove(&name)
                     .ok_or_else(|| CoordError::UnknownCollection(name.clone()))?;
@@ -232,10 +239,32 @@ impl View {
                 Ok(())
             }
             Some(Op::UpdateAliases(r)) => self.update_aliases(r),
-            Some(Op::AddFields(r)) => match self.collections.get_mut(&r.collection) {
-                Some(info) => crate::schema::apply_add_fields(info, &r),
-                None => Err(CoordError::UnknownCollection(r.collection)),
-            },
+            Some(Op::AddFields(r)) => {
+                // A re-embedding's two collections share one schema (mirrored writes carry
+                // the same fields).
+                let pair = self.reembed_job(&r.collection).map(|(source, job)| {
+                    if source == r.collection {
+                        job.target
+                    } else {
+                        source
+                    }
+                });
+                let mut changed = Vec::new();
+                for name in std::iter::once(r.collection.clone()).chain(pair) {
+                    let mut info = self
+                        .collections
+                        .get(&name)
+                        .cloned()
+                        .ok_or_else(|| CoordError::UnknownCollection(name.clone()))?;
+                    crate::schema::apply_add_fields(&mut info, &r)?;
+                    changed.push(info);
+                }
+                for info in changed {
+                    self.collections.insert(info.name.clone(), info);
+                }
+                Ok(())
+            }
+            Some(Op::SetReembed(r)) => self.set_reembed(r),
             Some(Op::SetPlacement(p)) => {
                 let c = self
                     .collections

@@ -260,6 +260,10 @@ impl Ingestor {
         let batches = per_shard(sel, &info, true, None);
         let total = batches.len();
         let results = self.write_shards(&info, batches, timeout).await;
+        if let Some(m) = self.catalog.mirror_of(&info.name) {
+            let timeout = self.timeout(client_timeout, started);
+            self.mirror_changes(&info, &m, &results, timeout).await?;
+        }
         raise(&mut token, &results);
         let o = outcome(results);
         let response = DeleteDocumentsResponse {
@@ -297,6 +301,10 @@ impl Ingestor {
         let batches = per_shard(sel, &info, false, r.patch);
         let total = batches.len();
         let results = self.write_shards(&info, batches, timeout).await;
+        if let Some(m) = self.catalog.mirror_of(&info.name) {
+            let timeout = self.timeout(client_timeout, started);
+            self.mirror_changes(&info, &m, &results, timeout).await?;
+        }
         raise(&mut token, &results);
         let o = outcome(results);
         let response = UpdateDocumentsResponse {

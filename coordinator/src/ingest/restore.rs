@@ -40,12 +40,17 @@ impl Ingestor {
             let shard = placement::shard_for_doc(&d.doc_id, info.shard_count);
             per_shard.entry(shard).or_default().push(d);
         }
+        let mirror = self.catalog.mirror_of(&info.name);
+        let copies = mirror.as_ref().map(|_| per_shard.clone());
         let batches = per_shard
             .into_iter()
             .map(|(s, w)| (s, Batch::Writes(w)))
             .collect();
         let timeout = self.timeout(client_timeout, started);
         let outcomes = self.write_shards(&info, batches, timeout).await;
+        if let (Some(m), Some(copies)) = (&mirror, copies) {
+            self.mirror_writes(m, copies, &outcomes, timeout).await?;
+        }
         let mut token = ReadToken::default();
         raise(&mut token, &outcomes);
         let mut report = Report::new(&ids, &chunks_of, outcomes, &info.name);

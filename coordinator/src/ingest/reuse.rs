@@ -35,12 +35,30 @@ impl Ingestor {
         label: bool,
         timeout: Duration,
     ) -> HashMap<String, Vec<f32>> {
+        let ids: Vec<String> = docs
+            .iter()
+            .filter(|d| d.doc.embedding.is_empty())
+            .map(|d| d.doc.id.clone())
+            .collect();
+        self.stored_vectors_of(info, &ids, revision, label, timeout)
+            .await
+    }
+
+    /// As `stored_vectors`, for documents by id.
+    pub(super) async fn stored_vectors_of(
+        &self,
+        info: &CollectionInfo,
+        doc_ids: &[String],
+        revision: &str,
+        label: bool,
+        timeout: Duration,
+    ) -> HashMap<String, Vec<f32>> {
         let mut per_shard: BTreeMap<u32, Vec<String>> = BTreeMap::new();
-        for d in docs.iter().filter(|d| d.doc.embedding.is_empty()) {
+        for id in doc_ids {
             per_shard
-                .entry(placement::shard_for_doc(&d.doc.id, info.shard_count))
+                .entry(placement::shard_for_doc(id, info.shard_count))
                 .or_default()
-                .push(d.doc.id.clone());
+                .push(id.clone());
         }
         let plan = ReadPlan {
             collection: &info.name,

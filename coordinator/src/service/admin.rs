@@ -35,6 +35,7 @@ pub struct AdminService {
     pub membership: Arc<Membership>,
     /// Configured shard node addresses (seeds), listed until a member holds them.
     pub shard_nodes: Vec<String>,
+    pub reembedder: Arc<crate::reembed::Reembedder>,
 }
 
 /// A member's `grpc.health.v1` answer: "SERVING", "NOT_SERVING", or why it gave none.
@@ -128,6 +129,7 @@ fn replicas_on(collections: &[CollectionInfo], id: u64, address: &str) -> u32 {
 
 type MoveStream = tokio_stream::wrappers::ReceiverStream<Result<MoveReplicaProgress, Status>>;
 type ExportParts = futures::stream::BoxStream<'static, Result<ExportPart, Status>>;
+type ReembedStream = tokio_stream::wrappers::ReceiverStream<Result<ReembedProgress, Status>>;
 
 #[tonic::async_trait]
 impl Admin for AdminService {
@@ -251,6 +253,43 @@ impl Admin for AdminService {
         let client = ragcluster_common::server::grpc_timeout(req.metadata());
         let r = self.ingestor.restore(req.into_inner(), client).await?;
         Ok(Response::new(r))
+    }
+
+    type ReembedStream = ReembedStream;
+
+    /// Runs on the catalog leader (it creates and drops collections); other coordinators
+    /// pass the stream through. Long: holds no admission slot.
+    async fn reembed(
+        &self,
+        req: Request<ReembedRequest>,
+    ) -> Result<Response<ReembedStream>, Status> {
+        let (caller, _p) = gate(&self.handles, &req, "Reembed", Role::Admin, None)?;
+        let forwarded = is_forwarded(req.metadata());
+        let r = req.into_inner();
+        crate::reembed::check(&r)?;
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        if let Some(leader) = self.handles.catalog.change_target(forwarded).await? {
+            let mut up = self.forward.reembed(&leader, r, &caller).await?;
+            tokio::spawn(async move {
+                while let Some(m) = up.message().await.transpose() {
+                    if tx.send(m).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        } else {
+            let reembedder = self.reembedder.clone();
+            tokio::spawn(async move {
+                if let Err(e) = reembedder.run(r.clone(), &tx).await {
+                    tracing::warn!(collection = r.collection, action = ?r.action(), error = %e,
+                                   "re-embedding step failed");
+                    let _ = tx.send(Err(e.into())).await;
+                }
+            });
+        }
+        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(
+            rx,
+        )))
     }
 
     async fn transfer_shard_leader(

@@ -160,6 +160,18 @@ impl Forwarder {
             .into_inner())
     }
 
+    pub async fn reembed(
+        &self,
+        leader: &str,
+        r: ReembedRequest,
+        caller: &Caller,
+    ) -> std::result::Result<tonic::Streaming<ReembedProgress>, tonic::Status> {
+        let mut c = self.admin(leader)?;
+        Ok(c.reembed(forward(r, MOVE_TIMEOUT, caller))
+            .await?
+            .into_inner())
+    }
+
     pub async fn set_node_state(
         &self,
         leader: &str,

@@ -105,6 +105,9 @@ const ADMIN_CALL: Duration = Duration::from_secs(10);
 pub enum Batch {
     Writes(Vec<DocumentWrite>),
     Changes(Vec<DocumentChange>),
+    /// A re-embedding's copy or mirror: documents written only where the shard holds no
+    /// newer version (`WriteBatchRequest.version`).
+    Versioned(Vec<DocumentWrite>, u64),
 }
 
 pub struct Shards {
@@ -220,9 +223,10 @@ impl Shards {
         batch: Batch,
         timeout: Duration,
     ) -> Result<WriteBatchResponse> {
-        let (writes, changes) = match batch {
-            Batch::Writes(w) => (w, Vec::new()),
-            Batch::Changes(c) => (Vec::new(), c),
+        let (writes, changes, version) = match batch {
+            Batch::Writes(w) => (w, Vec::new(), 0),
+            Batch::Changes(c) => (Vec::new(), c, 0),
+            Batch::Versioned(w, v) => (w, Vec::new(), v),
         };
         let req = WriteBatchRequest {
             shard: Some(ShardRef {
@@ -232,6 +236,7 @@ impl Shards {
             writes,
             request_id: format!("{:032x}", rand::random::<u128>()),
             changes,
+            version,
         };
         let deadline = Instant::now() + timeout;
         let mut target = self.routing.leader(collection, shard, replicas);

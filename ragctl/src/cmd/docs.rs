@@ -67,6 +67,9 @@ fn print_hits_json(r: &SearchResponse) {
 }
 
 pub async fn collection(cli: &Cli, cmd: &CollectionCmd) -> Result<()> {
+    if let CollectionCmd::Reembed(a) = cmd {
+        return crate::cmd::reembed::run(cli, a).await;
+    }
     let mut c = CoordinatorClient::new(channel(cli).await?);
     match cmd {
         CollectionCmd::Create {
@@ -76,6 +79,7 @@ pub async fn collection(cli: &Cli, cmd: &CollectionCmd) -> Result<()> {
             chunking,
             chunk_size,
             chunk_overlap,
+            embedding_model,
         } => {
             let strategy = chunking.strategy();
             let r = c
@@ -89,17 +93,19 @@ pub async fn collection(cli: &Cli, cmd: &CollectionCmd) -> Result<()> {
                         chunk_overlap: *chunk_overlap,
                         ..Default::default()
                     }),
+                    embedding_model: embedding_model.clone(),
                     ..Default::default()
                 })
                 .await?;
             let c = r.into_inner().collection.unwrap_or_default();
             println!(
                 "created collection {} ({} shards, replication factor {}, {} chunking, \
-                 dimension {})",
+                 {}, dimension {})",
                 c.name,
                 c.shard_count,
                 c.replication_factor,
                 chunking.name(),
+                c.embedding_model,
                 c.dimension
             );
         }
@@ -134,6 +140,7 @@ pub async fn collection(cli: &Cli, cmd: &CollectionCmd) -> Result<()> {
                 .into_inner();
             print_shards(&d.shards);
         }
+        CollectionCmd::Reembed(_) => {}
     }
     Ok(())
 }

@@ -12,5 +12,6 @@ pub mod keys;
 pub mod local;
 pub mod ops;
 pub mod optimize;
+pub mod reembed;
 pub mod report;
 pub mod status;

@@ -618,3 +618,58 @@ fn write_ahead_log_is_released_at_rest() {
         );
     }
 }
+
+/// A re-embedding's versioned writes (`storage::versions`): a write older than what the
+/// shard holds is skipped, even after a delete (its version stays), and a plain write makes
+/// the document the shard's own again.
+#[test]
+fn versioned_writes_keep_the_newest_content() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = ShardKey::new("c", 0);
+    let store = Arc::new(Store::open(&dir.path().join("db"), true).unwrap());
+    let shard = open(dir.path(), key.clone(), store.clone(), 1000);
+    let versioned = |w: ragcluster_proto::v1::DocumentWrite, version: u64| WriteBatchRequest {
+        version,
+        ..batch(vec![w])
+    };
+    let text = |id: &str| {
+        shard
+            .doc_chunks(&[id.to_owned()], false)
+            .unwrap()
+            .first()
+            .map(|c| c.text.clone())
+    };
+    let r = apply(&shard, versioned(doc("a", "mirrored write", 1.0), 10)).unwrap();
+    assert!(r.stale.is_empty());
+    let r = apply(&shard, versioned(doc("a", "older copy", 1.0), 7)).unwrap();
+    assert_eq!(r.stale, vec!["a".to_owned()]);
+    assert_eq!(text("a").as_deref(), Some("mirrored write"));
+    // The same version again (a retried mirror) is skipped too.
+    let r = apply(&shard, versioned(doc("a", "again", 1.0), 10)).unwrap();
+    assert_eq!(r.stale.len(), 1);
+    // A delete keeps its version: an older copy cannot bring the document back.
+    apply(&shard, versioned(deleted("a"), 12)).unwrap();
+    let r = apply(&shard, versioned(doc("a", "stale copy", 1.0), 11)).unwrap();
+    assert_eq!(r.stale.len(), 1);
+    assert_eq!(text("a"), None);
+    assert_eq!(store.doc_version(&key, "a").unwrap(), Some(12));
+    let r = apply(&shard, versioned(doc("a", "newer", 1.0), 13)).unwrap();
+    assert!(r.stale.is_empty());
+    assert_eq!(text("a").as_deref(), Some("newer"));
+    // A plain write forgets the version.
+    apply(&shard, batch(vec![doc("a", "own write", 1.0)])).unwrap();
+    assert_eq!(store.doc_version(&key, "a").unwrap(), None);
+    let r = apply(&shard, versioned(doc("a", "copy after", 1.0), 2)).unwrap();
+    assert!(r.stale.is_empty());
+    // A versioned batch carries writes only.
+    let bad = WriteBatchRequest {
+        version: 3,
+        changes: vec![ragcluster_proto::v1::DocumentChange {
+            doc_ids: vec!["a".into()],
+            delete: true,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    assert!(apply(&shard, bad).is_err());
+}

@@ -12,6 +12,7 @@
 //! | `meta`   | `r` request id   | ts (u64 BE) + first `WriteBatchResponse` (dedupe) |
 //! | `meta`   | `q` ts + id      | empty: request ids in time order, for pruning    |
 //! | `meta`   | `x`              | why a salvage dropped the shard's data (`salvage`) |
+//! | `meta`   | `v` doc id       | version of a re-embedding's copy (`versions`)    |
 //! | `oplog`  | seq (u64 BE)     | the `WriteBatchRequest` applied at that seq      |
 //! | `raft`   | `h` / `c` / `t`  | hard state, conf state, truncated (index, term)  |
 //! | `raft`   | `e` index (BE)   | a Raft log entry (`eraftpb.Entry`)               |
@@ -42,6 +43,7 @@ mod salvage;
 mod scan;
 pub mod scrub;
 mod snapshot;
+mod versions;
 pub use salvage::open_checked;
 pub use scan::{After, ScanSpec, Scanned};
 pub use snapshot::{SECTION_END, StoreSnapshot};
@@ -452,6 +454,7 @@ impl Store {
             }
             self.prune_requests(key, ts.saturating_sub(DEDUPE_WINDOW_MS), &mut b)?;
         }
+        self.record_versions(key, req, &mut b)?;
         b.put_cf(self.cf(CF_META), key.key(b"s"), seq.to_be_bytes());
         b.put_cf(
             self.cf(CF_OPLOG),

@@ -243,6 +243,8 @@ pub struct Options<'a> {
     pub generation: bool,
     /// TOML read by the model worker (its `[model_worker]` section).
     pub model_worker_config: Option<&'a str>,
+    /// More flags for the model worker (e.g. a second `--embed-model`).
+    pub model_worker_args: &'a [&'a str],
     /// The first coordinator is the `colocated` binary: one more shard node in its process
     /// (configured by `shard_config` too), besides the `shard_nodes` separate ones.
     pub colocated: bool,
@@ -308,6 +310,7 @@ impl Cluster {
             model_worker_config: None,
             colocated: false,
             shard_heartbeats: false,
+            model_worker_args: &[],
         })
     }
 
@@ -323,6 +326,7 @@ impl Cluster {
             model_worker_config: None,
             colocated: false,
             shard_heartbeats: false,
+            model_worker_args: &[],
         })
     }
 
@@ -444,7 +448,7 @@ impl Cluster {
                 &["--rerank-model", &rerank],
             )?
         } else {
-            Proc::model_worker(dir.path(), false, mw_config.as_deref())?
+            Proc::model_worker_with(dir.path(), false, mw_config.as_deref(), o.model_worker_args)?
         };
         // Coordinators must know each other's addresses up front, and heartbeating shard
         // nodes theirs: fixed ports then.
@@ -554,5 +558,13 @@ impl Cluster {
 
     pub async fn client(&self) -> Result<CoordinatorClient<Channel>> {
         coordinator_client(&self.coordinator.grpc).await
+    }
+
+    pub async fn admin(&self) -> Result<AdminClient<Channel>> {
+        Ok(AdminClient::new(
+            Channel::from_shared(self.coordinator.grpc.clone())?
+                .connect()
+                .await?,
+        ))
     }
 }
