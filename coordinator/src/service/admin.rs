@@ -38,6 +38,15 @@ pub struct AdminService {
     pub reembedder: Arc<crate::reembed::Reembedder>,
 }
 
+/// Passes a stream from the catalog leader on to the caller until either side ends.
+async fn relay<T>(mut up: tonic::Streaming<T>, tx: tokio::sync::mpsc::Sender<Result<T, Status>>) {
+    while let Some(m) = up.message().await.transpose() {
+        if tx.send(m).await.is_err() {
+            break;
+        }
+    }
+}
+
 /// A member's `grpc.health.v1` answer: "SERVING", "NOT_SERVING", or why it gave none.
 async fn health_of(channels: &Channels, addr: &str) -> String {
     let ch = match channels.get(addr) {
@@ -179,14 +188,8 @@ impl Admin for AdminService {
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         // Moves change the catalog: they run on its leader.
         if let Some(leader) = self.handles.catalog.change_target(forwarded).await? {
-            let mut up = self.forward.move_replica(&leader, r, &caller).await?;
-            tokio::spawn(async move {
-                while let Some(m) = up.message().await.transpose() {
-                    if tx.send(m).await.is_err() {
-                        break;
-                    }
-                }
-            });
+            let up = self.forward.move_replica(&leader, r, &caller).await?;
+            tokio::spawn(relay(up, tx));
         } else {
             let rebalancer = self.rebalancer.clone();
             tokio::spawn(async move {
@@ -269,14 +272,8 @@ impl Admin for AdminService {
         crate::reembed::check(&r)?;
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         if let Some(leader) = self.handles.catalog.change_target(forwarded).await? {
-            let mut up = self.forward.reembed(&leader, r, &caller).await?;
-            tokio::spawn(async move {
-                while let Some(m) = up.message().await.transpose() {
-                    if tx.send(m).await.is_err() {
-                        break;
-                    }
-                }
-            });
+            let up = self.forward.reembed(&leader, r, &caller).await?;
+            tokio::spawn(relay(up, tx));
         } else {
             let reembedder = self.reembedder.clone();
             tokio::spawn(async move {
