@@ -8,7 +8,8 @@
 //! queued calls onto a long-lived stream (`batch`), and the word-cached BERT tokenizer that
 //! the coordinator's chunkers and the model worker's Embed calls share (`tokens`), and how a
 //! test that cannot run on this machine says so (`skip`), and the generation prompt's defaults
-//! and chunk tags (`prompt`) that flows and `ragctl eval answers --oracle` share.
+//! and chunk tags (`prompt`) that flows and `ragctl eval answers --oracle` share, and the
+//! document versions of a re-embedding that coordinators and shards both compose (`versions`).
 //! It must not depend on any process crate.
 
 pub mod batch;
@@ -24,3 +25,4 @@ pub mod skip;
 pub mod telemetry;
 pub mod tls;
 pub mod tokens;
+pub mod versions;

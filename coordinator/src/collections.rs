@@ -192,6 +192,7 @@ impl Collections {
                 .unwrap_or(0),
             fields: Vec::new(),
             reembed: None,
+            reembed_epoch: 0,
         };
         let mut info = info;
         // Declared fields, and the keyword field chunking sets.

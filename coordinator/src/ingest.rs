@@ -10,7 +10,7 @@ use ragcluster_proto::v1::*;
 
 use std::sync::Arc;
 
-use crate::catalog::Catalog;
+use crate::catalog::{Catalog, Mirror};
 use crate::chunking::{self, ChunkParams, Strategy};
 use crate::error::{CoordError, Result};
 use crate::limits::{
@@ -222,7 +222,8 @@ impl Ingestor {
     ) -> Result<UpsertDocumentsResponse> {
         let started = std::time::Instant::now();
         check_collection("collection", &r.collection)?;
-        let info = self.catalog.get(&r.collection)?;
+        // A collection being re-embedded: the other side gets the same documents (`mirror`).
+        let (info, mirror) = self.catalog.write_route(&r.collection)?;
         self.validate(&r.documents, &info)?;
         let mut token = ReadToken::parse("read_token", &r.read_token, &info, &r.collection)?;
         let ids: Vec<String> = r.documents.iter().map(|d| d.id.clone()).collect();
@@ -252,14 +253,12 @@ impl Ingestor {
             .collect();
         let timeout = self.timeout(client_timeout, started);
         let t_write = std::time::Instant::now();
-        // A collection being re-embedded: its copy gets the same documents (`mirror`).
-        let mirror = self.catalog.mirror_of(&info.name);
         let copies = mirror.as_ref().map(|_| per_shard.clone());
         let batches = per_shard
             .into_iter()
             .map(|(s, w)| (s, Batch::Writes(w)))
             .collect();
-        let outcomes = self.write_shards(&info, batches, timeout).await;
+        let outcomes = (self.write_shards(&info, batches, mirror.as_ref(), timeout)).await;
         if let (Some(m), Some(copies)) = (&mirror, copies) {
             let timeout = self.timeout(client_timeout, started);
             self.mirror_writes(m, copies, &outcomes, timeout).await?;
@@ -372,11 +371,13 @@ impl Ingestor {
         .map_err(|e| CoordError::Catalog(e.to_string()))
     }
 
-    /// Writes every shard's batch in parallel; each outcome with the shard and its doc ids.
+    /// Writes every shard's batch in parallel (versioned in the epoch of a re-embedding that
+    /// mirrors them); each outcome with the shard and its doc ids.
     async fn write_shards(
         &self,
         info: &CollectionInfo,
         per_shard: BTreeMap<u32, Batch>,
+        mirror: Option<&Mirror>,
         timeout: Duration,
     ) -> Vec<(u32, Vec<String>, Result<WriteBatchResponse>)> {
         let writes = per_shard.into_iter().map(|(shard, batch)| async move {
@@ -385,6 +386,11 @@ impl Ingestor {
                     w.iter().map(|w| w.doc_id.clone()).collect()
                 }
                 Batch::Changes(c) => c.iter().flat_map(|c| c.doc_ids.clone()).collect(),
+                Batch::InEpoch(..) => Vec::new(),
+            };
+            let batch = match mirror {
+                Some(m) => Batch::InEpoch(Box::new(batch), m.epoch),
+                None => batch,
             };
             let r = match info.shards.get(shard as usize) {
                 Some(p) => {

@@ -5,22 +5,27 @@
 //! one catalog entry, after which writes to the target are mirrored back, so a rollback loses
 //! nothing until the source is dropped.
 //!
-//! The copy exports each source shard at one log index (`seq`) and writes its documents to
-//! the target's shard of the same number with version `seq`: a mirrored write that got there
-//! first carries a higher index and is kept. Documents the target holds but the export does
-//! not are deleted at the same version, so deletes made during the copy hold too. A copy is
-//! idempotent: an interrupted one is resumed by asking again, and a sync (run by the switch)
-//! re-embeds only what changed, since vectors of unchanged texts are reused. A write that
-//! read the catalog before the job began is not mirrored; the switch's sync starts at least
-//! a write timeout after the job, so it copies such writes. A coordinator cut off from the
-//! catalog for longer keeps writing only to the collection it knows (as with any alias
-//! switch); so does a write that straddles the switch itself.
+//! Every write during the job carries a version: the job's epoch (counted by the catalog:
+//! one at the start, one more at each switch and rollback) above a log index of the
+//! collection serving in that epoch. The copy exports each serving shard at one log index
+//! (`seq`) and writes its documents to the other's shard of the same number at that
+//! version: a mirrored write that got there first carries a higher index and is kept.
+//! Documents the other side holds but the export does not are deleted at the same version,
+//! so deletes made during the copy hold too. A write that resolved its collection before a
+//! switch or a rollback and lands after it keeps its older epoch on both sides, so it never
+//! replaces a later one. A copy is idempotent: an interrupted one is resumed by asking
+//! again, and a sync (run by the switch) re-embeds only what changed, since vectors of
+//! unchanged texts are reused. A write that read the catalog before the job began is not
+//! mirrored; the switch's sync starts at least a write timeout after the job, so it copies
+//! such writes. A coordinator cut off from the catalog for longer keeps writing only to the
+//! collection it knows (as with any alias switch).
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::TryStreamExt;
+use ragcluster_common::versions::version;
 use ragcluster_proto::v1::*;
 use tokio::sync::mpsc::Sender;
 use tonic::Status;
@@ -151,7 +156,7 @@ impl Reembedder {
         let other = if job.switched { &source } else { &job.target };
         match action {
             ReembedAction::Start | ReembedAction::Sync => {
-                self.copy(serving, other, parallel, &mut t, tx).await?;
+                (self.copy(serving, other, parallel, job.epoch, &mut t, tx)).await?;
                 let m = format!("{other} holds every document of {serving}");
                 send(tx, t.message("copy", true, m)).await;
             }
@@ -166,16 +171,12 @@ impl Reembedder {
                 if since < settle {
                     tokio::time::sleep(settle - since).await;
                 }
-                self.copy(&source, &job.target, parallel, &mut t, tx)
-                    .await?;
+                (self.copy(&source, &job.target, parallel, job.epoch, &mut t, tx)).await?;
                 let next = ReembedJob {
                     switched: true,
                     ..job
                 };
-                (self.catalog)
-                    .set_reembed(&source, Some(next.clone()), STEP_TIMEOUT)
-                    .await?;
-                t.job = Some(next);
+                t.job = Some(self.set_job(&source, next).await?);
                 let m = format!(
                     "the aliases of {source} name {}; writes to it are mirrored to {source}",
                     t.target
@@ -190,10 +191,7 @@ impl Reembedder {
                     switched: false,
                     ..job
                 };
-                (self.catalog)
-                    .set_reembed(&source, Some(next.clone()), STEP_TIMEOUT)
-                    .await?;
-                t.job = Some(next);
+                t.job = Some(self.set_job(&source, next).await?);
                 let m = format!("the aliases name {source} again");
                 send(tx, t.message("rollback", true, m)).await;
             }
@@ -266,17 +264,28 @@ impl Reembedder {
             embedding_model: r.embedding_model.clone(),
             switched: false,
             started_at_ms: now_ms(),
+            epoch: 0,
         };
-        (self.catalog)
-            .set_reembed(&info.name, Some(job.clone()), STEP_TIMEOUT)
-            .await?;
+        let job = self.set_job(&info.name, job).await?;
         tracing::info!(
             source = info.name,
             target = job.target,
             model = job.embedding_model,
+            epoch = job.epoch,
             "re-embedding started"
         );
         Ok((info.name.clone(), job))
+    }
+
+    /// Records `job` (the catalog counts its epoch); the job as recorded.
+    async fn set_job(&self, source: &str, job: ReembedJob) -> Result<ReembedJob> {
+        (self.catalog)
+            .set_reembed(source, Some(job), STEP_TIMEOUT)
+            .await?;
+        self.catalog
+            .reembed_job(source)
+            .map(|(_, j)| j)
+            .ok_or_else(|| refused(format!("the re-embedding of {source} ended meanwhile")))
     }
 
     /// Documents of a collection (a strong count on every shard).
@@ -307,12 +316,13 @@ impl Reembedder {
     }
 
     /// Copies every document of `from` into `to`, shard by shard, and deletes from `to` the
-    /// documents `from` does not hold.
+    /// documents `from` does not hold, versioned in `epoch`.
     async fn copy(
         &self,
         from: &str,
         to: &str,
         parallel: usize,
+        epoch: u32,
         t: &mut Tally,
         tx: &Progress,
     ) -> Result<()> {
@@ -320,7 +330,8 @@ impl Reembedder {
         t.total = self.count(&src).await?;
         let started = Instant::now();
         for shard in 0..src.shard_count {
-            let (seq, ids) = self.copy_shard(&src, to, shard, parallel, t, tx).await?;
+            let at = (shard, parallel, epoch);
+            let (seq, ids) = self.copy_shard(&src, to, at, t, tx).await?;
             let dst = self.catalog.get(to)?;
             let gone: Vec<String> = self
                 .list_ids(&dst, shard)
@@ -337,7 +348,7 @@ impl Reembedder {
                         delete: true,
                     })
                     .collect();
-                let per_shard = BTreeMap::from([(shard, (deletes, seq))]);
+                let per_shard = BTreeMap::from([(shard, (deletes, version(epoch, seq)))]);
                 let c = (self.ingestor)
                     .write_reembedded(&dst, per_shard, STEP_TIMEOUT)
                     .await?;
@@ -359,14 +370,13 @@ impl Reembedder {
         Ok(())
     }
 
-    /// One shard's export written into `to` (`parallel` batches in flight). Returns the
-    /// export's seq and the ids it held.
+    /// One shard's export written into `to` (`parallel` batches in flight, versioned in
+    /// `epoch`). Returns the export's seq and the ids it held.
     async fn copy_shard(
         &self,
         src: &CollectionInfo,
         to: &str,
-        shard: u32,
-        parallel: usize,
+        (shard, parallel, epoch): (u32, usize, u32),
         t: &mut Tally,
         tx: &Progress,
     ) -> Result<(u64, HashSet<String>)> {
@@ -386,7 +396,7 @@ impl Reembedder {
                 let docs: Vec<DocumentWrite> = p.documents;
                 let batches: Vec<_> = docs
                     .chunks(REEMBED_BATCH_DOCUMENTS)
-                    .map(|b| (p.seq, b.to_vec()))
+                    .map(|b| (version(epoch, p.seq), b.to_vec()))
                     .collect();
                 futures::stream::iter(batches.into_iter().map(Ok))
             })

@@ -198,6 +198,15 @@ impl Shard {
         if req.version > 0 && !req.changes.is_empty() {
             return bad("a versioned batch carries writes only".into());
         }
+        if req.version_epoch > 0 && req.version > 0 {
+            return bad("a batch carries version or version_epoch, not both".into());
+        }
+        if req.version_epoch > ragcluster_common::versions::MAX_EPOCH {
+            return bad(format!(
+                "version_epoch is above {}",
+                ragcluster_common::versions::MAX_EPOCH
+            ));
+        }
         let mut seen = std::collections::HashSet::new();
         for (i, w) in req.writes.iter_mut().enumerate() {
             if w.doc_id.is_empty() {
@@ -285,7 +294,11 @@ impl Shard {
         } else {
             Vec::new()
         };
-        // A versioned write older than what the shard holds is dropped (`storage::versions`).
+        // A versioned write older than what the shard holds is dropped (`storage::versions`);
+        // a write in a re-embedding's epoch is versioned by this entry.
+        if req.version_epoch > 0 {
+            req.version = ragcluster_common::versions::version(req.version_epoch, seq);
+        }
         let stale = self.drop_stale(&mut req)?;
         // 1. Durable. A failure here leaves nothing behind (atomic write) and nothing
         // acknowledged.

@@ -1,10 +1,11 @@
 //! Re-embedding a live collection (issue 69) on real processes: a MiniLM collection behind an
 //! alias moves to nomic-embed-text-v1.5 while a writer upserts, patches and deletes and two
-//! searchers search through the alias. No call fails; after the copy and the switch (writes
-//! then go on through the alias to the new collection, mirrored back), both collections hold
-//! exactly the documents the writer's acknowledged calls left (text and metadata), the new
-//! one with 768-d vectors of the new model; `finish` drops the old one. Bad steps are
-//! refused and change nothing.
+//! searchers search through the alias. No call fails; after the copy, a switch (writes then
+//! go on through the alias to the new collection, mirrored back), a rollback and a second
+//! switch, both collections hold exactly the documents the writer's acknowledged calls left
+//! (text and metadata), the new one with 768-d vectors of the new model; `finish` drops the
+//! old one. Bad steps, and writes by name to the side that does not serve, are refused and
+//! change nothing.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -245,12 +246,23 @@ async fn a_live_collection_moves_to_another_model_and_back() -> Result<()> {
     let tasks = load(&cluster, stop.clone(), failures.clone());
     tokio::time::sleep(Duration::from_millis(500)).await;
 
-    eprintln!("{:?} start", std::time::SystemTime::now());
     let p = step(&mut a, ReembedAction::Start, NOMIC).await?;
-    eprintln!("{:?} started", std::time::SystemTime::now());
     let target = p.target.clone();
     eprintln!("start: {p:?}");
     ensure!(p.done && p.documents_copied >= 20, "{p:?}");
+    ensure!(p.job.as_ref().is_some_and(|j| j.epoch == 1), "{p:?}");
+    // Only the serving side takes writes: the next copy would undo one to the other.
+    refused(
+        "a write to the target before the switch",
+        c.upsert_documents(UpsertDocumentsRequest {
+            collection: target.clone(),
+            documents: vec![doc(0, 999)],
+            ..Default::default()
+        })
+        .await,
+        Code::FailedPrecondition,
+        "does not serve",
+    )?;
     // A patch by filter while both are written: mirrored as the documents it changed.
     c.update_documents(UpdateDocumentsRequest {
         collection: ALIAS.into(),
@@ -278,9 +290,7 @@ async fn a_live_collection_moves_to_another_model_and_back() -> Result<()> {
     )?;
     tokio::time::sleep(Duration::from_millis(800)).await;
 
-    eprintln!("{:?} switch", std::time::SystemTime::now());
     let p = step(&mut a, ReembedAction::Switch, "").await?;
-    eprintln!("{:?} switched", std::time::SystemTime::now());
     eprintln!("switch: {p:?}");
     let d = c
         .describe_collection(DescribeCollectionRequest { name: ALIAS.into() })
@@ -294,10 +304,34 @@ async fn a_live_collection_moves_to_another_model_and_back() -> Result<()> {
         d.name,
         d.embedding_model
     );
-    // Writes now go to the target and are mirrored back; a rollback and a second switch.
+    // Writes now go to the target and are mirrored back; a rollback and a second switch,
+    // each with writes through the alias around it (versions: epochs 2, 3 and 4).
     tokio::time::sleep(Duration::from_millis(800)).await;
-    // Rollback (aliases back, mirroring forward) is not exercised here: a run that wrote
-    // through the switched alias, rolled back and switched again lost such writes (open).
+    refused(
+        "a write to the source after the switch",
+        c.delete_documents(DeleteDocumentsRequest {
+            collection: SRC.into(),
+            ids: vec!["d001".into()],
+            ..Default::default()
+        })
+        .await,
+        Code::FailedPrecondition,
+        "does not serve",
+    )?;
+    let p = step(&mut a, ReembedAction::Rollback, "").await?;
+    eprintln!("rollback: {p:?}");
+    ensure!(
+        p.job.as_ref().is_some_and(|j| j.epoch == 3 && !j.switched),
+        "{p:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let p = step(&mut a, ReembedAction::Switch, "").await?;
+    eprintln!("switch again: {p:?}");
+    ensure!(
+        p.job.as_ref().is_some_and(|j| j.epoch == 4 && j.switched),
+        "{p:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(800)).await;
     stop.store(true, Ordering::Relaxed);
     let mut expected = Expected::new();
     for t in tasks {

@@ -26,6 +26,7 @@ use ragcluster_raft::{Member, Options, RaftError, Role};
 
 use crate::error::{CoordError, Result};
 use machine::{CatalogMachine, CatalogResponse};
+pub use reembed::Mirror;
 use transport::{CatalogDialer, CatalogTransport, GROUP};
 pub use view::View;
 
@@ -380,11 +381,15 @@ impl Catalog {
         self.machine.view().reembed_job(name)
     }
 
-    /// The collection writes to `name` are mirrored to (a re-embedding), if any.
-    pub fn mirror_of(&self, name: &str) -> Option<CollectionInfo> {
+    /// Where a write to `name` (a collection or an alias) goes: the collection, and during a
+    /// re-embedding the other collection it is mirrored to, both read from one view so that a
+    /// switch cannot fall between them (`View::mirror`).
+    pub fn write_route(&self, name: &str) -> Result<(CollectionInfo, Option<Mirror>)> {
         let v = self.machine.view();
-        v.mirror_of(name)
-            .and_then(|m| v.collections.get(&m).cloned())
+        let info = (v.collections.get(v.resolve(name)).cloned())
+            .ok_or_else(|| CoordError::UnknownCollection(name.to_owned()))?;
+        let mirror = v.mirror(&info.name)?;
+        Ok((info, mirror))
     }
 
     /// Records a new collection (leader only); refused if the name exists.

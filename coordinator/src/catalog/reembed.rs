@@ -2,10 +2,19 @@
 //! collection a write is mirrored to, and the alias moves of a switch and a rollback, made
 //! in the same entry as the state change so that no reader sees one without the other.
 
+use ragcluster_common::versions::MAX_EPOCH;
 use ragcluster_proto::v1::{ReembedJob, SetReembed};
 
 use super::View;
 use crate::error::{CoordError, Result};
+
+/// The other collection of a re-embedding that a write is also written to.
+#[derive(Debug, Clone)]
+pub struct Mirror {
+    pub to: ragcluster_proto::v1::CollectionInfo,
+    /// The job's epoch (`ReembedJob.epoch`): the write and its mirror are versioned in it.
+    pub epoch: u32,
+}
 
 impl View {
     /// The job `name` takes part in (as source or target), with the source's name.
@@ -16,15 +25,32 @@ impl View {
         })
     }
 
-    /// Where writes to collection `name` are mirrored: the target of its job before the
-    /// switch, the source after it (writes to the other side are not mirrored).
-    pub fn mirror_of(&self, name: &str) -> Option<String> {
-        let (source, job) = self.reembed_job(name)?;
-        match (job.switched, name == source) {
-            (false, true) => Some(job.target),
-            (true, false) => Some(source),
-            _ => None,
+    /// Where writes to collection `name` are mirrored: the other collection of its job, with
+    /// the epoch their versions carry. Only the collection that serves (the source, or the
+    /// target once switched) takes writes: one to the other side is refused, since the next
+    /// copy would undo it (a write that resolved its collection before a switch still lands
+    /// where it resolved, versioned in its older epoch).
+    pub fn mirror(&self, name: &str) -> Result<Option<Mirror>> {
+        let Some((source, job)) = self.reembed_job(name) else {
+            return Ok(None);
+        };
+        let (serving, other) = if job.switched {
+            (job.target.as_str(), source.as_str())
+        } else {
+            (source.as_str(), job.target.as_str())
+        };
+        if name != serving {
+            return Err(CoordError::FailedPrecondition(format!(
+                "{name} is the copy of a re-embedding of {source} that does not serve: write \
+                 to {serving} (or an alias of it), which mirrors writes here"
+            )));
         }
+        let to = (self.collections.get(other).cloned())
+            .ok_or_else(|| CoordError::UnknownCollection(other.to_owned()))?;
+        Ok(Some(Mirror {
+            to,
+            epoch: job.epoch.max(1),
+        }))
     }
 
     pub(super) fn set_reembed(&mut self, r: SetReembed) -> Result<()> {
@@ -33,9 +59,16 @@ impl View {
             .get(&r.source)
             .ok_or_else(|| CoordError::UnknownCollection(r.source.clone()))?;
         let before = source.reembed.clone();
-        let Some(job) = r.job else {
-            if let Some(c) = self.collections.get_mut(&r.source) {
-                c.reembed = None;
+        let last_epoch = source.reembed_epoch;
+        let Some(mut job) = r.job else {
+            // Both collections keep the last epoch: their shards hold versions up to it.
+            if let Some(b) = &before {
+                for name in [&r.source, &b.target] {
+                    if let Some(c) = self.collections.get_mut(name) {
+                        c.reembed = None;
+                        c.reembed_epoch = c.reembed_epoch.max(b.epoch);
+                    }
+                }
             }
             return Ok(());
         };
@@ -65,6 +98,18 @@ impl View {
             _ => {}
         }
         let was = before.as_ref().is_some_and(|b| b.switched);
+        // The epoch is the catalog's to count (every replica applies the same commands).
+        job.epoch = match &before {
+            None => last_epoch.max(target.reembed_epoch) + 1,
+            Some(b) if b.switched != job.switched => b.epoch + 1,
+            Some(b) => b.epoch,
+        };
+        if job.epoch > MAX_EPOCH {
+            return Err(CoordError::FailedPrecondition(format!(
+                "{} has switched and rolled back {MAX_EPOCH} times: finish or cancel",
+                r.source
+            )));
+        }
         if job.switched != was {
             let (from, to) = if job.switched {
                 (r.source.as_str(), job.target.as_str())
@@ -115,6 +160,16 @@ mod tests {
             embedding_model: "m2".into(),
             switched,
             started_at_ms: 1,
+            epoch: 0,
+        }
+    }
+
+    /// The other side and epoch of writes to `n`; None when not mirrored, "refused" when
+    /// `n` does not serve.
+    fn mirror(v: &View, n: &str) -> Option<(String, u32)> {
+        match v.mirror(n) {
+            Ok(m) => m.map(|m| (m.to.name, m.epoch)),
+            Err(_) => Some(("refused".into(), 0)),
         }
     }
 
@@ -133,8 +188,9 @@ mod tests {
             "shard counts differ"
         );
         set(&mut v, "a", Some(job("b", false))).unwrap();
-        assert_eq!(v.mirror_of("a").as_deref(), Some("b"));
-        assert_eq!(v.mirror_of("b"), None);
+        assert_eq!(mirror(&v, "a"), Some(("b".into(), 1)));
+        assert_eq!(mirror(&v, "b"), Some(("refused".into(), 0)));
+        assert_eq!(mirror(&v, "d"), None);
         assert!(
             set(&mut v, "d", Some(job("b", false))).is_err(),
             "b is taken"
@@ -169,12 +225,21 @@ mod tests {
         set(&mut v, "a", Some(job("b", true))).unwrap();
         assert_eq!(v.resolve("live"), "b");
         assert_eq!(v.resolve("other"), "d", "other aliases stay");
-        assert_eq!(v.mirror_of("b").as_deref(), Some("a"));
-        assert_eq!(v.mirror_of("a"), None);
+        assert_eq!(
+            mirror(&v, "b"),
+            Some(("a".into(), 2)),
+            "epoch 2 after the switch"
+        );
+        assert_eq!(mirror(&v, "a"), Some(("refused".into(), 0)));
         set(&mut v, "a", Some(job("b", false))).unwrap();
         assert_eq!(v.resolve("live"), "a", "rolled back");
+        assert_eq!(mirror(&v, "a"), Some(("b".into(), 3)));
         set(&mut v, "a", None).unwrap();
-        assert_eq!(v.mirror_of("a"), None);
+        assert_eq!(mirror(&v, "a"), None);
         drop(&mut v, "b").unwrap();
+        // The next job of `a` starts above the epochs its shards hold versions of.
+        v.collections.insert("e".into(), collection("e", 2));
+        set(&mut v, "a", Some(job("e", false))).unwrap();
+        assert_eq!(mirror(&v, "a"), Some(("e".into(), 4)));
     }
 }

@@ -247,7 +247,7 @@ impl Ingestor {
     ) -> Result<DeleteDocumentsResponse> {
         let started = std::time::Instant::now();
         check_collection("collection", &r.collection)?;
-        let info = self.catalog.get(&r.collection)?;
+        let (info, mirror) = self.catalog.write_route(&r.collection)?;
         let sel = select(
             &r.ids,
             r.conditions.as_ref(),
@@ -259,10 +259,10 @@ impl Ingestor {
         let timeout = self.timeout(client_timeout, started);
         let batches = per_shard(sel, &info, true, None);
         let total = batches.len();
-        let results = self.write_shards(&info, batches, timeout).await;
-        if let Some(m) = self.catalog.mirror_of(&info.name) {
+        let results = (self.write_shards(&info, batches, mirror.as_ref(), timeout)).await;
+        if let Some(m) = &mirror {
             let timeout = self.timeout(client_timeout, started);
-            self.mirror_changes(&info, &m, &results, timeout).await?;
+            self.mirror_changes(&info, m, &results, timeout).await?;
         }
         raise(&mut token, &results);
         let o = outcome(results);
@@ -293,17 +293,17 @@ impl Ingestor {
     ) -> Result<UpdateDocumentsResponse> {
         let started = std::time::Instant::now();
         check_collection("collection", &r.collection)?;
-        let info = self.catalog.get(&r.collection)?;
+        let (info, mirror) = self.catalog.write_route(&r.collection)?;
         let sel = select(&r.ids, r.conditions.as_ref(), &info, self.max_batch, None)?;
         check_patch(r.patch.as_ref(), &info)?;
         let mut token = ReadToken::parse("read_token", &r.read_token, &info, &r.collection)?;
         let timeout = self.timeout(client_timeout, started);
         let batches = per_shard(sel, &info, false, r.patch);
         let total = batches.len();
-        let results = self.write_shards(&info, batches, timeout).await;
-        if let Some(m) = self.catalog.mirror_of(&info.name) {
+        let results = (self.write_shards(&info, batches, mirror.as_ref(), timeout)).await;
+        if let Some(m) = &mirror {
             let timeout = self.timeout(client_timeout, started);
-            self.mirror_changes(&info, &m, &results, timeout).await?;
+            self.mirror_changes(&info, m, &results, timeout).await?;
         }
         raise(&mut token, &results);
         let o = outcome(results);

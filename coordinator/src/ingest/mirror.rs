@@ -1,19 +1,26 @@
-//! Writes into a re-embedding's other collection (`reembed`): documents as the source holds
-//! them, every chunk embedded again by the other collection's model (a vector it already
-//! holds for the same text and model revision is reused), written to the shard of the same
-//! number with the source shard's log index as the version (`Batch::Versioned`), so that
-//! whichever of the copy and the mirrored writes reaches the target last, the newest content
-//! stays. Both collections have as many shards, so a document's shard is the same in both.
+//! Writes into a re-embedding's other collection (`reembed`): documents as the serving
+//! collection holds them, every chunk embedded again by the other collection's model (a
+//! vector it already holds for the same text and model revision is reused), written to the
+//! shard of the same number, versioned by the job's epoch and the serving shard's log index
+//! (`Batch::Versioned`, `ragcluster_common::versions`), so that whichever of the copy and
+//! the mirrored writes reaches the other side last, the newest content stays. Both
+//! collections have as many shards, so a document's shard is the same in both.
 //!
 //! A write to a collection being re-embedded is acknowledged once both collections hold it:
-//! the mirror runs after the source's shards applied the batch, with their applied seqs.
+//! the primary write is versioned by its own log index in the epoch it resolved its
+//! collection in (`Batch::InEpoch`), the mirror runs after the serving shards applied it,
+//! with their applied seqs. A write that resolved before a switch and lands after it keeps
+//! its older epoch on both sides, so it cannot replace one made after the switch.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use ragcluster_proto::v1::*;
 
+use ragcluster_common::versions::version;
+
 use super::{Ingestor, embedding_text};
+use crate::catalog::Mirror;
 use crate::error::{CoordError, Result};
 use crate::read_token::NO_TOKEN;
 use crate::shards::{Batch, ReadPlan};
@@ -54,8 +61,8 @@ fn mirror_failed(target: &str, e: CoordError) -> CoordError {
 }
 
 impl Ingestor {
-    /// Writes each shard's documents (`version` per shard) into `target`, chunks embedded by
-    /// its model; deletes pass through.
+    /// Writes each shard's documents (with its version, `ragcluster_common::versions`) into
+    /// `target`, chunks embedded by its model; deletes pass through.
     pub async fn write_reembedded(
         &self,
         target: &CollectionInfo,
@@ -144,11 +151,11 @@ impl Ingestor {
         Ok(copied)
     }
 
-    /// Mirrors an upsert's documents (as written to the source, per shard) to `target`,
-    /// for each shard that applied its batch, at that batch's seq.
+    /// Mirrors an upsert's documents (as written to the serving collection, per shard) to
+    /// the other one, for each shard that applied its batch, at that batch's seq.
     pub(super) async fn mirror_writes(
         &self,
-        target: &CollectionInfo,
+        m: &Mirror,
         mut copies: BTreeMap<u32, Vec<DocumentWrite>>,
         outcomes: &[Outcome],
         timeout: Duration,
@@ -157,13 +164,13 @@ impl Ingestor {
             .iter()
             .filter_map(|(s, _, r)| {
                 let seq = r.as_ref().ok()?.applied_seq;
-                Some((*s, (copies.remove(s)?, seq)))
+                Some((*s, (copies.remove(s)?, version(m.epoch, seq))))
             })
             .collect();
-        self.write_reembedded(target, per_shard, timeout)
+        self.write_reembedded(&m.to, per_shard, timeout)
             .await
             .map(|_| ())
-            .map_err(|e| mirror_failed(&target.name, e))
+            .map_err(|e| mirror_failed(&m.to.name, e))
     }
 
     /// Mirrors patches and deletes: the documents each shard changed, read back from the
@@ -172,10 +179,11 @@ impl Ingestor {
     pub(super) async fn mirror_changes(
         &self,
         source: &CollectionInfo,
-        target: &CollectionInfo,
+        m: &Mirror,
         outcomes: &[Outcome],
         timeout: Duration,
     ) -> Result<()> {
+        let target = &m.to;
         let mut per_shard = BTreeMap::new();
         for (shard, _, r) in outcomes {
             let Ok(w) = r else { continue };
@@ -186,7 +194,7 @@ impl Ingestor {
                 .read_documents(source, *shard, w.changed_ids.clone(), timeout)
                 .await
                 .map_err(|e| mirror_failed(&target.name, e))?;
-            per_shard.insert(*shard, (docs, w.applied_seq));
+            per_shard.insert(*shard, (docs, version(m.epoch, w.applied_seq)));
         }
         if per_shard.is_empty() {
             return Ok(());

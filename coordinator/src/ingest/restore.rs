@@ -27,7 +27,7 @@ impl Ingestor {
     ) -> Result<UpsertDocumentsResponse> {
         let started = Instant::now();
         check_collection("collection", &r.collection)?;
-        let info = self.catalog.get(&r.collection)?;
+        let (info, mirror) = self.catalog.write_route(&r.collection)?;
         check_restore(&r.documents, &info)?;
         let ids: Vec<String> = r.documents.iter().map(|d| d.doc_id.clone()).collect();
         let chunks_of: HashMap<String, usize> = r
@@ -40,14 +40,13 @@ impl Ingestor {
             let shard = placement::shard_for_doc(&d.doc_id, info.shard_count);
             per_shard.entry(shard).or_default().push(d);
         }
-        let mirror = self.catalog.mirror_of(&info.name);
         let copies = mirror.as_ref().map(|_| per_shard.clone());
         let batches = per_shard
             .into_iter()
             .map(|(s, w)| (s, Batch::Writes(w)))
             .collect();
         let timeout = self.timeout(client_timeout, started);
-        let outcomes = self.write_shards(&info, batches, timeout).await;
+        let outcomes = (self.write_shards(&info, batches, mirror.as_ref(), timeout)).await;
         if let (Some(m), Some(copies)) = (&mirror, copies) {
             self.mirror_writes(m, copies, &outcomes, timeout).await?;
         }

@@ -141,7 +141,7 @@ impl Coordinator for CoordinatorService {
         // Fields new to the collection join its schema first (all checked before anything
         // changes); the write then finds them there.
         check_collection("collection", &r.collection)?;
-        let info = self.handles.catalog.get(&r.collection)?;
+        let (info, _) = self.handles.catalog.write_route(&r.collection)?;
         self.ingestor.validate(&r.documents, &info)?;
         let grow = crate::schema::growth(&r.documents, &info)?;
         if !grow.is_empty() {
@@ -189,7 +189,7 @@ impl Coordinator for CoordinatorService {
         let r = req.into_inner();
         // As for upserts: fields the patch sets for the first time join the schema first.
         check_collection("collection", &r.collection)?;
-        let info = self.handles.catalog.get(&r.collection)?;
+        let (info, _) = self.handles.catalog.write_route(&r.collection)?;
         let grow = crate::ingest::check_patch(r.patch.as_ref(), &info)?;
         if !grow.is_empty() {
             let add = AddFieldsRequest {

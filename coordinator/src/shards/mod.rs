@@ -108,6 +108,24 @@ pub enum Batch {
     /// A re-embedding's copy or mirror: documents written only where the shard holds no
     /// newer version (`WriteBatchRequest.version`).
     Versioned(Vec<DocumentWrite>, u64),
+    /// A write to the collection that serves during a re-embedding: versioned by the shard
+    /// with its own log index in this epoch (`WriteBatchRequest.version_epoch`).
+    InEpoch(Box<Batch>, u32),
+}
+
+impl Batch {
+    /// Writes, changes, version and epoch of the request.
+    fn parts(self) -> (Vec<DocumentWrite>, Vec<DocumentChange>, u64, u32) {
+        match self {
+            Batch::Writes(w) => (w, Vec::new(), 0, 0),
+            Batch::Changes(c) => (Vec::new(), c, 0, 0),
+            Batch::Versioned(w, v) => (w, Vec::new(), v, 0),
+            Batch::InEpoch(b, epoch) => {
+                let (w, c, v, _) = b.parts();
+                (w, c, v, epoch)
+            }
+        }
+    }
 }
 
 pub struct Shards {
@@ -223,11 +241,7 @@ impl Shards {
         batch: Batch,
         timeout: Duration,
     ) -> Result<WriteBatchResponse> {
-        let (writes, changes, version) = match batch {
-            Batch::Writes(w) => (w, Vec::new(), 0),
-            Batch::Changes(c) => (Vec::new(), c, 0),
-            Batch::Versioned(w, v) => (w, Vec::new(), v),
-        };
+        let (writes, changes, version, version_epoch) = batch.parts();
         let req = WriteBatchRequest {
             shard: Some(ShardRef {
                 collection: collection.to_owned(),
@@ -237,6 +251,7 @@ impl Shards {
             request_id: format!("{:032x}", rand::random::<u128>()),
             changes,
             version,
+            version_epoch,
         };
         let deadline = Instant::now() + timeout;
         let mut target = self.routing.leader(collection, shard, replicas);

@@ -90,7 +90,7 @@ fn json(p: &ReembedProgress, secs: f64) -> serde_json::Value {
     serde_json::json!({
         "phase": p.phase, "source": p.source, "target": p.target,
         "embedding_model": job.map(|j| j.embedding_model.clone()),
-        "switched": job.map(|j| j.switched),
+        "switched": job.map(|j| j.switched), "epoch": job.map(|j| j.epoch),
         "documents_copied": p.documents_copied, "documents_total": p.documents_total,
         "chunks_embedded": p.chunks_embedded, "chunks_reused": p.chunks_reused,
         "documents_newer": p.documents_newer, "documents_deleted": p.documents_deleted,

@@ -661,7 +661,34 @@ fn versioned_writes_keep_the_newest_content() {
     assert_eq!(store.doc_version(&key, "a").unwrap(), None);
     let r = apply(&shard, versioned(doc("a", "copy after", 1.0), 2)).unwrap();
     assert!(r.stale.is_empty());
-    // A versioned batch carries writes only.
+    // A write in a later epoch is versioned by its own entry and wins over late writes of an
+    // earlier epoch whatever their index; one of an earlier epoch is itself skipped.
+    use ragcluster_common::versions::version;
+    let r = apply(&shard, versioned(doc("a", "epoch 1", 1.0), version(1, 900))).unwrap();
+    assert!(r.stale.is_empty());
+    let own = WriteBatchRequest {
+        version_epoch: 2,
+        ..batch(vec![doc("a", "epoch 2", 1.0)])
+    };
+    let r = apply(&shard, own).unwrap();
+    assert!(r.stale.is_empty());
+    let at = store.doc_version(&key, "a").unwrap().unwrap();
+    assert_eq!(at, version(2, r.applied_seq));
+    let r = apply(&shard, versioned(doc("a", "late", 1.0), version(1, 5000))).unwrap();
+    assert_eq!(r.stale.len(), 1);
+    let late = WriteBatchRequest {
+        version_epoch: 1,
+        ..batch(vec![doc("a", "late own", 1.0)])
+    };
+    assert_eq!(apply(&shard, late).unwrap().stale.len(), 1);
+    assert_eq!(text("a").as_deref(), Some("epoch 2"));
+    // A versioned batch carries writes only, and one version.
+    let both = WriteBatchRequest {
+        version: 3,
+        version_epoch: 1,
+        ..batch(vec![doc("a", "x", 1.0)])
+    };
+    assert!(apply(&shard, both).is_err());
     let bad = WriteBatchRequest {
         version: 3,
         changes: vec![ragcluster_proto::v1::DocumentChange {
