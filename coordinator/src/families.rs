@@ -132,6 +132,11 @@ fn model_calls() -> Vec<Family> {
             "Embed calls sent again after a worker's load refusal and its retry hint",
         ),
         (
+            "coordinator_reembed_batch_retries_total",
+            Counter,
+            "re-embedding copy batches tried again after a retryable refusal",
+        ),
+        (
             "coordinator_embed_cache_hits_total",
             Counter,
             "texts whose embedding came from the embedding cache",

@@ -40,6 +40,8 @@ use crate::shards::{ReadPlan, Shards};
 
 /// Catalog changes and one copy batch's writes.
 const STEP_TIMEOUT: Duration = Duration::from_secs(60);
+/// Tries of one copy batch that the model worker or a shard refused for now.
+const COPY_BATCH_ATTEMPTS: u32 = 6;
 /// Chunks per page while the target's document ids are listed.
 const LIST_PAGE: u32 = 10_000;
 
@@ -350,7 +352,7 @@ impl Reembedder {
                     .collect();
                 let per_shard = BTreeMap::from([(shard, (deletes, version(epoch, seq)))]);
                 let c = (self.ingestor)
-                    .write_reembedded(&dst, per_shard, STEP_TIMEOUT)
+                    .write_reembedded(&dst, per_shard, true, STEP_TIMEOUT)
                     .await?;
                 t.deleted += c.written;
                 t.c.newer += c.newer;
@@ -416,10 +418,7 @@ impl Reembedder {
                             d
                         })
                         .collect();
-                    let per_shard = BTreeMap::from([(shard, (docs, s))]);
-                    let c = (self.ingestor)
-                        .write_reembedded(dst, per_shard, STEP_TIMEOUT)
-                        .await?;
+                    let c = self.write_batch(dst, shard, docs, s).await?;
                     Ok::<_, CoordError>((s, doc_ids, c))
                 }
             })
@@ -436,6 +435,37 @@ impl Reembedder {
         }
         drop(written);
         Ok((seq_seen.into_inner(), ids))
+    }
+
+    /// One copy batch written into `dst`, tried again while the model worker or the shard
+    /// asks to come back later (a busy encoder serving searches and writes beside the copy):
+    /// a copy is background work, and rewriting a batch is harmless (versions).
+    async fn write_batch(
+        &self,
+        dst: &CollectionInfo,
+        shard: u32,
+        docs: Vec<DocumentWrite>,
+        version: u64,
+    ) -> Result<Copied> {
+        let mut attempt = 1;
+        loop {
+            let per_shard = BTreeMap::from([(shard, (docs.clone(), version))]);
+            let r = (self.ingestor)
+                .write_reembedded(dst, per_shard, true, STEP_TIMEOUT)
+                .await;
+            match r {
+                Err(e) if e.is_retryable() && attempt < COPY_BATCH_ATTEMPTS => {
+                    let wait = Duration::from_millis(e.retry_after_ms().unwrap_or(1000))
+                        .max(Duration::from_secs(attempt.into()));
+                    tracing::warn!(collection = dst.name, shard, attempt, error = %e,
+                                   "re-embedding copy batch tried again");
+                    metrics::counter!("coordinator_reembed_batch_retries_total").increment(1);
+                    tokio::time::sleep(wait).await;
+                    attempt += 1;
+                }
+                r => return r,
+            }
+        }
     }
 
     /// Every document id one shard of `info` holds (a strong scan, ids in order).

@@ -25,6 +25,9 @@ use crate::error::{CoordError, Result};
 use crate::read_token::NO_TOKEN;
 use crate::shards::{Batch, ReadPlan};
 
+/// Texts per model call of a background write (see `Ingestor::write_reembedded`).
+const BACKGROUND_EMBED_TEXTS: usize = 8;
+
 /// What a copy did.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Copied {
@@ -62,11 +65,16 @@ fn mirror_failed(target: &str, e: CoordError) -> CoordError {
 
 impl Ingestor {
     /// Writes each shard's documents (with its version, `ragcluster_common::versions`) into
-    /// `target`, chunks embedded by its model; deletes pass through.
+    /// `target`, chunks embedded by its model; deletes pass through. A `background` write
+    /// (the copy) sends its texts to the model a few at a time, one call after another, so
+    /// that the encoder's queue never holds more than that of it ahead of a mirrored write
+    /// or a query: on a busy CPU encoder a whole batch queued at once made them wait past
+    /// their deadline.
     pub async fn write_reembedded(
         &self,
         target: &CollectionInfo,
         per_shard: BTreeMap<u32, (Vec<DocumentWrite>, u64)>,
+        background: bool,
         timeout: Duration,
     ) -> Result<Copied> {
         let label = target
@@ -101,13 +109,19 @@ impl Ingestor {
                 }
             }
         }
-        let (fresh, fresh_rev) = if todo.is_empty() {
-            (Vec::new(), None)
+        let slice = if background {
+            BACKGROUND_EMBED_TEXTS
         } else {
-            (self.models)
-                .embed_revised(model, todo.clone(), EmbedInput::Document)
-                .await?
+            todo.len().max(1)
         };
+        let (mut fresh, mut fresh_rev) = (Vec::with_capacity(todo.len()), None);
+        for texts in todo.chunks(slice) {
+            let (v, rev) = (self.models)
+                .embed_revised(model, texts.to_vec(), EmbedInput::Document)
+                .await?;
+            fresh.extend(v);
+            fresh_rev = fresh_rev.or(rev);
+        }
         copied.embedded = fresh.len() as u64;
         let fresh: HashMap<String, Vec<f32>> = todo.into_iter().zip(fresh).collect();
         let fresh_rev = fresh_rev.unwrap_or_default();
@@ -167,7 +181,7 @@ impl Ingestor {
                 Some((*s, (copies.remove(s)?, version(m.epoch, seq))))
             })
             .collect();
-        self.write_reembedded(&m.to, per_shard, timeout)
+        self.write_reembedded(&m.to, per_shard, false, timeout)
             .await
             .map(|_| ())
             .map_err(|e| mirror_failed(&m.to.name, e))
@@ -199,7 +213,7 @@ impl Ingestor {
         if per_shard.is_empty() {
             return Ok(());
         }
-        self.write_reembedded(target, per_shard, timeout)
+        self.write_reembedded(target, per_shard, false, timeout)
             .await
             .map(|_| ())
             .map_err(|e| mirror_failed(&target.name, e))
