@@ -65,16 +65,20 @@ pub struct ModelMeta {
     pub revision: Option<String>,
     /// The smallest advertised `max_batch` among them (0: none advertised).
     pub max_batch: usize,
+    /// "embed", "rerank" or "generate", as the first answering worker reported it.
+    pub kind: String,
 }
 
 /// Joins the model lists of several workers: per model, one revision if all agree.
 pub fn merge_meta<'a>(
     lists: impl IntoIterator<Item = &'a [ModelInfo]>,
 ) -> HashMap<String, ModelMeta> {
-    let mut out: HashMap<String, (Option<Option<String>>, usize)> = HashMap::new();
+    let mut out: HashMap<String, (Option<Option<String>>, usize, String)> = HashMap::new();
     for list in lists {
         for m in list {
-            let e = out.entry(m.name.clone()).or_insert((None, 0));
+            let e = out
+                .entry(m.name.clone())
+                .or_insert_with(|| (None, 0, m.kind.clone()));
             let rev = (!m.revision.is_empty()).then(|| m.revision.clone());
             e.0 = match e.0.take() {
                 None => Some(rev),
@@ -88,12 +92,13 @@ pub fn merge_meta<'a>(
         }
     }
     out.into_iter()
-        .map(|(name, (rev, max_batch))| {
+        .map(|(name, (rev, max_batch, kind))| {
             (
                 name,
                 ModelMeta {
                     revision: rev.flatten(),
                     max_batch,
+                    kind,
                 },
             )
         })
@@ -281,13 +286,30 @@ impl Models {
             .insert(addr.to_owned(), Instant::now() + DOWN_FOR);
     }
 
-    /// The worker serving `model` ("" = any) with the fewest tokens outstanding, healthy
-    /// ones first, none of `tried`.
-    fn pick(&self, model: &str, tried: &[String]) -> Option<String> {
+    /// Whether a worker serving `models` can take a call naming no model of `kind`: it
+    /// serves a model of that kind, or one whose kind is not known yet (not listed).
+    fn serves_kind(&self, models: &[String], kind: &str) -> bool {
+        let meta = self.meta.read();
+        models.iter().any(|m| {
+            meta.get(m)
+                .is_none_or(|mm| mm.kind.is_empty() || mm.kind == kind)
+        })
+    }
+
+    /// The worker serving `model` ("" = its default model of `kind`: any worker serving a
+    /// model of that kind) with the fewest tokens outstanding, healthy ones first, none of
+    /// `tried`.
+    fn pick(&self, model: &str, kind: &str, tried: &[String]) -> Option<String> {
         let registered = self.workers.read();
         let serving = registered
             .iter()
-            .filter(|w| model.is_empty() || w.models.iter().any(|m| m == model))
+            .filter(|w| {
+                if model.is_empty() {
+                    self.serves_kind(&w.models, kind)
+                } else {
+                    w.models.iter().any(|m| m == model)
+                }
+            })
             .map(|w| w.address.as_str());
         // The configured address serves whatever it serves, unless a registered worker holds it.
         let seed = (!self.seed.is_empty() && !registered.iter().any(|w| w.address == self.seed))
@@ -321,6 +343,7 @@ impl Models {
     async fn with_worker<T, F, Fut>(
         &self,
         model: &str,
+        kind: &str,
         tokens: u64,
         f: F,
     ) -> Result<(T, Outstanding)>
@@ -330,7 +353,7 @@ impl Models {
     {
         let mut tried = Vec::new();
         loop {
-            let Some(addr) = self.pick(model, &tried) else {
+            let Some(addr) = self.pick(model, kind, &tried) else {
                 return Err(CoordError::Unavailable {
                     what: "model worker".into(),
                     reason: if tried.is_empty() {
@@ -504,7 +527,7 @@ impl Models {
                 let started = Instant::now();
                 let r = loop {
                     let r = self
-                        .with_worker(model, tokens(&refs), |mut c| {
+                        .with_worker(model, "embed", tokens(&refs), |mut c| {
                             let req = request(
                                 EmbedRequest {
                                     model: model.to_owned(),
@@ -565,7 +588,7 @@ impl Models {
             passages: passages.clone(),
         };
         let (r, _) = self
-            .with_worker(model, tokens(&refs), |mut c| {
+            .with_worker(model, "rerank", tokens(&refs), |mut c| {
                 let req = request(req.clone(), timeout);
                 async move { call("model worker", timeout, c.rerank(req)).await }
             })
@@ -587,7 +610,7 @@ impl Models {
         let est = tokens(&texts) + u64::from(max);
         let model = req.model.clone();
         let (stream, load) = self
-            .with_worker(&model, est, |mut c| {
+            .with_worker(&model, "generate", est, |mut c| {
                 let req = request(req.clone(), timeout);
                 async move { call("model worker", timeout, c.generate(req)).await }
             })
@@ -635,7 +658,8 @@ mod tests {
             m["mini"],
             ModelMeta {
                 revision: Some("r1".into()),
-                max_batch: 64
+                max_batch: 64,
+                kind: "embed".into(),
             },
             "one revision; calls sized for the smallest batch"
         );
@@ -650,5 +674,54 @@ mod tests {
             merge_meta([a.as_slice(), d.as_slice()])["mini"].revision,
             None
         );
+    }
+    #[test]
+    fn a_call_naming_no_model_goes_to_a_worker_serving_its_kind() {
+        let models = Models::new(
+            String::new(),
+            Arc::new(Channels::new(None)),
+            EmbedOptions {
+                batch: 0,
+                concurrency: 1,
+                timeout: Duration::from_secs(1),
+                cache_bytes: 0,
+            },
+        );
+        let worker = |address: &str, models: &[&str]| Worker {
+            address: address.into(),
+            models: models.iter().map(|m| m.to_string()).collect(),
+        };
+        models.set_workers(vec![
+            worker("http://reranker", &["qwen-llm"]),
+            worker("http://generator", &["qwen", "mini"]),
+        ]);
+        // Before the workers were listed, any worker may take it.
+        assert!(models.pick("", "generate", &[]).is_some());
+        let kind = |name: &str, kind: &str| ModelInfo {
+            name: name.into(),
+            kind: kind.into(),
+            ..Default::default()
+        };
+        let lists = [
+            vec![kind("qwen-llm", "rerank")],
+            vec![kind("qwen", "generate"), kind("mini", "embed")],
+        ];
+        *models.meta.write() = merge_meta(lists.iter().map(Vec::as_slice));
+        for _ in 0..4 {
+            assert_eq!(
+                models.pick("", "generate", &[]).as_deref(),
+                Some("http://generator")
+            );
+        }
+        assert_eq!(
+            models.pick("", "rerank", &[]).as_deref(),
+            Some("http://reranker")
+        );
+        assert_eq!(
+            models.pick("qwen-llm", "rerank", &[]).as_deref(),
+            Some("http://reranker")
+        );
+        let tried = ["http://generator".to_string()];
+        assert_eq!(models.pick("", "generate", &tried), None);
     }
 }
