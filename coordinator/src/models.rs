@@ -286,26 +286,22 @@ impl Models {
             .insert(addr.to_owned(), Instant::now() + DOWN_FOR);
     }
 
-    /// Whether a worker serving `models` can take a call naming no model of `kind`: it
-    /// serves a model of that kind, or one whose kind is not known yet (not listed).
-    fn serves_kind(&self, models: &[String], kind: &str) -> bool {
-        let meta = self.meta.read();
-        models.iter().any(|m| {
-            meta.get(m)
-                .is_none_or(|mm| mm.kind.is_empty() || mm.kind == kind)
-        })
-    }
-
     /// The worker serving `model` ("" = its default model of `kind`: any worker serving a
     /// model of that kind) with the fewest tokens outstanding, healthy ones first, none of
     /// `tried`.
     fn pick(&self, model: &str, kind: &str, tried: &[String]) -> Option<String> {
         let registered = self.workers.read();
+        let meta = self.meta.read();
+        // A model whose kind is not known yet (not listed) may be of any kind.
+        let of_kind = |m: &String| {
+            meta.get(m)
+                .is_none_or(|mm| mm.kind.is_empty() || mm.kind == kind)
+        };
         let serving = registered
             .iter()
             .filter(|w| {
                 if model.is_empty() {
-                    self.serves_kind(&w.models, kind)
+                    w.models.iter().any(of_kind)
                 } else {
                     w.models.iter().any(|m| m == model)
                 }
@@ -675,6 +671,7 @@ mod tests {
             None
         );
     }
+
     #[test]
     fn a_call_naming_no_model_goes_to_a_worker_serving_its_kind() {
         let models = Models::new(
