@@ -100,39 +100,7 @@ enum Cmd {
         json: bool,
     },
     /// Search a collection and print a table.
-    Search {
-        /// The query text.
-        query: String,
-        /// Collection to search.
-        #[arg(long, default_value = "docs")]
-        collection: String,
-        /// Retriever: BM25, dense vectors, or both fused.
-        #[arg(long, value_enum, default_value_t = Mode::Hybrid)]
-        mode: Mode,
-        /// Hits to return.
-        #[arg(long, default_value_t = 5)]
-        top_k: u32,
-        /// rrf, cc or dbsf.
-        #[arg(long, default_value = "dbsf")]
-        fusion: String,
-        /// Weight of the dense retriever in [0, 1] for cc/dbsf fusion.
-        #[arg(long)]
-        dense_weight: Option<f32>,
-        /// Exact metadata filter key=value (repeatable).
-        #[arg(long = "filter")]
-        filters: Vec<String>,
-        /// Typed filter expression, e.g. 'lang = en AND year >= 2020' (see `ragctl count
-        /// --help`).
-        #[arg(long = "where")]
-        where_: Option<String>,
-        /// A write's read token (UpsertDocumentsResponse.read_token): the search sees that
-        /// write, read from replicas that applied it.
-        #[arg(long)]
-        read_token: Option<String>,
-        /// Print the hits as JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
+    Search(docs::SearchArgs),
     /// Documents by id as stored (their chunks in order), one JSON line each.
     Get(browse::GetArgs),
     /// Page through a collection's chunks in (document id, position) order, one JSON line
@@ -318,8 +286,8 @@ enum CollectionCmd {
     Reembed(cmd::reembed::ReembedArgs),
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-enum Mode {
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub(crate) enum Mode {
     Bm25,
     Dense,
     Hybrid,
@@ -462,33 +430,9 @@ async fn main() -> Result<()> {
             };
             ingest::ingest(CoordinatorClient::new(channel(&cli).await?), args).await
         }
-        Cmd::Search {
-            query,
-            collection,
-            mode,
-            top_k,
-            fusion,
-            dense_weight,
-            filters,
-            where_,
-            read_token,
-            json,
-        } => {
-            let conditions = browse::conditions(&cli, collection, where_.as_deref()).await?;
-            docs::search(
-                &cli,
-                query,
-                collection,
-                *mode,
-                *top_k,
-                fusion,
-                *dense_weight,
-                filters,
-                conditions,
-                read_token.as_deref().unwrap_or_default(),
-                *json,
-            )
-            .await
+        Cmd::Search(a) => {
+            let conditions = browse::conditions(&cli, &a.collection, a.where_.as_deref()).await?;
+            docs::search(&cli, a, conditions).await
         }
         Cmd::Get(a) => browse::get(&cli, a).await,
         Cmd::Scroll(a) => browse::scroll(&cli, a).await,

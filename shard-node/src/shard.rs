@@ -452,7 +452,7 @@ impl Shard {
         &self,
         vector: &[f32],
         top_k: usize,
-        ef: usize,
+        scan: hnsw::Scan,
         filter: &Filter,
         form: HitForm,
     ) -> Result<Vec<ShardHit>> {
@@ -469,7 +469,10 @@ impl Shard {
                 "vector is zero or not finite".into(),
             ));
         }
-        let hits = self.indexes.hnsw.search(&q, top_k, ef, filter);
+        let hits = match scan {
+            hnsw::Scan::Walk(ef) => self.indexes.hnsw.search(&q, top_k, ef, filter),
+            hnsw::Scan::Exact => self.indexes.hnsw.search_exact(&q, top_k, filter),
+        };
         self.hydrate(hits, form)
     }
 

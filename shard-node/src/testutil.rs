@@ -124,7 +124,7 @@ pub(crate) fn top(shard: &Shard, seed: f32) -> String {
         .vector_search(
             &vec_of(seed),
             1,
-            32,
+            crate::index::hnsw::Scan::Walk(32),
             &crate::index::Filter::default(),
             HitForm::Id,
         )

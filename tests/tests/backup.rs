@@ -81,6 +81,7 @@ async fn top10(
     c: &mut CoordinatorClient<Channel>,
     mode: SearchMode,
     q: usize,
+    exact: bool,
 ) -> Result<Vec<(String, f32)>> {
     let r = c
         .search(SearchRequest {
@@ -90,6 +91,7 @@ async fn top10(
             mode: mode as i32,
             query_vector: vector(q * 3 + 1),
             consistency: Consistency::Strong as i32,
+            exact,
             ..Default::default()
         })
         .await?
@@ -269,24 +271,39 @@ async fn backups_restore_every_acknowledged_write() -> Result<()> {
         ],
     )
     .await?;
-    let (mut same_bm25, mut overlap) = (0, 0);
+    let (mut same_bm25, mut overlap, mut same_exact) = (0, 0, 0);
     for q in 0..30 {
         let (a, b) = (
-            top10(&mut c, SearchMode::Bm25, q).await?,
-            top10(&mut d, SearchMode::Bm25, q).await?,
+            top10(&mut c, SearchMode::Bm25, q, false).await?,
+            top10(&mut d, SearchMode::Bm25, q, false).await?,
         );
         if !same_ranking(&a, &b) {
             eprintln!("BM25 q{q}: source {a:?}\nrestored {b:?}");
         }
         same_bm25 += usize::from(same_ranking(&a, &b));
         let (a, b) = (
-            top10(&mut c, SearchMode::Dense, q).await?,
-            top10(&mut d, SearchMode::Dense, q).await?,
+            top10(&mut c, SearchMode::Dense, q, false).await?,
+            top10(&mut d, SearchMode::Dense, q, false).await?,
         );
         overlap += a.iter().filter(|h| b.iter().any(|x| x.0 == h.0)).count();
+        // Exact searches: the same list, equal scores ordered by chunk id on both sides.
+        let (a, b) = (
+            top10(&mut c, SearchMode::Dense, q, true).await?,
+            top10(&mut d, SearchMode::Dense, q, true).await?,
+        );
+        let ids = |h: &[(String, f32)]| h.iter().map(|x| x.0.clone()).collect::<Vec<_>>();
+        if ids(&a) != ids(&b) {
+            eprintln!("exact dense q{q}: source {a:?}\nrestored {b:?}");
+        }
+        same_exact += usize::from(ids(&a) == ids(&b) && a.len() == 10);
     }
     eprintln!(
-        "restored searches: BM25 top 10 identical {same_bm25}/30, dense overlap {overlap}/300"
+        "restored searches: BM25 top 10 identical {same_bm25}/30, dense overlap {overlap}/300, \
+         exact dense identical {same_exact}/30"
+    );
+    ensure!(
+        same_exact == 30,
+        "exact dense top 10 identical for {same_exact} of 30 queries"
     );
     ensure!(
         same_bm25 == 30,

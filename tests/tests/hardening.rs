@@ -226,6 +226,15 @@ async fn malformed_requests_are_refused_whole() -> Result<()> {
             },
             "read_token",
         ),
+        (
+            "exact with ef_search",
+            SearchRequest {
+                exact: true,
+                ef_search: 64,
+                ..search("h")
+            },
+            "ef_search",
+        ),
     ];
     for (case, req, field) in cases {
         refused(

@@ -366,6 +366,7 @@ impl Searcher {
             conditions: q.conditions.clone(),
             ids_only: q.mode == Mode::Hybrid,
             encoded_chunks: encoded_hits(),
+            exact: q.exact,
             ..Default::default()
         };
         let lists = join_all(

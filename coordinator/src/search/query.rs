@@ -59,6 +59,8 @@ pub struct Query {
     pub conditions: Option<ragcluster_proto::v1::Filter>,
     /// HNSW search breadth; 0 = the collection's.
     pub ef_search: u32,
+    /// The dense list scored over every point, no graph walk (recall 1, linear cost).
+    pub exact: bool,
     pub consistency: Consistency,
     /// Each shard is read from a replica that applied at least this far (a write's token).
     pub token: ReadToken,

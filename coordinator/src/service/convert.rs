@@ -136,6 +136,12 @@ pub fn search_query(
     {
         return Err(CoordError::invalid("query_vector", why));
     }
+    if r.exact && r.ef_search != 0 {
+        return Err(CoordError::invalid(
+            "ef_search",
+            "must be 0 with exact (an exact search walks no graph)",
+        ));
+    }
     check_timeout(r.timeout_ms, MAX_SEARCH_TIMEOUT_MS)?;
     if r.filter.keys().any(String::is_empty) {
         return Err(CoordError::invalid("filter", "has an empty key"));
@@ -155,6 +161,7 @@ pub fn search_query(
         filter: r.filter.clone(),
         conditions: r.conditions.clone(),
         ef_search: r.ef_search,
+        exact: r.exact,
         consistency: consistency(r)?,
         token,
         timeout: match r.timeout_ms {
@@ -274,6 +281,21 @@ mod tests {
             "query_vector"
         );
         assert_eq!(field_of(SearchRequest { mode: 9, ..req() }), "mode");
+        assert_eq!(
+            field_of(SearchRequest {
+                exact: true,
+                ef_search: 128,
+                ..req()
+            }),
+            "ef_search"
+        );
+        assert_eq!(
+            field_of(SearchRequest {
+                exact: true,
+                ..req()
+            }),
+            "ok"
+        );
         assert_eq!(
             field_of(SearchRequest {
                 consistency: 9,

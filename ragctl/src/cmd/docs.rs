@@ -146,46 +146,73 @@ pub async fn collection(cli: &Cli, cmd: &CollectionCmd) -> Result<()> {
 }
 
 /// `ragctl search`.
-#[allow(clippy::too_many_arguments)]
-pub async fn search(
-    cli: &Cli,
-    query: &str,
-    collection: &str,
+#[derive(clap::Args, Debug)]
+pub struct SearchArgs {
+    /// The query text.
+    query: String,
+    /// Collection to search.
+    #[arg(long, default_value = "docs")]
+    pub collection: String,
+    /// Retriever: BM25, dense vectors, or both fused.
+    #[arg(long, value_enum, default_value_t = Mode::Hybrid)]
     mode: Mode,
+    /// Hits to return.
+    #[arg(long, default_value_t = 5)]
     top_k: u32,
-    fusion: &str,
+    /// rrf, cc or dbsf.
+    #[arg(long, default_value = "dbsf")]
+    fusion: String,
+    /// Weight of the dense retriever in [0, 1] for cc/dbsf fusion.
+    #[arg(long)]
     dense_weight: Option<f32>,
-    filters: &[String],
-    conditions: Option<Filter>,
-    read_token: &str,
+    /// Exact metadata filter key=value (repeatable).
+    #[arg(long = "filter")]
+    filters: Vec<String>,
+    /// Typed filter expression, e.g. 'lang = en AND year >= 2020' (see `ragctl count
+    /// --help`).
+    #[arg(long = "where")]
+    pub where_: Option<String>,
+    /// Score every chunk's vector instead of walking the HNSW graph (dense and hybrid): the
+    /// exact dense top, at a cost linear in the collection.
+    #[arg(long)]
+    exact: bool,
+    /// A write's read token (UpsertDocumentsResponse.read_token): the search sees that
+    /// write, read from replicas that applied it.
+    #[arg(long)]
+    read_token: Option<String>,
+    /// Print the hits as JSON instead of a table.
+    #[arg(long)]
     json: bool,
-) -> Result<()> {
+}
+
+pub async fn search(cli: &Cli, a: &SearchArgs, conditions: Option<Filter>) -> Result<()> {
     let mut filter = std::collections::HashMap::new();
-    for f in filters {
+    for f in &a.filters {
         let (k, v) = f.split_once('=').context("--filter takes key=value")?;
         filter.insert(k.to_owned(), v.to_owned());
     }
     let req = SearchRequest {
-        collection: collection.to_owned(),
-        query: query.to_owned(),
-        top_k,
-        mode: match mode {
+        collection: a.collection.clone(),
+        query: a.query.clone(),
+        top_k: a.top_k,
+        mode: match a.mode {
             Mode::Bm25 => SearchMode::Bm25,
             Mode::Dense => SearchMode::Dense,
             Mode::Hybrid => SearchMode::Hybrid,
         } as i32,
-        fusion: fusion.to_owned(),
-        dense_weight,
+        fusion: a.fusion.clone(),
+        dense_weight: a.dense_weight,
         filter,
         conditions,
-        read_token: read_token.to_owned(),
+        read_token: a.read_token.clone().unwrap_or_default(),
+        exact: a.exact,
         ..Default::default()
     };
     let resp = CoordinatorClient::new(channel(cli).await?)
         .search(req)
         .await?
         .into_inner();
-    if json {
+    if a.json {
         print_hits_json(&resp);
     } else {
         print_hits(&resp);

@@ -19,6 +19,7 @@ use ragcluster_proto::v1::*;
 use tonic::{Request, Response, Status};
 
 use crate::error::ShardError;
+use crate::index::hnsw::Scan;
 use crate::node::Node;
 use crate::raft::Replica;
 use crate::shard::{HitForm, Shard};
@@ -340,10 +341,11 @@ impl ShardRpc for ShardService {
         } else {
             r.ef_search
         } as usize;
-        // The walk's cost grows with ef; a filtered search may score its matches exactly:
-        // never inline.
+        let scan = if r.exact { Scan::Exact } else { Scan::Walk(ef) };
+        // The walk's cost grows with ef; a filtered search may score its matches exactly, and
+        // an exact one scores every point: never inline.
         let f = filter(&r.filter, r.conditions.as_ref())?;
-        let items = if f.is_empty() {
+        let items = if f.is_empty() && !r.exact {
             ef.max(r.top_k as usize)
         } else {
             usize::MAX
@@ -352,7 +354,7 @@ impl ShardRpc for ShardService {
             shard.vector_search(
                 &r.vector,
                 r.top_k as usize,
-                ef,
+                scan,
                 &f,
                 HitForm::of(r.ids_only, r.encoded_chunks),
             )

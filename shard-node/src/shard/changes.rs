@@ -246,6 +246,7 @@ mod tests {
     use ragcluster_proto::v1::{self as pb, WriteBatchRequest, condition, value};
 
     use super::*;
+    use crate::index::hnsw::Scan;
     use crate::shard::{HitForm, Shard};
     use crate::testutil::*;
 
@@ -297,7 +298,9 @@ mod tests {
             d.sort();
             d
         };
-        let dense = ids(shard.vector_search(&v, 10, 32, f, HitForm::Chunk).unwrap());
+        let dense = ids(shard
+            .vector_search(&v, 10, Scan::Walk(32), f, HitForm::Chunk)
+            .unwrap());
         let bm25 = ids(shard
             .bm25_search("apples", 10, f, None, HitForm::Chunk)
             .unwrap());

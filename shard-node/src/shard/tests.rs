@@ -1,4 +1,5 @@
 use super::*;
+use crate::index::hnsw::Scan;
 use crate::testutil::*;
 
 /// The crash window of the write path: the batch is in RocksDB (and the op log) but the
@@ -32,7 +33,13 @@ fn batch_committed_only_to_rocksdb_is_replayed_on_open() {
     assert_eq!(hits[0].chunk.as_ref().unwrap().doc_id, "b");
     let v: Vec<f32> = (0..DIM).map(|i| (2.0 + i as f32).sin()).collect();
     let hits = shard
-        .vector_search(&v, 1, 16, &crate::index::Filter::default(), HitForm::Chunk)
+        .vector_search(
+            &v,
+            1,
+            Scan::Walk(16),
+            &crate::index::Filter::default(),
+            HitForm::Chunk,
+        )
         .unwrap();
     assert_eq!(hits[0].chunk.as_ref().unwrap().doc_id, "b");
     assert!(
@@ -67,7 +74,7 @@ fn encoded_hits_decode_to_the_chunk_hits() {
         },
         &|f| {
             shard
-                .vector_search(&v, 2, 16, &crate::index::Filter::default(), f)
+                .vector_search(&v, 2, Scan::Walk(16), &crate::index::Filter::default(), f)
                 .unwrap()
         },
     ];
@@ -271,7 +278,13 @@ fn hnsw_dump_is_loaded_and_caught_up_from_the_op_log() {
     assert_ne!(top(&shard, 100.0), "d0#0");
     let v = normalized_vec(300.0);
     let ids: Vec<String> = shard
-        .vector_search(&v, 60, 64, &crate::index::Filter::default(), HitForm::Chunk)
+        .vector_search(
+            &v,
+            60,
+            Scan::Walk(64),
+            &crate::index::Filter::default(),
+            HitForm::Chunk,
+        )
         .unwrap()
         .into_iter()
         .map(|h| h.chunk.unwrap().chunk_id)

@@ -14,7 +14,9 @@
 //!   SciFact queries (MiniLM) against both sides, dense and BM25: how many top 10 lists are
 //!   identical, and the overlap of the dense ones (two HNSW graphs built apart need not give
 //!   the same approximate lists; BM25 is exact). Lists count as identical with the same scores and the same hits above
-//!   the 10th score (ties at the cut are ordered by where documents sit in each index).
+//!   the 10th score (ties at the cut are ordered by where documents sit in each index). Then
+//!   the same dense queries with `exact` (every vector scored, equal scores by chunk id): the
+//!   restored data answers with the same ids in the same order.
 //!
 //! `cargo run --release -p ragcluster-tests --bin backupbench -- --size 200000`
 
@@ -111,6 +113,7 @@ async fn top10(
     q: &BeirQuery,
     v: &[f32],
     mode: SearchMode,
+    exact: bool,
 ) -> Result<Vec<(String, f32)>> {
     let r = c
         .search(SearchRequest {
@@ -119,6 +122,8 @@ async fn top10(
             query_vector: v.to_vec(),
             top_k: 10,
             mode: mode as i32,
+            exact,
+            timeout_ms: 60_000,
             ..Default::default()
         })
         .await?
@@ -273,21 +278,36 @@ async fn main() -> Result<()> {
     )
     .await?;
     wait_graphs(&restored, Duration::from_secs(3600)).await?;
-    let (mut dense_same, mut bm25_same, mut overlap) = (0, 0, 0);
+    let (mut dense_same, mut bm25_same, mut overlap, mut exact_same) = (0, 0, 0, 0);
+    let mut exact_score_diff = 0f32;
+    let mut exact_ms = Vec::new();
     for (q, v) in queries.iter().zip(&qvecs) {
         let (a, b) = (
-            top10(&mut c, q, v, SearchMode::Dense).await?,
-            top10(&mut d, q, v, SearchMode::Dense).await?,
+            top10(&mut c, q, v, SearchMode::Dense, false).await?,
+            top10(&mut d, q, v, SearchMode::Dense, false).await?,
         );
         dense_same += usize::from(same_ranking(&a, &b));
         let a: BTreeSet<_> = a.into_iter().map(|h| h.0).collect();
         overlap += b.iter().filter(|x| a.contains(&x.0)).count();
         let (a, b) = (
-            top10(&mut c, q, v, SearchMode::Bm25).await?,
-            top10(&mut d, q, v, SearchMode::Bm25).await?,
+            top10(&mut c, q, v, SearchMode::Bm25, false).await?,
+            top10(&mut d, q, v, SearchMode::Bm25, false).await?,
         );
         bm25_same += usize::from(same_ranking(&a, &b));
+        // Exact dense searches (every vector scored): the same ids in the same order.
+        let t = Instant::now();
+        let a = top10(&mut c, q, v, SearchMode::Dense, true).await?;
+        exact_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        let t = Instant::now();
+        let b = top10(&mut d, q, v, SearchMode::Dense, true).await?;
+        exact_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        let ids = |h: &[(String, f32)]| h.iter().map(|x| x.0.clone()).collect::<Vec<_>>();
+        exact_same += usize::from(ids(&a) == ids(&b) && a.len() == 10);
+        for (x, y) in a.iter().zip(&b) {
+            exact_score_diff = exact_score_diff.max((x.1 - y.1).abs());
+        }
     }
+    exact_ms.sort_by(f64::total_cmp);
     let n = queries.len();
     let out = json!({
         "bench": "backup",
@@ -315,6 +335,9 @@ async fn main() -> Result<()> {
             "dense_top10_identical": dense_same as f64 / n as f64,
             "dense_overlap_at_10": overlap as f64 / (10 * n) as f64,
             "bm25_top10_identical": bm25_same as f64 / n as f64,
+            "dense_exact_top10_identical": exact_same as f64 / n as f64,
+            "dense_exact_max_score_difference": exact_score_diff,
+            "dense_exact_p50_ms": exact_ms.get(exact_ms.len() / 2),
         },
     });
     let text = serde_json::to_string_pretty(&out)?;

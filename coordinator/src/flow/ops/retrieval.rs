@@ -150,6 +150,7 @@ pub async fn retrieve(
         filter: r.filter.clone(),
         conditions: rt.conditions.clone(),
         ef_search: 0,
+        exact: false,
         consistency: search::Consistency::Eventual,
         token: rt.read_token.clone(),
         timeout: rt.left().max(Duration::from_millis(1)),

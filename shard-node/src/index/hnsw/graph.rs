@@ -57,6 +57,10 @@ impl planner::Candidate for Slot {
     fn vector(&self) -> &[f32] {
         &self.vector
     }
+
+    fn chunk_id(&self) -> &str {
+        &self.chunk_id
+    }
 }
 
 /// The graph's codes of `points`, in order.
@@ -486,24 +490,35 @@ impl HnswIndex {
             .collect();
         scored.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         scored.truncate(top_k);
-        let mut hits: Vec<(String, f32)> = scored
+        let hits: Vec<(String, f32)> = scored
             .into_iter()
             .map(|(id, score)| (s.slots[id].chunk_id.clone(), score))
             .collect();
-        if !pending.is_empty() {
-            let points = pending.points();
-            hits.extend(
-                pending
-                    .search(query, &code, top_k, ef, filter)
-                    .into_iter()
-                    .map(|(i, score)| (points[i].chunk_id.clone(), score)),
-            );
-            hits.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-            let mut seen = HashSet::new();
-            hits.retain(|h| seen.insert(h.0.clone()));
-            hits.truncate(top_k);
-        }
-        hits
+        merge_pending(hits, &pending, (query, &code), top_k, ef, filter)
+    }
+
+    /// The exact `top_k` live points matching `filter`: every one (or every candidate of the
+    /// filter's postings) scored with its f32 vector, no graph walk, best first, equal scores
+    /// by chunk id. Linear in the shard: for recall checks and comparing copies.
+    pub fn search_exact(&self, query: &[f32], top_k: usize, filter: &Filter) -> Vec<(String, f32)> {
+        let g = self.graph.read();
+        let s = g.slots.read();
+        let pending = self.pending.read();
+        metrics::counter!("shard_hnsw_walks_total", "walk" => "exact_request").increment(1);
+        let found = match planner::exact_candidates(&s.postings, filter) {
+            Some(ids) => {
+                let ids = ids.into_iter().map(|i| i as usize);
+                planner::exact_f32(&s.slots, ids, query, top_k, filter)
+            }
+            None => planner::exact_f32(&s.slots, 0..s.slots.len(), query, top_k, filter),
+        };
+        let hits: Vec<(String, f32)> = found
+            .into_iter()
+            .map(|(id, score)| (s.slots[id].chunk_id.clone(), score))
+            .collect();
+        // An unbounded ef makes the pending scan score every match in f32.
+        let code = sq8::encode(query);
+        merge_pending(hits, &pending, (query, &code), top_k, usize::MAX, filter)
     }
 
     /// Replaces the graph with one built from `points` (the shard's live chunks), dropping every
@@ -525,6 +540,33 @@ impl HnswIndex {
         *self.graph.write() = fresh;
         self.pending.write().clear();
     }
+}
+
+/// The graph's `hits` (best first) merged with the pending points' own top_k for the same
+/// query: best first, equal scores by chunk id, each chunk once.
+fn merge_pending(
+    mut hits: Vec<(String, f32)>,
+    pending: &Pending,
+    (query, code): (&[f32], &[i8]),
+    top_k: usize,
+    ef: usize,
+    filter: &Filter,
+) -> Vec<(String, f32)> {
+    if pending.is_empty() {
+        return hits;
+    }
+    let points = pending.points();
+    hits.extend(
+        pending
+            .search(query, code, top_k, ef, filter)
+            .into_iter()
+            .map(|(i, score)| (points[i].chunk_id.clone(), score)),
+    );
+    hits.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let mut seen = HashSet::new();
+    hits.retain(|h| seen.insert(h.0.clone()));
+    hits.truncate(top_k);
+    hits
 }
 
 impl HnswIndex {

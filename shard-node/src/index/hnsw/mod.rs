@@ -49,6 +49,15 @@ use sq8::Sq8Cosine;
 /// The graph as hnsw_rs holds it: int8 codes under the code distance.
 pub type CodeGraph = Hnsw<'static, i8, Sq8Cosine>;
 
+/// How a dense search finds its candidates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scan {
+    /// Walk the graph this wide (ef), as the filter's plan says.
+    Walk(usize),
+    /// Score every live point matching the filter with its f32 vector: the exact top.
+    Exact,
+}
+
 /// One point to insert.
 #[derive(Clone)]
 pub struct Point {

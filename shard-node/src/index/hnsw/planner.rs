@@ -32,6 +32,7 @@ pub(super) trait Candidate {
     fn alive(&self) -> bool;
     fn meta(&self) -> &Meta;
     fn vector(&self) -> &[f32];
+    fn chunk_id(&self) -> &str;
 }
 
 /// At most this many estimated matches are scored exactly, by int8 code (384 bytes each for
@@ -204,13 +205,8 @@ pub(super) fn plan(
     if let Some(lists) = postings.candidates(filter)
         && lists.iter().map(|l| l.len()).sum::<usize>() <= EXACT_MAX_MATCHES
     {
-        let mut ids: Vec<u32> = lists.concat();
-        if lists.len() > 1 {
-            ids.sort_unstable();
-            ids.dedup();
-        }
         return Plan::Candidates {
-            ids,
+            ids: union(&lists),
             exact: postings_answer(filter),
         };
     }
@@ -219,6 +215,26 @@ pub(super) fn plan(
     } else {
         Plan::FilteredWalk
     }
+}
+
+/// The slots of posting lists, ascending, each once.
+fn union(lists: &[&[u32]]) -> Vec<u32> {
+    let mut ids: Vec<u32> = lists.concat();
+    if lists.len() > 1 {
+        ids.sort_unstable();
+        ids.dedup();
+    }
+    ids
+}
+
+/// The slots an exact search with `filter` has to read: the postings' candidates when the
+/// filter has a condition they answer (each still checked against the whole filter), else
+/// None (every slot).
+pub(super) fn exact_candidates(postings: &Postings, filter: &Filter) -> Option<Vec<u32>> {
+    if filter.is_empty() {
+        return None;
+    }
+    postings.candidates(filter).map(|lists| union(&lists))
 }
 
 /// Whether the candidates of `filter` are exactly its matches (one condition the postings
@@ -264,4 +280,40 @@ pub(super) fn exact<'a>(
         }
     }
     heap.into_iter().map(|Reverse((s, id))| (id, s.0)).collect()
+}
+
+/// The `top_k` best live points matching `filter` among the slots `ids` yields, every one
+/// scored with its f32 vector (no int8 preselection): (slot, cosine), best first. Equal
+/// scores are ordered by chunk id, not slot, so two copies of a collection whose slots were
+/// filled in another order (a restore) give the same list.
+pub(super) fn exact_f32(
+    slots: &[impl Candidate],
+    ids: impl Iterator<Item = usize>,
+    query: &[f32],
+    top_k: usize,
+    filter: &Filter,
+) -> Vec<(usize, f32)> {
+    // Min-heap: its top is the worst kept point (lowest score, then the greatest chunk id).
+    let mut heap: BinaryHeap<Reverse<(OrdF32, Reverse<&str>, usize)>> =
+        BinaryHeap::with_capacity(top_k + 1);
+    for id in ids {
+        let Some(sl) = slots.get(id) else { continue };
+        if !sl.alive() || !filter.matches(sl.meta()) {
+            continue;
+        }
+        let score = OrdF32(dot(query, sl.vector()).min(1.0));
+        let key = (score, Reverse(sl.chunk_id()), id);
+        if heap.len() == top_k && heap.peek().is_some_and(|m| key <= m.0) {
+            continue;
+        }
+        heap.push(Reverse(key));
+        if heap.len() > top_k {
+            heap.pop();
+        }
+    }
+    // Ascending in `Reverse` order: the best key first.
+    heap.into_sorted_vec()
+        .into_iter()
+        .map(|Reverse((s, _, id))| (id, s.0))
+        .collect()
 }

@@ -302,3 +302,57 @@ fn metadata_updated_in_place_moves_the_postings() {
         "no point keeps its old term: {old_and_0:?}"
     );
 }
+
+/// An exact search scores every live matching point, graph and pending alike, and orders
+/// equal scores by chunk id whatever order the slots were filled in.
+#[test]
+fn exact_search_is_the_brute_force_top_with_ties_by_chunk_id() {
+    let idx = HnswIndex::new(32, params(), 2_000);
+    let point = |id: String, seed: u32, i: u32| Point {
+        doc_id: id.clone(),
+        chunk_id: format!("{id}#0"),
+        vector: unit(seed, 32),
+        meta: parity(i),
+    };
+    let mut pts: Vec<Point> = (0..1_500).map(|i| point(format!("d{i}"), i, i)).collect();
+    // Two more copies of d7's vector, slots filled against chunk-id order.
+    pts.push(point("dup-b".into(), 7, 1));
+    pts.push(point("dup-a".into(), 7, 1));
+    idx.insert(pts);
+    idx.set_pending(
+        (1_500..1_600)
+            .map(|i| point(format!("d{i}"), i, i))
+            .collect(),
+        0,
+    );
+    let gone: Vec<String> = (0..1_600).step_by(7).map(|i| format!("d{i}#0")).collect();
+    idx.remove(&gone[1..]); // d0 stays; d7 is removed with the rest
+    let mut live: Vec<(String, Vec<f32>, u32)> = (0..1_600u32)
+        .filter(|i| i % 7 != 0 || *i == 0)
+        .map(|i| (format!("d{i}#0"), unit(i, 32), i))
+        .collect();
+    live.push(("dup-a#0".into(), unit(7, 32), 1));
+    live.push(("dup-b#0".into(), unit(7, 32), 1));
+    let brute = |q: &[f32], odd_only: bool, k: usize| {
+        let mut v: Vec<(String, f32)> = live
+            .iter()
+            .filter(|p| !odd_only || p.2 % 2 == 1)
+            .map(|p| (p.0.clone(), dot(q, &p.1).min(1.0)))
+            .collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        v.truncate(k);
+        v
+    };
+    let odd = Filter::keywords([("parity", "1")]);
+    for seed in [7, 11, 1_550, 4_000] {
+        let q = unit(seed, 32);
+        assert_eq!(
+            idx.search_exact(&q, 10, &Filter::default()),
+            brute(&q, false, 10)
+        );
+        assert_eq!(idx.search_exact(&q, 25, &odd), brute(&q, true, 25));
+    }
+    let tied = idx.search_exact(&unit(7, 32), 2, &Filter::default());
+    assert_eq!(tied[0].0, "dup-a#0");
+    assert_eq!(tied[1].0, "dup-b#0");
+}
