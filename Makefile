@@ -117,7 +117,7 @@ bench-browse: build ## Scroll and Count at 100k and 1M chunks (3 shards): chunks
 bench-update: ## partial updates: UpdateDocuments by ids and by filter against re-upserting whole documents (vectors reused / re-embedded), delete by filter, 2,000 SciFact abstracts, beside the Qdrant engine
 	$(BIN)/updatebench $(if $(wildcard $(ENGINES_PYTHON)),--engines $(ENGINES_PYTHON)) --out bench-out/update.json
 
-bench-backup: bench-chunks ## backup under a write load and restore into a fresh one-node cluster, 200k SciFact chunks: times, writes acknowledged before the backup all restored, top 10 agreement over 300 queries
+bench-backup: bench-chunks ## backup under a write load and restore into a fresh one-node cluster, 200k SciFact chunks (BACKUP_CHUNKS=1000000: ~22 min): times, writes acknowledged before the backup all restored, top 10 agreement (approximate and exact) over 300 queries
 	$(BIN)/backupbench --size $${BACKUP_CHUNKS:-200000} --out bench-out/backup.json
 
 bench-reembed: ## re-embedding a live SciFact collection MiniLM -> nomic-embed-text-v1.5 while 8 clients search and 2 write through its alias: failed calls, copy and switch times, acknowledged writes in the new collection, nDCG@10 of both

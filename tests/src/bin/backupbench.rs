@@ -50,6 +50,9 @@ struct Args {
     size: usize,
     #[arg(long, default_value_t = 2)]
     writers: usize,
+    /// Seconds the writers run before the backup begins (the writes it must hold).
+    #[arg(long, default_value_t = 30.0)]
+    writes_before_s: f64,
     #[arg(long, default_value_t = 1)]
     restore_nodes: usize,
     #[arg(long, default_value_t = 300)]
@@ -188,7 +191,7 @@ async fn main() -> Result<()> {
         );
         writers.push(tokio::spawn(w));
     }
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    tokio::time::sleep(Duration::from_secs_f64(args.writes_before_s)).await;
     let dir = tempfile::tempdir()?;
     let backup = dir.path().join("b");
     let began = Instant::now();
@@ -314,6 +317,7 @@ async fn main() -> Result<()> {
         "chunks": args.size,
         "load_s": load_s,
         "writers": args.writers,
+        "writes_before_s": args.writes_before_s,
         "writes_acknowledged": {"before": before.len(), "during": during, "all": acks.len()},
         "backup": {
             "seconds": backup_s,
