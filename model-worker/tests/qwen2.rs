@@ -22,7 +22,10 @@ fn models_dir() -> PathBuf {
 fn model(test: &str) -> Option<PathBuf> {
     let path = models_dir().join(FILE);
     if !path.exists() {
-        let why = format!("{} missing: scripts/fetch-models.sh qwen0.5b", path.display());
+        let why = format!(
+            "{} missing: scripts/fetch-models.sh qwen0.5b",
+            path.display()
+        );
         skipped(SkipReason::NotSetUp, test, &why);
         return None;
     }
