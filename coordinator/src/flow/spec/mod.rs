@@ -407,6 +407,25 @@ mod tests {
         assert_eq!(set.resolve("", "anything").unwrap().name, set.default);
     }
 
+    /// The flow variants that docs/evaluation.md compares (`ragctl eval answers --flow-file`)
+    /// keep parsing as the schema changes.
+    #[test]
+    fn documented_eval_flows_parse() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/eval");
+        let mut n = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            if name.starts_with("flow-") && name.ends_with(".toml") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                let set = FlowSet::parse(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert!(set.flows.contains_key(&set.default), "{name}");
+                n += 1;
+            }
+        }
+        assert!(n >= 4, "{n} flow files in {}", dir.display());
+    }
+
     #[test]
     fn errors_name_the_place() {
         let e = err("[flows.a]\nsteps = [{ op = \"bm25\" }, { op = \"rerankk\" }]");
