@@ -1,6 +1,9 @@
 //! The generation prompt's building blocks, shared by the coordinator's flows and by
 //! `ragctl eval answers --oracle`, so the oracle-paragraph reader is asked exactly as the
-//! default flow asks: the same system prompt, template, chunk tags and stop string.
+//! default flow asks: the same system prompt, template, chunk tags and stop string,
+//! and worked examples (few-shot turns) when a flow gives some.
+
+use ragcluster_proto::v1::ChatMessage;
 
 /// Context first, the instruction and question last (SmolLM2-135M echoed the prompt when the
 /// question came right after the chunks). No request to cite: asked to "cite the chunk
@@ -25,6 +28,52 @@ pub fn chunk_tag(number: usize, title: &str, section: &str, text: &str) -> Strin
         (false, false) => format!("{title} > {section}\n"),
     };
     format!("<chunk id=\"{number}\">{label}{}</chunk>\n", text.trim())
+}
+
+/// A worked example shown to the generator before the real question (few-shot prompting): the
+/// example is asked through the same template and chunk tag as the question, and its answer is
+/// the assistant's earlier reply, so a small model sees the length and form of answer wanted.
+/// None by default: on CMU QA they made answers terser (exact match up) but cost yes/no
+/// accuracy, citations and latency (docs/evaluation.md, "Worked examples").
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Example {
+    pub title: String,
+    pub context: String,
+    pub question: String,
+    pub answer: String,
+}
+
+/// Worked examples as the chat turns that precede the question: each example's user turn
+/// (`template` filled with its context and question), then its answer as the assistant's.
+pub fn example_turns(template: &str, examples: &[Example]) -> Vec<ChatMessage> {
+    let turn = |role: &str, content: String| ChatMessage {
+        role: role.into(),
+        content,
+    };
+    examples
+        .iter()
+        .flat_map(|e| {
+            [
+                turn("user", e.user_turn(template)),
+                turn("assistant", e.answer.clone()),
+            ]
+        })
+        .collect()
+}
+
+impl Example {
+    /// The example's user turn: `template` filled as the real question's prompt is.
+    pub fn user_turn(&self, template: &str) -> String {
+        let contexts = chunk_tag(1, &self.title, "", &self.context);
+        fill(
+            template,
+            &[
+                ("contexts", contexts.trim_end()),
+                ("question", &self.question),
+                ("query", &self.question),
+            ],
+        )
+    }
 }
 
 /// Replaces `{name}` placeholders.
@@ -78,6 +127,21 @@ mod tests {
         assert_eq!(
             fill("{a} and {b} and {a}", &[("a", "x"), ("b", "y")]),
             "x and y and x"
+        );
+    }
+
+    #[test]
+    fn an_example_is_asked_as_the_question_is() {
+        let e = Example {
+            title: "Raft".into(),
+            context: "Raft elects a leader.".into(),
+            question: "What does Raft elect?".into(),
+            answer: "A leader".into(),
+        };
+        assert_eq!(
+            e.user_turn(DEFAULT_PROMPT),
+            "<chunk id=\"1\">Raft\nRaft elects a leader.</chunk>\n\nAnswer using only the context, \
+             with a short phrase.\nQuestion: What does Raft elect?"
         );
     }
 }

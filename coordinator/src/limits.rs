@@ -78,6 +78,10 @@ pub const MAX_FLOW_DEPTH: usize = 4;
 pub const MAX_FLOW_TOP_K: usize = 100;
 /// Generated tokens of one flow step.
 pub const MAX_STEP_TOKENS: usize = 2048;
+/// Worked examples of one prompt step, and the bytes of each of their fields. Each example is
+/// two chat turns: 2 x 8 + MAX_HISTORY stays within the model worker's 64 turns.
+pub const MAX_PROMPT_EXAMPLES: usize = 8;
+pub const MAX_EXAMPLE_FIELD_BYTES: usize = 4096;
 
 #[cfg(test)]
 mod tests {
@@ -181,6 +185,15 @@ mod tests {
                 "common.proto does not state {s:?}"
             );
         }
+        let flows = read("coordinator/flows/examples.toml").replace(" # ", " ");
+        let stated = format!(
+            "(at most {MAX_PROMPT_EXAMPLES}, each field at most {})",
+            size(MAX_EXAMPLE_FIELD_BYTES)
+        );
+        assert!(
+            flows.contains(&stated),
+            "flows/examples.toml does not state {stated:?}"
+        );
         let admin = read("proto/ragcluster/v1/admin.proto");
         let stated = format!(
             "At most {MAX_DOCS_PER_BATCH} documents and {} per call",

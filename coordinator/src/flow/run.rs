@@ -85,9 +85,12 @@ impl From<search::Hit> for Passage {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Prompt {
     pub system: String,
+    /// The prompt step's worked examples as earlier turns (user, assistant, ...), placed
+    /// before the request's own history.
+    pub examples: Vec<ChatMessage>,
     pub user: String,
     /// The numbered contexts the prompt shows, in order (`[n]` = contexts[n - 1]).
     pub contexts: Vec<Passage>,

@@ -101,7 +101,7 @@ async fn active(
         .clone()
         .unwrap_or_else(|| p.generation.model.clone());
     while sentences < p.max_sentences && answer.tokens.len() < budget {
-        let prompt = make_prompt(rt, p.template, p.system, &ctx.query, &contexts);
+        let prompt = make_prompt(rt, p.template, p.system, &[], &ctx.query, &contexts);
         let ask = |prefix: String, prompt: &Prompt| GenerateRequest {
             model: model.clone(),
             prompt: prompt.user.clone(),
@@ -138,7 +138,7 @@ async fn active(
                     contexts.push(f);
                 }
             }
-            let prompt = make_prompt(rt, p.template, p.system, &ctx.query, &contexts);
+            let prompt = make_prompt(rt, p.template, p.system, &[], &ctx.query, &contexts);
             g = llm::generate(rt, ask(answer.text.clone(), &prompt), None).await?;
             (n, done) = first_sentence(&g);
             log.push(format!(
@@ -177,7 +177,14 @@ async fn active(
     }
     let (_, used) = render(&contexts);
     contexts.truncate(used);
-    ctx.prompt = Some(make_prompt(rt, p.template, p.system, &ctx.query, &contexts));
+    ctx.prompt = Some(make_prompt(
+        rt,
+        p.template,
+        p.system,
+        &[],
+        &ctx.query,
+        &contexts,
+    ));
     ctx.contexts = contexts;
     ctx.answer = Some(answer);
     let why = if log.is_empty() {

@@ -32,8 +32,13 @@ impl Operator for Answering {
                 };
                 return verify(rt, at.steps, at.index, ctx, path, stream, v).await;
             }
-            Op::Prompt { template, system } => {
-                ctx.prompt = Some(make_prompt(rt, template, system, &ctx.query, &ctx.chunks));
+            Op::Prompt {
+                template,
+                system,
+                examples,
+            } => {
+                let p = make_prompt(rt, template, system, examples, &ctx.query, &ctx.chunks);
+                ctx.prompt = Some(p);
             }
             Op::Generate(g) => {
                 let p = ctx

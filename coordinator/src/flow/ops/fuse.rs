@@ -150,6 +150,7 @@ async fn fuse_weighted(
         system: String::new(),
         user: String::new(),
         contexts: b.contexts.clone(),
+        ..Default::default()
     });
     ctx.answer = Some(a);
     Ok(format!(
@@ -193,6 +194,7 @@ async fn fuse_concat(rt: &Run, ctx: &mut Ctx, bs: &[BranchOut], stream: Option<&
         system: String::new(),
         user: String::new(),
         contexts: all,
+        ..Default::default()
     });
     ctx.answer = Some(ans);
     format!("{} answers joined", bs.len())
@@ -232,6 +234,7 @@ async fn fuse_llm(
             ],
         ),
         contexts: all[..used].to_vec(),
+        ..Default::default()
     };
     let out = generate(rt, generation, &p, stream).await?;
     ctx.contexts = p.contexts.clone();

@@ -21,12 +21,13 @@ use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use ragcluster_common::prompt::example_turns;
 use ragcluster_proto::v1::{AskToken, GenerateRequest, TraceStep};
 
 use super::citations::{fill, render};
 use super::llm;
 use super::run::{Ctx, Generated, Note, Passage, Prompt, Run};
-use super::spec::{GenerateParams, LlmPrompt, Op, Step};
+use super::spec::{Example, GenerateParams, LlmPrompt, Op, Step};
 use super::trace::{input_summary, output_summary};
 use crate::error::{CoordError, Result};
 
@@ -168,17 +169,20 @@ pub async fn llm_prompt(
     .await
 }
 
-/// The prompt of a generation step: the numbered contexts that fit, the question, the query.
+/// The prompt of a generation step: the numbered contexts that fit, the question, the query,
+/// after the step's worked examples asked the same way.
 pub fn make_prompt(
     rt: &Run,
     template: &str,
     system: &str,
+    examples: &[Example],
     query: &str,
     chunks: &[Passage],
 ) -> Prompt {
     let (contexts, used) = render(chunks);
     Prompt {
         system: system.to_owned(),
+        examples: example_turns(template, examples),
         user: fill(
             template,
             &[
@@ -208,7 +212,7 @@ pub async fn generate(
         system: p.system.clone(),
         max_tokens: rt.overrides.max_tokens.unwrap_or(g.max_tokens) as u32,
         temperature: rt.overrides.temperature.unwrap_or(g.temperature),
-        history: rt.history.clone(),
+        history: p.examples.iter().chain(&rt.history).cloned().collect(),
         stop: g.stop.clone(),
         ..Default::default()
     };

@@ -113,6 +113,18 @@ pub struct ReorderSpec {
 pub struct PromptSpec {
     pub template: Option<String>,
     pub system: Option<String>,
+    pub examples: Option<Vec<ExampleSpec>>,
+}
+
+/// A worked example of a prompt step (few-shot): asked through the step's template before
+/// the question, `answer` as the assistant's reply.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExampleSpec {
+    pub title: Option<String>,
+    pub context: String,
+    pub question: String,
+    pub answer: String,
 }
 
 #[derive(Debug, Default, Deserialize)]

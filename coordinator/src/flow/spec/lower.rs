@@ -311,6 +311,44 @@ fn threshold(place: &str, s: file::ThresholdSpec) -> SpecResult<Op> {
     })
 }
 
+/// A prompt step's worked examples: at most `MAX_PROMPT_EXAMPLES`, each with a context, a
+/// question and an answer of 1 to `MAX_EXAMPLE_FIELD_BYTES` bytes (`[]` asks none).
+fn examples(place: &str, specs: Vec<file::ExampleSpec>) -> SpecResult<Vec<Example>> {
+    if specs.len() > MAX_PROMPT_EXAMPLES {
+        return bad(
+            place,
+            format!(
+                "examples: at most {MAX_PROMPT_EXAMPLES}, got {}",
+                specs.len()
+            ),
+        );
+    }
+    let mut out = Vec::with_capacity(specs.len());
+    for (i, e) in specs.into_iter().enumerate() {
+        let title = e.title.unwrap_or_default();
+        for (k, v, required) in [
+            ("title", &title, false),
+            ("context", &e.context, true),
+            ("question", &e.question, true),
+            ("answer", &e.answer, true),
+        ] {
+            if (required && v.trim().is_empty()) || v.len() > MAX_EXAMPLE_FIELD_BYTES {
+                return bad(
+                    place,
+                    format!("examples[{i}].{k}: 1 to {MAX_EXAMPLE_FIELD_BYTES} bytes of text"),
+                );
+            }
+        }
+        out.push(Example {
+            title,
+            context: e.context,
+            question: e.question,
+            answer: e.answer,
+        });
+    }
+    Ok(out)
+}
+
 const CONTEXT_PLACEHOLDERS: &[&str] = &["contexts", "question", "query"];
 
 /// Generation and judgement operators.
@@ -327,6 +365,7 @@ fn answer_op(place: &str, op: &str, t: &toml::Table) -> SpecResult<Op> {
                     CONTEXT_PLACEHOLDERS,
                 )?,
                 system: s.system.unwrap_or_else(|| DEFAULT_SYSTEM.into()),
+                examples: examples(place, s.examples.unwrap_or_default())?,
             }
         }
         "generate" => Op::Generate(generate(place, &read(place, t, "op")?, 128)?),

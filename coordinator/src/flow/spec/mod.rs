@@ -21,8 +21,9 @@ use std::collections::{BTreeMap, HashMap};
 use crate::fusion::Fusion;
 
 pub use crate::limits::{
-    MAX_FLOW_BRANCHES as MAX_BRANCHES, MAX_FLOW_DEPTH as MAX_DEPTH,
-    MAX_FLOW_ITERATIONS as MAX_ITERATIONS, MAX_FLOW_TOP_K as MAX_TOP_K, MAX_STEP_TOKENS,
+    MAX_EXAMPLE_FIELD_BYTES, MAX_FLOW_BRANCHES as MAX_BRANCHES, MAX_FLOW_DEPTH as MAX_DEPTH,
+    MAX_FLOW_ITERATIONS as MAX_ITERATIONS, MAX_FLOW_TOP_K as MAX_TOP_K, MAX_PROMPT_EXAMPLES,
+    MAX_STEP_TOKENS,
 };
 
 /// What a step reads and writes; validation tracks which are defined after each step.
@@ -184,6 +185,8 @@ pub enum Op {
     Prompt {
         template: String,
         system: String,
+        /// Worked examples asked before the question (few-shot), oldest first.
+        examples: Vec<Example>,
     },
     Generate(GenerateParams),
     Verify {
@@ -341,7 +344,7 @@ pub const OPERATORS: &[&str] = &[
 
 /// The generation prompt's defaults live in `ragcluster_common::prompt` (the oracle reader of
 /// `ragctl eval answers` asks the same way).
-pub use ragcluster_common::prompt::{DEFAULT_PROMPT, DEFAULT_STOP, DEFAULT_SYSTEM};
+pub use ragcluster_common::prompt::{DEFAULT_PROMPT, DEFAULT_STOP, DEFAULT_SYSTEM, Example};
 pub(super) const REWRITE: &str = "Rewrite this search query so that it is specific and self-contained. Reply with the rewritten query only.\n\nQuery: {query}";
 pub(super) const HYDE: &str =
     "Write a short passage that answers the question.\n\nQuestion: {query}";
@@ -483,6 +486,36 @@ mod tests {
              [flows.b]\nsteps = [{ op = \"bm25\" }]\n[flows.c]\nsteps = [{ op = \"noop\" }]",
         );
         assert!(e.contains("step 2 (rerank): input \"chunks\""), "{e}");
+    }
+
+    #[test]
+    fn prompt_examples_are_read_and_bounded() {
+        let flow = |examples: &str| {
+            format!(
+                "[flows.a]\nsteps = [{{ op = \"bm25\" }}, {{ op = \"prompt\", examples = [{examples}] }}]"
+            )
+        };
+        let one = "{ title = \"T\", context = \"c\", question = \"q?\", answer = \"a\" }";
+        let set = FlowSet::parse(&flow(one)).unwrap();
+        let Op::Prompt { examples, .. } = &set.flows["a"].steps[1].op else {
+            panic!("not a prompt step");
+        };
+        assert_eq!(examples.len(), 1);
+        assert_eq!(
+            (examples[0].title.as_str(), examples[0].answer.as_str()),
+            ("T", "a")
+        );
+        let nine = [one; MAX_PROMPT_EXAMPLES + 1].join(", ");
+        assert!(err(&flow(&nine)).contains("examples: at most 8, got 9"));
+        let e = err(&flow(
+            "{ context = \" \", question = \"q\", answer = \"a\" }",
+        ));
+        assert!(
+            e.contains("step 2 (prompt): examples[0].context: 1 to 4096 bytes"),
+            "{e}"
+        );
+        let e = err(&flow("{ context = \"c\", question = \"q\" }"));
+        assert!(e.contains("answer"), "{e}");
     }
 
     #[test]
