@@ -1,7 +1,7 @@
 //! The generation prompt's building blocks, shared by the coordinator's flows and by
 //! `ragctl eval answers --oracle`, so the oracle-paragraph reader is asked exactly as the
-//! default flow asks: the same system prompt, template, chunk tags and stop string,
-//! and worked examples (few-shot turns) when a flow gives some.
+//! default flow asks: the same system prompt, template, chunk tags and stop string. Worked
+//! examples (few-shot turns) are asked the same way where a flow names some.
 
 use ragcluster_proto::v1::ChatMessage;
 

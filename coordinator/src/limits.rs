@@ -103,6 +103,10 @@ mod tests {
         flat(&std::fs::read_to_string(root.join(path)).unwrap())
     }
 
+    fn assert_states(name: &str, text: &str, stated: &str) {
+        assert!(text.contains(stated), "{name} does not state {stated:?}");
+    }
+
     fn fmt_thousands(n: usize) -> String {
         match n {
             n if n >= 1000 => format!("{},{:03}", n / 1000, n % 1000),
@@ -190,26 +194,17 @@ mod tests {
             "(at most {MAX_PROMPT_EXAMPLES}, each field at most {})",
             size(MAX_EXAMPLE_FIELD_BYTES)
         );
-        assert!(
-            flows.contains(&stated),
-            "flows/examples.toml does not state {stated:?}"
-        );
+        assert_states("flows/examples.toml", &flows, &stated);
         let admin = read("proto/ragcluster/v1/admin.proto");
         let stated = format!(
             "At most {MAX_DOCS_PER_BATCH} documents and {} per call",
             size(MAX_RESTORE_BYTES)
         );
-        assert!(
-            admin.contains(&stated),
-            "admin.proto does not state {stated:?}"
-        );
+        assert_states("admin.proto", &admin, &stated);
         let stated = format!(
             "Copy batches in flight per shard, at most {MAX_REEMBED_PARALLEL} (0: {DEFAULT_REEMBED_PARALLEL})"
         );
-        assert!(
-            admin.contains(&stated),
-            "admin.proto does not state {stated:?}"
-        );
+        assert_states("admin.proto", &admin, &stated);
         let readme = read("README.md");
         let stated = [
             format!(

@@ -21,13 +21,12 @@ use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use ragcluster_common::prompt::example_turns;
-use ragcluster_proto::v1::{AskToken, GenerateRequest, TraceStep};
+use ragcluster_proto::v1::{AskToken, ChatMessage, GenerateRequest, TraceStep};
 
 use super::citations::{fill, render};
 use super::llm;
 use super::run::{Ctx, Generated, Note, Passage, Prompt, Run};
-use super::spec::{Example, GenerateParams, LlmPrompt, Op, Step};
+use super::spec::{GenerateParams, LlmPrompt, Op, Step};
 use super::trace::{input_summary, output_summary};
 use crate::error::{CoordError, Result};
 
@@ -170,19 +169,19 @@ pub async fn llm_prompt(
 }
 
 /// The prompt of a generation step: the numbered contexts that fit, the question, the query,
-/// after the step's worked examples asked the same way.
+/// after the step's worked examples (chat turns rendered when the flow was read).
 pub fn make_prompt(
     rt: &Run,
     template: &str,
     system: &str,
-    examples: &[Example],
+    examples: &[ChatMessage],
     query: &str,
     chunks: &[Passage],
 ) -> Prompt {
     let (contexts, used) = render(chunks);
     Prompt {
         system: system.to_owned(),
-        examples: example_turns(template, examples),
+        examples: examples.to_vec(),
         user: fill(
             template,
             &[

@@ -356,16 +356,18 @@ fn answer_op(place: &str, op: &str, t: &toml::Table) -> SpecResult<Op> {
     Ok(match op {
         "prompt" => {
             let s: file::PromptSpec = read(place, t, "op")?;
+            let template = template(
+                place,
+                "template",
+                s.template.as_deref(),
+                DEFAULT_PROMPT,
+                CONTEXT_PLACEHOLDERS,
+            )?;
+            let examples = examples(place, s.examples.unwrap_or_default())?;
             Op::Prompt {
-                template: template(
-                    place,
-                    "template",
-                    s.template.as_deref(),
-                    DEFAULT_PROMPT,
-                    CONTEXT_PLACEHOLDERS,
-                )?,
+                examples: example_turns(&template, &examples),
+                template,
                 system: s.system.unwrap_or_else(|| DEFAULT_SYSTEM.into()),
-                examples: examples(place, s.examples.unwrap_or_default())?,
             }
         }
         "generate" => Op::Generate(generate(place, &read(place, t, "op")?, 128)?),

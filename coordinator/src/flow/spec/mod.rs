@@ -19,6 +19,7 @@ pub use lower::parse_flow;
 use std::collections::{BTreeMap, HashMap};
 
 use crate::fusion::Fusion;
+use ragcluster_proto::v1::ChatMessage;
 
 pub use crate::limits::{
     MAX_EXAMPLE_FIELD_BYTES, MAX_FLOW_BRANCHES as MAX_BRANCHES, MAX_FLOW_DEPTH as MAX_DEPTH,
@@ -185,8 +186,9 @@ pub enum Op {
     Prompt {
         template: String,
         system: String,
-        /// Worked examples asked before the question (few-shot), oldest first.
-        examples: Vec<Example>,
+        /// Worked examples (few-shot) as the chat turns asked before the question, rendered
+        /// through `template` once when the flow is read.
+        examples: Vec<ChatMessage>,
     },
     Generate(GenerateParams),
     Verify {
@@ -344,7 +346,9 @@ pub const OPERATORS: &[&str] = &[
 
 /// The generation prompt's defaults live in `ragcluster_common::prompt` (the oracle reader of
 /// `ragctl eval answers` asks the same way).
-pub use ragcluster_common::prompt::{DEFAULT_PROMPT, DEFAULT_STOP, DEFAULT_SYSTEM, Example};
+pub use ragcluster_common::prompt::{
+    DEFAULT_PROMPT, DEFAULT_STOP, DEFAULT_SYSTEM, Example, example_turns,
+};
 pub(super) const REWRITE: &str = "Rewrite this search query so that it is specific and self-contained. Reply with the rewritten query only.\n\nQuery: {query}";
 pub(super) const HYDE: &str =
     "Write a short passage that answers the question.\n\nQuestion: {query}";
@@ -500,11 +504,18 @@ mod tests {
         let Op::Prompt { examples, .. } = &set.flows["a"].steps[1].op else {
             panic!("not a prompt step");
         };
-        assert_eq!(examples.len(), 1);
-        assert_eq!(
-            (examples[0].title.as_str(), examples[0].answer.as_str()),
-            ("T", "a")
+        let turns: Vec<_> = examples
+            .iter()
+            .map(|m| (m.role.as_str(), m.content.as_str()))
+            .collect();
+        assert_eq!(turns.len(), 2);
+        assert_eq!(turns[0].0, "user");
+        assert!(
+            turns[0].1.starts_with("<chunk id=\"1\">T\nc</chunk>"),
+            "{turns:?}"
         );
+        assert!(turns[0].1.ends_with("Question: q?"), "{turns:?}");
+        assert_eq!(turns[1], ("assistant", "a"));
         let nine = [one; MAX_PROMPT_EXAMPLES + 1].join(", ");
         assert!(err(&flow(&nine)).contains("examples: at most 8, got 9"));
         let e = err(&flow(
