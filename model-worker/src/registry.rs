@@ -30,6 +30,10 @@ pub const MAX_GEN_TOKENS: usize = 2048;
 pub const DEFAULT_GEN_TOKENS: usize = 256;
 pub const MAX_STOPS: usize = 8;
 pub const MAX_STOP_BYTES: usize = 64;
+/// `starts_with`: beginnings per request and bytes per beginning.
+pub const MAX_STARTS: usize = 8;
+pub const MAX_START_BYTES: usize = 64;
+pub use ragcluster_common::prompt::MAX_START_BIAS;
 pub const MAX_HISTORY: usize = 64;
 /// Passage tokens kept per LLM relevance prompt.
 const LLM_RERANK_PASSAGE_TOKENS: usize = 384;
@@ -467,6 +471,11 @@ impl Registry {
         }
         let (tx, rx) = mpsc::channel(64);
         match g {
+            Generator::Remote(_) if !r.starts_with.is_empty() => {
+                return Err(ModelError::InvalidArgument(format!(
+                    "starts_with needs a local model; {name} is remote"
+                )));
+            }
             Generator::Remote(remote) => {
                 let remote = remote.clone();
                 tokio::spawn(async move { remote.generate(r, params, tx).await });
@@ -657,15 +666,32 @@ pub fn gen_params(r: &GenerateRequest) -> Result<GenParams, ModelError> {
     if !(top_p.is_finite() && top_p > 0.0 && top_p <= 1.0) {
         return Err(bad(format!("top_p {} must be in (0, 1]", r.top_p)));
     }
-    if r.stop.len() > MAX_STOPS {
-        return Err(bad(format!("at most {MAX_STOPS} stop strings")));
+    // Stop strings and reply beginnings: a few short non-empty strings each.
+    let strings = |field: &str, v: &[String], most: usize, bytes: usize| {
+        if v.len() > most {
+            return Err(bad(format!("at most {most} {field} strings")));
+        }
+        if v.iter().any(|s| s.is_empty() || s.len() > bytes) {
+            return Err(bad(format!("{field} strings must be 1 to {bytes} bytes")));
+        }
+        Ok(())
+    };
+    strings("stop", &r.stop, MAX_STOPS, MAX_STOP_BYTES)?;
+    strings("starts_with", &r.starts_with, MAX_STARTS, MAX_START_BYTES)?;
+    if !r.starts_bias.is_empty() && r.starts_bias.len() != r.starts_with.len() {
+        return Err(bad(format!(
+            "starts_bias has {} values for {} starts_with strings",
+            r.starts_bias.len(),
+            r.starts_with.len()
+        )));
     }
-    if r.stop
+    if let Some(b) = r
+        .starts_bias
         .iter()
-        .any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+        .find(|b| !(b.is_finite() && b.abs() <= MAX_START_BIAS))
     {
         return Err(bad(format!(
-            "stop strings must be 1 to {MAX_STOP_BYTES} bytes"
+            "starts_bias {b} must be in [-{MAX_START_BIAS}, {MAX_START_BIAS}]"
         )));
     }
     Ok(GenParams {
@@ -674,6 +700,8 @@ pub fn gen_params(r: &GenerateRequest) -> Result<GenParams, ModelError> {
         top_p: f64::from(top_p),
         stop: r.stop.clone(),
         seed: r.seed,
+        starts_with: r.starts_with.clone(),
+        starts_bias: r.starts_bias.clone(),
     })
 }
 
@@ -695,6 +723,7 @@ fn run_generation(
             text: p.text,
             logprob: p.logprob,
             token_id: p.token_id,
+            start_logprobs: p.start_logprobs,
             ..Default::default()
         };
         // A token goes out as soon as it exists; the stream's last one waits for the end

@@ -40,6 +40,8 @@ fn answer(g: &LlamaGenerator, question: &str) -> String {
         top_p: 1.0,
         stop: Vec::new(),
         seed: 0,
+        starts_with: Vec::new(),
+        starts_bias: Vec::new(),
     };
     let mut out = String::new();
     g.generate(&prompt, &params, |p| {

@@ -366,6 +366,19 @@ async fn ask_flows_end_to_end() -> Result<()> {
         ensure!(!a.result.contexts.is_empty());
     }
 
+    // A yes/no question answered "Yes" or "No" first, calibrated against the prompt
+    // without its contexts (one more one-token generation before the answer).
+    let mut r = req("Does sourdough bread rise with commercial yeast?", "");
+    r.inline_flow = "steps = [{ op = \"bm25\", top_k = 2 }, { op = \"prompt\" }, \
+                     { op = \"generate\", max_tokens = 8, yes_no = \"calibrated\" }]"
+        .into();
+    let a = ask(&mut c, r).await.map_err(|e| e.0)?;
+    ensure!(
+        ["Yes", "No"].iter().any(|s| a.result.answer.starts_with(s)),
+        "{:?}",
+        a.result.answer
+    );
+
     // An inline flow; overrides reach the retriever.
     let mut r = req("What is BM25?", "");
     r.inline_flow =

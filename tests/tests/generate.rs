@@ -116,6 +116,63 @@ async fn smollm2_generation() -> Result<()> {
         st.text,
         &full[..cut]
     );
+
+    // A constrained start: the reply begins with one of the strings and goes on freely; of
+    // "Yes" and "No" the one the model finds likelier (its unconstrained first log-prob)
+    // is picked.
+    let starting = |starts: &[&str]| GenerateRequest {
+        starts_with: starts.iter().map(|s| s.to_string()).collect(),
+        ..req("Is Paris the capital of France?", 12)
+    };
+    let mut first_logprob = Vec::new();
+    for one in ["Yes", "No"] {
+        let r = generate(&mut c, starting(&[one])).await?;
+        ensure!(r.text.starts_with(one), "{one}: {:?}", r.text);
+        first_logprob.push(r.messages[0].logprob);
+    }
+    let either = generate(&mut c, starting(&["Yes", "No"])).await?;
+    let likelier = if first_logprob[0] >= first_logprob[1] {
+        "Yes"
+    } else {
+        "No"
+    };
+    ensure!(
+        either.text.starts_with(likelier),
+        "{:?} after log-probs {first_logprob:?}",
+        either.text
+    );
+    let reported = &either.messages[0].start_logprobs;
+    ensure!(
+        reported.len() == 2
+            && reported
+                .iter()
+                .zip(&first_logprob)
+                .all(|(a, b)| (a - b).abs() < 1e-3),
+        "{:?} vs {first_logprob:?}",
+        either.messages[0].start_logprobs
+    );
+    // A bias for the other beginning, larger than the gap, turns the pick.
+    let gap = (first_logprob[0] - first_logprob[1]).abs() + 1.0;
+    let other = if likelier == "Yes" { "No" } else { "Yes" };
+    let turned = generate(
+        &mut c,
+        GenerateRequest {
+            starts_bias: if other == "Yes" {
+                vec![gap, 0.0]
+            } else {
+                vec![0.0, gap]
+            },
+            ..starting(&["Yes", "No"])
+        },
+    )
+    .await?;
+    ensure!(turned.text.starts_with(other), "{:?}", turned.text);
+    let phrase = generate(&mut c, starting(&["The capital of France is", "No"])).await?;
+    ensure!(
+        phrase.text.starts_with("The capital of France is") || phrase.text.starts_with("No"),
+        "{:?}",
+        phrase.text
+    );
     ensure!(st.messages.last().unwrap().finish_reason == "stop");
 
     // Several streams at once all complete; a client that leaves early is dropped.
@@ -158,6 +215,28 @@ async fn smollm2_generation() -> Result<()> {
         },
         GenerateRequest {
             stop: vec!["x".into(); 9],
+            ..req("hi", 8)
+        },
+        GenerateRequest {
+            starts_with: vec![String::new()],
+            ..req("hi", 8)
+        },
+        GenerateRequest {
+            starts_with: vec!["x".repeat(65)],
+            ..req("hi", 8)
+        },
+        GenerateRequest {
+            starts_with: vec!["x".into(); 9],
+            ..req("hi", 8)
+        },
+        GenerateRequest {
+            starts_with: vec!["Yes".into(), "No".into()],
+            starts_bias: vec![1.0],
+            ..req("hi", 8)
+        },
+        GenerateRequest {
+            starts_with: vec!["Yes".into()],
+            starts_bias: vec![f32::NAN],
             ..req("hi", 8)
         },
         GenerateRequest {

@@ -144,6 +144,8 @@ fn batched_decoder_matches_candle_quantized_llama() -> Result<()> {
         top_p: 1.0,
         stop: vec![],
         seed: 0,
+        starts_with: Vec::new(),
+        starts_bias: Vec::new(),
     };
     let streamed: Vec<Vec<u32>> = std::thread::scope(|s| {
         let handles: Vec<_> = prompts

@@ -254,6 +254,8 @@ fn cuda_decoder_matches_the_cpu_decoder() -> Result<()> {
         top_p: 1.0,
         stop: vec![],
         seed: 0,
+        starts_with: Vec::new(),
+        starts_bias: Vec::new(),
     };
     let served_gpu = served.continuation_logprobs(&prompts, &upr_target)?;
     for (c, g) in served_cpu.iter().zip(&served_gpu) {

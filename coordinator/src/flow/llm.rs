@@ -45,6 +45,9 @@ pub async fn generate(
             Ok(Some(Err(e))) => return Err(CoordError::upstream("model worker", e)),
             Ok(Some(Ok(m))) => m,
         };
+        if out.start_logprobs.is_empty() {
+            out.start_logprobs = next.start_logprobs.clone();
+        }
         out.text.push_str(&next.text);
         if !(next.finished && next.text.is_empty() && next.token_id == 0 && next.logprob == 0.0) {
             out.tokens.push(next.text.clone());

@@ -25,6 +25,8 @@ pub struct Generated {
     pub logprobs: Vec<f32>,
     pub finish: String,
     pub completion_tokens: u32,
+    /// Each `starts_with` beginning's first-token log-probability (constrained requests).
+    pub start_logprobs: Vec<f32>,
 }
 
 impl Generated {
@@ -94,6 +96,9 @@ pub struct Prompt {
     pub user: String,
     /// The numbered contexts the prompt shows, in order (`[n]` = contexts[n - 1]).
     pub contexts: Vec<Passage>,
+    /// The user turn with no contexts: the content-free prompt a calibrated yes/no answer
+    /// is measured against (empty where a step built no template prompt).
+    pub bare: String,
 }
 
 /// What one branch (or recursion node) produced.

@@ -170,6 +170,8 @@ fn engine(path: &std::path::Path, streams: usize) -> Result<Value> {
         top_p: 1.0,
         stop: vec![],
         seed: 0,
+        starts_with: Vec::new(),
+        starts_bias: Vec::new(),
     };
     let text = "Retrieval-augmented generation fetches passages from a corpus and hands them \
                 to a language model, which then answers from what it was given. "

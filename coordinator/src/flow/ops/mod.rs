@@ -21,12 +21,13 @@ use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use ragcluster_common::prompt::{MAX_START_BIAS, YES_NO_STARTS, is_yes_no_question};
 use ragcluster_proto::v1::{AskToken, ChatMessage, GenerateRequest, TraceStep};
 
 use super::citations::{fill, render};
 use super::llm;
 use super::run::{Ctx, Generated, Note, Passage, Prompt, Run};
-use super::spec::{GenerateParams, LlmPrompt, Op, Step};
+use super::spec::{GenerateParams, LlmPrompt, Op, Step, YesNo};
 use super::trace::{input_summary, output_summary};
 use crate::error::{CoordError, Result};
 
@@ -179,18 +180,22 @@ pub fn make_prompt(
     chunks: &[Passage],
 ) -> Prompt {
     let (contexts, used) = render(chunks);
-    Prompt {
-        system: system.to_owned(),
-        examples: examples.to_vec(),
-        user: fill(
+    let user = |contexts: &str| {
+        fill(
             template,
             &[
-                ("contexts", &contexts),
+                ("contexts", contexts),
                 ("question", &rt.question),
                 ("query", query),
             ],
-        ),
+        )
+    };
+    Prompt {
+        system: system.to_owned(),
+        examples: examples.to_vec(),
+        user: user(&contexts),
         contexts: chunks[..used].to_vec(),
+        bare: user(""),
     }
 }
 
@@ -201,7 +206,8 @@ pub async fn generate(
     p: &Prompt,
     stream: Option<&str>,
 ) -> Result<Generated> {
-    let req = GenerateRequest {
+    let yes_no = g.yes_no != YesNo::Off && is_yes_no_question(&rt.question);
+    let mut req = GenerateRequest {
         model: rt
             .overrides
             .generate_model
@@ -213,8 +219,29 @@ pub async fn generate(
         temperature: rt.overrides.temperature.unwrap_or(g.temperature),
         history: p.examples.iter().chain(&rt.history).cloned().collect(),
         stop: g.stop.clone(),
+        starts_with: if yes_no {
+            YES_NO_STARTS.map(String::from).to_vec()
+        } else {
+            Vec::new()
+        },
         ..Default::default()
     };
+    if yes_no && g.yes_no == YesNo::Calibrated && !p.bare.is_empty() {
+        // The model's leaning before it reads the contexts, subtracted from its pick.
+        let prior = GenerateRequest {
+            prompt: p.bare.clone(),
+            max_tokens: 1,
+            ..req.clone()
+        };
+        let prior = llm::generate(rt, prior, None).await?;
+        if prior.start_logprobs.len() == req.starts_with.len() {
+            req.starts_bias = prior
+                .start_logprobs
+                .iter()
+                .map(|l| (-l).clamp(-MAX_START_BIAS, MAX_START_BIAS))
+                .collect();
+        }
+    }
     llm::generate(rt, req, stream).await
 }
 

@@ -134,6 +134,7 @@ pub struct GenerateSpec {
     pub temperature: Option<f32>,
     pub model: Option<String>,
     pub stop: Option<Vec<String>>,
+    pub yes_no: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -251,6 +252,7 @@ impl ActiveSpec {
             temperature: self.temperature,
             model: self.model.clone(),
             stop: self.stop.clone(),
+            yes_no: None,
         }
     }
 }
@@ -262,6 +264,7 @@ impl FuseSpec {
             temperature: self.temperature,
             model: self.model.clone(),
             stop: self.stop.clone(),
+            yes_no: None,
         }
     }
 }

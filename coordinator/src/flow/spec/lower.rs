@@ -132,6 +132,17 @@ fn generate(place: &str, s: &file::GenerateSpec, max_tokens: usize) -> SpecResul
         temperature: float_in(place, "temperature", s.temperature, 0.0, 0.0, 2.0)?,
         model: s.model.clone().unwrap_or_default(),
         stop,
+        yes_no: choice(
+            place,
+            "yes_no",
+            s.yes_no.as_deref(),
+            "off",
+            &[
+                ("off", YesNo::Off),
+                ("start", YesNo::Start),
+                ("calibrated", YesNo::Calibrated),
+            ],
+        )?,
     })
 }
 

@@ -143,6 +143,23 @@ pub struct GenerateParams {
     pub model: String,
     /// Stop strings (at most 8), default `DEFAULT_STOP`.
     pub stop: Vec<String>,
+    /// How a question that reads as yes/no (`prompt::is_yes_no_question`) is answered.
+    pub yes_no: YesNo,
+}
+
+/// The generate step's `yes_no`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum YesNo {
+    /// As any question.
+    Off,
+    /// The answer starts "Yes" or "No", the model choosing which
+    /// (`GenerateRequest.starts_with`).
+    Start,
+    /// As `Start`, the choice calibrated against the same prompt without its contexts
+    /// (Zhao et al. 2021, "Calibrate Before Use"): the answer the contexts make more likely
+    /// than the model thought it beforehand, not the one it favours anyway. Costs one
+    /// context-free prefill and one token per yes/no question.
+    Calibrated,
 }
 
 #[derive(Debug, Clone)]
@@ -527,6 +544,29 @@ mod tests {
         );
         let e = err(&flow("{ context = \"c\", question = \"q\" }"));
         assert!(e.contains("answer"), "{e}");
+    }
+
+    #[test]
+    fn yes_no_answers_are_named_modes() {
+        let flow = |v: &str| {
+            format!(
+                "[flows.a]\nsteps = [{{ op = \"bm25\" }}, {{ op = \"prompt\" }}, \
+                 {{ op = \"generate\"{v} }}]"
+            )
+        };
+        let mode = |v: &str| match &FlowSet::parse(&flow(v)).unwrap().flows["a"].steps[2].op {
+            Op::Generate(g) => g.yes_no,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(mode(""), YesNo::Off);
+        assert_eq!(mode(", yes_no = \"start\""), YesNo::Start);
+        assert_eq!(mode(", yes_no = \"calibrated\""), YesNo::Calibrated);
+        let e = err(&flow(", yes_no = \"maybe\""));
+        assert!(
+            e.contains("yes_no \"maybe\": use off, start, calibrated"),
+            "{e}"
+        );
+        assert!(err(&flow(", yes_no = true")).contains("yes_no"));
     }
 
     #[test]

@@ -44,6 +44,10 @@ pub struct GenParams {
     pub top_p: f64,
     pub stop: Vec<String>,
     pub seed: u64,
+    /// The reply begins with one of these strings (empty: no constraint); see `Starts`.
+    pub starts_with: Vec<String>,
+    /// Empty or one per `starts_with`: added to the first token's logit before the pick.
+    pub starts_bias: Vec<f32>,
 }
 
 /// One generated token as streamed: the text it adds (possibly empty while a multi-byte
@@ -53,6 +57,8 @@ pub struct Piece {
     pub text: String,
     pub token_id: u32,
     pub logprob: f32,
+    /// On the first piece of a constrained reply: each beginning's first-token log-prob.
+    pub start_logprobs: Vec<f32>,
     /// The stream ends with this piece (a stop or its length): its `Done` follows in the
     /// same step, so a caller that marks the last message waits for nothing else.
     pub last: bool,
@@ -74,6 +80,86 @@ pub struct Job {
     pub events: mpsc::Sender<Event>,
     /// Set by the caller when its client has gone.
     pub cancel: Arc<AtomicBool>,
+    /// `params.starts_with` as token ids.
+    pub starts: Vec<Vec<u32>>,
+}
+
+/// The reply's allowed beginnings (a prefix trie walked token by token): while some are
+/// open, the next token is picked, greedy or sampled as any token is, from the logits
+/// restricted to the tokens that continue an open beginning; once one is complete the
+/// reply goes on unconstrained. How a yes/no question gets "Yes" or "No" as its first
+/// word, chosen by the model's own preference between the two, whatever the prompt's
+/// wording leads a small model to start with.
+#[derive(Debug, Default)]
+struct Starts {
+    open: Vec<Vec<u32>>,
+    at: usize,
+    /// (first token, bias) of the first pick.
+    bias: Vec<(u32, f32)>,
+}
+
+impl Starts {
+    fn new(open: Vec<Vec<u32>>, bias: &[f32]) -> Self {
+        let mut firsts: Vec<(u32, f32)> = Vec::new();
+        for (c, b) in open.iter().zip(bias) {
+            if let Some(&t) = c.first()
+                && !firsts.iter().any(|f| f.0 == t)
+            {
+                firsts.push((t, *b));
+            }
+        }
+        Self {
+            open,
+            at: 0,
+            bias: firsts,
+        }
+    }
+
+    fn active(&self) -> bool {
+        !self.open.is_empty()
+    }
+
+    /// The logits with every token that continues no open beginning set to -inf, and the
+    /// first pick's biases added.
+    fn mask(&self, logits: &[f32]) -> Vec<f32> {
+        let mut out = vec![f32::NEG_INFINITY; logits.len()];
+        for c in &self.open {
+            if let Some(&t) = c.get(self.at)
+                && let Some(v) = logits.get(t as usize)
+            {
+                out[t as usize] = *v;
+            }
+        }
+        if self.at == 0 {
+            for &(t, b) in &self.bias {
+                if let Some(v) = out.get_mut(t as usize) {
+                    *v += b;
+                }
+            }
+        }
+        out
+    }
+
+    /// Each beginning's first-token log-probability under `logits` (before the first pick).
+    fn first_logprobs(&self, logits: &[f32]) -> Vec<f32> {
+        if self.at != 0 {
+            return Vec::new();
+        }
+        self.open
+            .iter()
+            .map(|c| c.first().map_or(f32::NEG_INFINITY, |&t| logprob(logits, t)))
+            .collect()
+    }
+
+    /// Keeps the beginnings that `token` continues; all close once one is complete.
+    fn advance(&mut self, token: u32) {
+        let at = self.at;
+        self.open.retain(|c| c.get(at) == Some(&token));
+        self.at += 1;
+        if self.open.iter().any(|c| c.len() == self.at) {
+            self.open.clear();
+        }
+    }
 }
 
 /// Turns a stream's sampled tokens into text pieces: detokenises incrementally, holds back
@@ -145,6 +231,7 @@ struct Stream<'a> {
     /// itself.
     sampler: Option<Sampler>,
     detok: Detok<'a>,
+    starts: Starts,
     /// The token to feed next (decoding) and how many were generated.
     next: u32,
     generated: usize,
@@ -154,16 +241,30 @@ impl Stream<'_> {
     /// Takes the decoder's token (greedy) or samples one from the logits, and tells the
     /// caller. Returns how the stream ended, if it did.
     fn on_sampled(&mut self, out: Sampled, eos: &[u32]) -> Result<Option<Finish>, ModelError> {
+        let mut start_logprobs = Vec::new();
         let (next, logprob) = match out {
             Sampled::Token { token, logprob } => (token, logprob),
             Sampled::Logits(logits) => {
+                if self.starts.active() {
+                    start_logprobs = self.starts.first_logprobs(&logits);
+                }
+                let masked;
+                let pick_from: &[f32] = if self.starts.active() {
+                    masked = self.starts.mask(&logits);
+                    &masked
+                } else {
+                    &logits
+                };
                 let next = match &mut self.sampler {
-                    Some(s) => s.sample(&logits),
-                    None => greedy(&logits),
+                    Some(s) => s.sample(pick_from),
+                    None => greedy(pick_from),
                 };
                 (next, logprob(&logits, next))
             }
         };
+        if self.starts.active() {
+            self.starts.advance(next);
+        }
         self.generated += 1;
         let last = self.generated == self.job.params.max_tokens;
         let (text, stopped) = if eos.contains(&next) {
@@ -175,6 +276,7 @@ impl Stream<'_> {
             text,
             token_id: next,
             logprob,
+            start_logprobs,
             last: stopped || last,
         };
         if self.job.events.send(Event::Piece(piece)).is_err() {
@@ -252,6 +354,7 @@ fn run(
                 prefill_at: 0,
                 sampler,
                 detok: Detok::new(tokenizer, job.params.stop.clone()),
+                starts: Starts::new(job.starts.clone(), &job.params.starts_bias),
                 next: 0,
                 generated: 0,
                 job,
@@ -331,10 +434,17 @@ fn step(
     let on_device = model.samples_on_device();
     let how: Vec<Want> = sample_at
         .iter()
-        .map(|&(i, _)| match &mut active[i].sampler {
-            None => Want::Greedy,
-            Some(s) if on_device => Want::Sample(s.draw()),
-            Some(_) => Want::Logits,
+        .map(|&(i, _)| {
+            let s = &mut active[i];
+            // A constrained pick needs the logits to mask.
+            if s.starts.active() {
+                return Want::Logits;
+            }
+            match &mut s.sampler {
+                None => Want::Greedy,
+                Some(s) if on_device => Want::Sample(s.draw()),
+                Some(_) => Want::Logits,
+            }
         })
         .collect();
     let started = std::time::Instant::now();
@@ -368,4 +478,43 @@ fn step(
         let _ = s.job.events.send(Event::Done(result));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn starts_walk_their_trie_then_let_go() {
+        // "Yes" = [5], "No" = [7], "No way" = [7, 2, 3].
+        let mut s = Starts::new(vec![vec![5], vec![7, 2, 3], vec![7]], &[]);
+        let logits = [0.0, 9.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let m = s.mask(&logits);
+        assert_eq!(greedy(&m), 7);
+        assert!(
+            m.iter()
+                .enumerate()
+                .all(|(i, v)| (i == 5 || i == 7) == v.is_finite())
+        );
+        // "No" is complete after one token: the shorter beginning ends the constraint.
+        s.advance(7);
+        assert!(!s.active());
+
+        let mut s = Starts::new(vec![vec![5], vec![7, 2, 3]], &[]);
+        s.advance(7);
+        assert!(s.active());
+        assert_eq!(greedy(&s.mask(&logits)), 2, "only [7, 2, 3] is open");
+        s.advance(2);
+        s.advance(3);
+        assert!(!s.active());
+
+        // A bias moves the first pick, and only the first; log-probs are the model's own.
+        let s = Starts::new(vec![vec![5], vec![7]], &[2.5, 0.0]);
+        assert_eq!(greedy(&s.mask(&logits)), 5);
+        let lp = s.first_logprobs(&logits);
+        assert!(
+            lp[1] > lp[0] && (lp[1] - lp[0] - 2.0).abs() < 1e-5,
+            "{lp:?}"
+        );
+    }
 }

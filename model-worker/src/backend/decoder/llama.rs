@@ -350,6 +350,16 @@ impl LlamaGenerator {
         if p.max_tokens == 0 {
             return Ok((Finish::Length, 0));
         }
+        let starts = p
+            .starts_with
+            .iter()
+            .map(|s| self.encode(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        if starts.iter().any(Vec::is_empty) {
+            return Err(ModelError::InvalidArgument(
+                "a starts_with string has no tokens".into(),
+            ));
+        }
         let (events, rx) = std::sync::mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
         self.engine.submit(Job {
@@ -357,6 +367,7 @@ impl LlamaGenerator {
             params: p.clone(),
             events,
             cancel: cancel.clone(),
+            starts,
         })?;
         let mut n = 0;
         for e in rx {
