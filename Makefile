@@ -3,7 +3,7 @@
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/ragcluster-target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: images compose-up compose-down setup build build-demo demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-cpu-decode bench-embed-nomic bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-engines bench-bm25 bench-tokenize bench-ingest bench-browse bench-filter bench-update bench-backup bench-reembed bench-chunking bench-sampling
+.PHONY: images compose-up compose-down setup build build-demo demo test test-faults test-sim test-unit test-cluster lint fmt bench bench-restart bench-raft bench-gen bench-cpu-decode bench-embed-nomic bench-gpu bench-embed bench-ask bench-quick eval-scifact up down fuzz bench-security bench-chunks bench-hnsw bench-scale bench-engines bench-bm25 bench-tokenize bench-ingest bench-browse bench-filter bench-update bench-backup bench-reembed bench-chunking bench-sampling bench-prefix
 
 setup:            ## system packages + models
 	bash scripts/setup.sh
@@ -141,6 +141,9 @@ eval-scifact: build ## retrieval quality of every search mode on SciFact (ingest
 
 bench-chunking: build ## the coordinator's chunker over SciFact: whole-text tokenizer vs per-run cache
 	$(BIN)/chunkbench --passes 3
+
+bench-prefix: build ## the model worker's prefix cache against none: worked-example answer prompts and multi-turn chats, Qwen 0.5B on the CPU
+	RAGCLUSTER_GENERATE_MODEL=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf $(BIN)/prefixbench
 
 bench-sampling: build ## a sampled token's cost per row of SmolLM2 logits: the engine's sampler vs candle's LogitsProcessor
 	$(BIN)/samplebench

@@ -47,6 +47,11 @@ pub struct ModelWorkerConfig {
     pub max_concurrent_generations: usize,
     /// Generations waiting for a slot before Generate answers RESOURCE_EXHAUSTED.
     pub max_queued_generations: usize,
+    /// MiB of finished generations' keys and values each CPU generator keeps, so a prompt
+    /// that begins like an earlier one (a flow's system prompt and worked examples, a chat's
+    /// earlier turns) prefills only the rest (`GenerateResponse.cached_tokens` counts the
+    /// reused tokens); least recently used first out; 0 = off. `prefixbench` measures it.
+    pub prefix_cache_mb: usize,
     /// How quantized GGUF weights are held: "none" (the default: kept quantized at the
     /// file's size; decode steps by the integer kernels of `decoder::quant`, prompts by
     /// weight slices decoded to f32 for a packed GEMM), "f32" (dequantized at load, 4 bytes
@@ -160,6 +165,7 @@ impl Default for ModelWorkerConfig {
             http_listen: String::new(),
             max_concurrent_generations: 16,
             max_queued_generations: 64,
+            prefix_cache_mb: 256,
             dequantize: "none".into(),
             port_file: None,
             tls: Default::default(),
@@ -237,6 +243,9 @@ impl ModelWorkerConfig {
         }
         if self.max_concurrent_generations == 0 {
             return Err("model_worker.max_concurrent_generations must be positive".into());
+        }
+        if self.prefix_cache_mb > 1 << 20 {
+            return Err("model_worker.prefix_cache_mb must be at most 1048576 (1 TiB)".into());
         }
         if self.max_batch == 0 || self.max_queue == 0 {
             return Err("model_worker.max_batch and max_queue must be positive".into());

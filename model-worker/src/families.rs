@@ -54,6 +54,16 @@ pub fn all() -> Vec<Family> {
             "generation: time of one batched forward",
         ),
         (
+            "model_prefix_cache_tokens_total",
+            Counter,
+            "generation: prompt tokens taken from the prefix cache instead of computed",
+        ),
+        (
+            "model_prefix_cache_bytes",
+            Gauge,
+            "generation: keys and values the prefix cache holds",
+        ),
+        (
             "model_encoder_enqueue_seconds",
             Histogram,
             "f16 CUDA encoder: host time to issue a forward",

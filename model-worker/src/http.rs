@@ -253,6 +253,14 @@ fn now() -> u64 {
 }
 
 /// One OpenAI choice object for a piece of output.
+/// A generation's `usage` object, with OpenAI's `prompt_tokens_details.cached_tokens`.
+fn usage(m: &GenerateResponse) -> Value {
+    json!({"prompt_tokens": m.prompt_tokens,
+           "completion_tokens": m.completion_tokens,
+           "total_tokens": m.prompt_tokens + m.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": m.cached_tokens}})
+}
+
 fn choice(chat: bool, stream: bool, m: &GenerateResponse, logprobs: bool) -> Value {
     let finish = if m.finished {
         json!(m.finish_reason)
@@ -323,9 +331,7 @@ async fn respond(
         return Ok(Json(json!({
             "id": id, "object": object, "created": now(), "model": model,
             "choices": [c],
-            "usage": {"prompt_tokens": last.prompt_tokens,
-                      "completion_tokens": last.completion_tokens,
-                      "total_tokens": last.prompt_tokens + last.completion_tokens},
+            "usage": usage(&last),
         }))
         .into_response());
     }
@@ -347,9 +353,7 @@ async fn respond(
             let mut chunk = json!({"id": id, "object": object, "created": now(), "model": model,
                                    "choices": [choice(chat, true, &m, logprobs)]});
             if m.finished {
-                chunk["usage"] = json!({"prompt_tokens": m.prompt_tokens,
-                                        "completion_tokens": m.completion_tokens,
-                                        "total_tokens": m.prompt_tokens + m.completion_tokens});
+                chunk["usage"] = usage(&m);
             }
             if tx.send(Ok(event(chunk))).await.is_err() {
                 return;

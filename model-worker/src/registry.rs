@@ -61,10 +61,11 @@ pub struct EncoderModel {
 fn load_generator(spec: &ModelSpec, cfg: &ModelWorkerConfig) -> Result<LlamaGenerator, ModelError> {
     let wanted = device::resolve(&spec.name, &spec.device, true)?;
     let pool = (cfg.max_concurrent_generations + 4) * CONTEXT;
-    match LlamaGenerator::load_on(&spec.name, &spec.path, wanted, pool) {
+    let prefix = cfg.prefix_cache_mb << 20;
+    match LlamaGenerator::load_on(&spec.name, &spec.path, wanted, pool, prefix) {
         Err(e) if wanted == Placement::Cuda && spec.device == "auto" => {
             tracing::warn!(model = %spec.name, error = %e, "device auto: CUDA decoder failed, using cpu");
-            LlamaGenerator::load_on(&spec.name, &spec.path, Placement::Cpu, 0)
+            LlamaGenerator::load_on(&spec.name, &spec.path, Placement::Cpu, 0, prefix)
         }
         r => r,
     }
@@ -717,8 +718,10 @@ fn run_generation(
     let mut first: Option<std::time::Duration> = None;
     let mut pending: Option<GenerateResponse> = None;
     let label = model.name.clone();
+    let mut cached = 0;
     let result = model.generate(prompt, params, |p| {
         first.get_or_insert_with(|| started.elapsed());
+        cached = p.cached_tokens;
         let m = GenerateResponse {
             text: p.text,
             logprob: p.logprob,
@@ -742,6 +745,7 @@ fn run_generation(
             last.finish_reason = finish.as_str().into();
             last.prompt_tokens = prompt.len() as u32;
             last.completion_tokens = tokens as u32;
+            last.cached_tokens = cached as u32;
             let _ = tx.blocking_send(Ok(last));
             let secs = started.elapsed().as_secs_f64();
             metrics::counter!("model_generated_tokens_total", "model" => label.clone())

@@ -216,6 +216,7 @@ impl RemoteGenerator {
             f => f.to_owned(),
         };
         end.prompt_tokens = last.prompt_tokens;
+        end.cached_tokens = last.cached_tokens;
         end.completion_tokens = if last.completion_tokens > 0 {
             last.completion_tokens
         } else {
@@ -242,6 +243,10 @@ fn chunk(
     if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
         last.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0) as u32;
         last.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as u32;
+        // OpenAI's and vLLM's name for prompt tokens served from a prefix cache.
+        last.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0) as u32;
     }
     let Some(c) = v["choices"].get(0) else {
         return Ok(None);

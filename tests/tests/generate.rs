@@ -87,9 +87,12 @@ async fn smollm2_generation() -> Result<()> {
         seed,
         ..Default::default()
     };
+    // The second asking reads the whole prompt and the logits after it from the prefix cache.
     let s1 = generate(&mut c, sampled(7)).await?;
     let s2 = generate(&mut c, sampled(7)).await?;
     ensure!(s1.text == s2.text, "same seed, different text");
+    let end = s2.messages.last().context("no message")?;
+    ensure!(end.cached_tokens == end.prompt_tokens, "{end:?}");
 
     // max_tokens and stop strings.
     let l = generate(&mut c, req("Count from one to fifty in words.", 5)).await?;

@@ -2,8 +2,8 @@
 //! quantized llama on SmolLM2-135M-Instruct, with weights dequantized to f32 so that both do
 //! exact f32 arithmetic: the same logits for a prompt (up to summation order), the same greedy
 //! tokens, the same tokens whether a sequence decodes alone or beside others, and the same
-//! tokens through the continuous-batching engine with three streams at once; and scoring
-//! calls that share a forward score as they do alone.
+//! tokens through the continuous-batching engine with three streams at once, and again from
+//! its prefix cache; and scoring calls that share a forward score as they do alone.
 //!
 //! With f16 or quantized weights (`model_worker.dequantize`) the two implementations round
 //! activations at different points (candle quantizes a prefill's and a decode step's rows
@@ -16,6 +16,7 @@ use candle_transformers::models::quantized_llama::ModelWeights;
 use model_worker::backend::decoder::Decoder;
 use model_worker::backend::decoder::llama::{GenParams, LlamaGenerator};
 use model_worker::backend::decoder::{KvCache, LlamaModel, Row, Sampled, Want, logprob};
+use model_worker::backend::device::Placement;
 use model_worker::error::ModelError;
 use ragcluster_tests::generate_model;
 use ragcluster_tests::llama::{PROMPTS, TOKENS, argmax};
@@ -175,6 +176,56 @@ fn batched_decoder_matches_candle_quantized_llama() -> Result<()> {
             "prompt {:?}: engine",
             PROMPTS[i]
         );
+    }
+
+    // The prefix cache: a stream leaves its keys and values and its first pick when it ends,
+    // so each prompt asked again reads all of it from there, and decodes the same tokens; a
+    // prompt that begins the same way (the next turn of a chat) reads the shared beginning; a
+    // generator without a cache computes every token, to the same result.
+    let run = |g: &LlamaGenerator, p: &[u32]| -> Result<(Vec<u32>, usize)> {
+        let (mut ids, mut cached) = (Vec::new(), usize::MAX);
+        g.generate(p, &params, |piece| {
+            ids.push(piece.token_id);
+            cached = piece.cached_tokens;
+            true
+        })?;
+        Ok((ids, cached))
+    };
+    for (i, p) in prompts.iter().enumerate() {
+        let (ids, cached) = run(&generator, p)?;
+        assert_eq!(cached, p.len(), "prompt {:?}: cached", PROMPTS[i]);
+        assert_eq!(ids, streamed[i], "prompt {:?}: from the cache", PROMPTS[i]);
+    }
+    let system = "You answer in one short sentence.";
+    let turn = |q: &str| {
+        generator.prompt_tokens(
+            q,
+            system,
+            &[("user", PROMPTS[0]), ("assistant", "Paris.")],
+            false,
+            "",
+        )
+    };
+    let (first, second) = (turn(PROMPTS[1])?, turn(PROMPTS[2])?);
+    let shared = first
+        .iter()
+        .zip(&second)
+        .take_while(|(a, b)| a == b)
+        .count();
+    assert!(
+        shared > 20,
+        "the system prompt and the first turn: {shared} tokens"
+    );
+    run(&generator, &first)?;
+    let (ids, cached) = run(&generator, &second)?;
+    assert_eq!(cached, shared);
+    let fresh = greedy_batched(&model, std::slice::from_ref(&second))?.remove(0);
+    assert_eq!(ids[..], fresh[..ids.len()], "second turn from the cache");
+    let uncached = LlamaGenerator::load_on("smollm2", &path, Placement::Cpu, 0, 0)?;
+    for p in [&second, &second] {
+        let (ids, cached) = run(&uncached, p)?;
+        assert_eq!(cached, 0, "no prefix cache");
+        assert_eq!(ids[..], fresh[..ids.len()]);
     }
 
     // Scoring (UPR, LLM relevance): prompts sharing a forward score as they do alone.

@@ -246,7 +246,7 @@ fn cuda_decoder_matches_the_cpu_decoder() -> Result<()> {
     let served_cpu = generator.continuation_logprobs(&prompts, &upr_target)?;
 
     // The engine on the GPU: three concurrent greedy streams.
-    let served = LlamaGenerator::load_on("smollm2", &path, Placement::Cuda, 8 * 4096)?;
+    let served = LlamaGenerator::load_on("smollm2", &path, Placement::Cuda, 8 * 4096, 0)?;
     assert_eq!(served.placement(), Placement::Cuda);
     let params = GenParams {
         max_tokens: TOKENS,

@@ -513,19 +513,33 @@ async fn llm_rerank_openai_api_and_remote_backend() -> Result<()> {
     )
     .await?;
     ensure!(status == 400);
-    let (status, body) = http_post_json(
-        &format!("http://{http}/v1/chat/completions"),
-        &serde_json::json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
-                            "temperature": 0, "max_tokens": 12}),
-    )
-    .await?;
-    ensure!(status == 200, "{status} {body}");
-    let v: serde_json::Value = serde_json::from_str(&body)?;
-    let http_text = v["choices"][0]["message"]["content"]
-        .as_str()
-        .context("content")?
-        .to_owned();
+    // Asked twice: the second asking reads the prompt's keys and values and the first pick
+    // after it from the prefix cache, so the same answer, every prompt token cached (OpenAI's
+    // usage field).
+    let mut replies = Vec::new();
+    for _ in 0..2 {
+        let (status, body) = http_post_json(
+            &format!("http://{http}/v1/chat/completions"),
+            &serde_json::json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                                "temperature": 0, "max_tokens": 12}),
+        )
+        .await?;
+        ensure!(status == 200, "{status} {body}");
+        replies.push(serde_json::from_str::<serde_json::Value>(&body)?);
+    }
+    let text = |v: &serde_json::Value| {
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .map(str::to_owned)
+    };
+    let http_text = text(&replies[0]).context("content")?;
     ensure!(http_text.contains("Paris"), "{http_text:?}");
+    ensure!(text(&replies[1]).as_deref() == Some(http_text.as_str()));
+    let usage = &replies[1]["usage"];
+    ensure!(
+        usage["prompt_tokens_details"]["cached_tokens"].as_u64() == usage["prompt_tokens"].as_u64(),
+        "{usage}"
+    );
 
     // Worker B forwards Generate to A over HTTP (streamed chat and raw completions).
     let dir_b = tempfile::tempdir()?;

@@ -163,7 +163,7 @@ pub fn decoder_profile(path: &std::path::Path) -> Result<Value> {
 fn engine(path: &std::path::Path, streams: usize) -> Result<Value> {
     use model_worker::backend::decoder::llama::{CONTEXT, GenParams, LlamaGenerator};
     use model_worker::backend::device::Placement;
-    let g = LlamaGenerator::load_on("smollm2", path, Placement::Cuda, (streams + 4) * CONTEXT)?;
+    let g = LlamaGenerator::load_on("smollm2", path, Placement::Cuda, (streams + 4) * CONTEXT, 0)?;
     let params = GenParams {
         max_tokens: 64,
         temperature: 0.0,

@@ -47,9 +47,9 @@ pub struct LlamaModel {
 /// One sequence's keys and values: per layer, position-major rows of `kv_heads * head_dim`.
 #[derive(Default)]
 pub struct KvCache {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
-    len: usize,
+    pub(super) k: Vec<Vec<f32>>,
+    pub(super) v: Vec<Vec<f32>>,
+    pub(super) len: usize,
 }
 
 impl KvCache {
@@ -60,6 +60,42 @@ impl KvCache {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// A copy of the first `n` positions (all of them if there are fewer): the keys and
+    /// values of a position depend only on the tokens up to it, so they are those of any
+    /// sequence that begins with the same `n` tokens.
+    pub fn head(&self, n: usize) -> KvCache {
+        let n = n.min(self.len);
+        let cut = |layers: &[Vec<f32>]| -> Vec<Vec<f32>> {
+            layers
+                .iter()
+                .map(|l| l[..l.len() / self.len.max(1) * n].to_vec())
+                .collect()
+        };
+        KvCache {
+            k: cut(&self.k),
+            v: cut(&self.v),
+            len: n,
+        }
+    }
+
+    /// Bytes the keys and values take (allocated capacity).
+    pub fn bytes(&self) -> usize {
+        self.k
+            .iter()
+            .chain(&self.v)
+            .map(|l| l.capacity() * std::mem::size_of::<f32>())
+            .sum()
+    }
+
+    /// Gives back the capacity beyond the cached positions (a cache kept after its stream
+    /// ends no longer grows).
+    pub fn shrink(&mut self) {
+        self.k
+            .iter_mut()
+            .chain(&mut self.v)
+            .for_each(Vec::shrink_to_fit);
     }
 }
 

@@ -2,7 +2,9 @@
 //! in one forward per step (`decoder`: the CPU or the CUDA llama decoder). New streams join
 //! at step boundaries; their prompts are prefilled in chunks within the same forwards, so a
 //! long prompt does not stall the streams already decoding. A stream leaves when it
-//! finishes, when its caller stops listening, or when it is cancelled.
+//! finishes, when its caller stops listening, or when it is cancelled. On the CPU a stream
+//! that ends leaves its keys and values in the prefix cache (`prefix`), and a new prompt
+//! that begins the same way prefills only the rest.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,6 +12,7 @@ use std::sync::mpsc;
 
 use rayon::prelude::*;
 
+use super::prefix::{FirstPick, Hit, PrefixCache};
 use super::sampling::{Sampler, greedy, logprob};
 use super::{Cache, Decoder, Row, Sampled, Want};
 use crate::error::ModelError;
@@ -59,6 +62,8 @@ pub struct Piece {
     pub logprob: f32,
     /// On the first piece of a constrained reply: each beginning's first-token log-prob.
     pub start_logprobs: Vec<f32>,
+    /// Prompt tokens whose keys and values came from the prefix cache (every piece).
+    pub cached_tokens: usize,
     /// The stream ends with this piece (a stop or its length): its `Done` follows in the
     /// same step, so a caller that marks the last message waits for nothing else.
     pub last: bool,
@@ -235,12 +240,26 @@ struct Stream<'a> {
     /// The token to feed next (decoding) and how many were generated.
     next: u32,
     generated: usize,
+    /// Generated tokens, in order (with the prompt: what the cache holds, for `PrefixCache`).
+    replied: Vec<u32>,
+    /// Prompt tokens taken from the prefix cache.
+    cached: usize,
+    /// The decoder's answer after the prompt, kept with the cache for a repeat of the prompt.
+    first: Option<FirstPick>,
 }
 
 impl Stream<'_> {
     /// Takes the decoder's token (greedy) or samples one from the logits, and tells the
     /// caller. Returns how the stream ended, if it did.
     fn on_sampled(&mut self, out: Sampled, eos: &[u32]) -> Result<Option<Finish>, ModelError> {
+        // A repeat of the prompt may start from this answer: logits serve any request, a
+        // token only when it is the greedy pick (a GPU draws sampled tokens itself).
+        if self.generated == 0 && (self.sampler.is_none() || matches!(out, Sampled::Logits(_))) {
+            self.first = Some(FirstPick {
+                at: self.job.prompt.len(),
+                out: out.clone(),
+            });
+        }
         let mut start_logprobs = Vec::new();
         let (next, logprob) = match out {
             Sampled::Token { token, logprob } => (token, logprob),
@@ -266,6 +285,7 @@ impl Stream<'_> {
             self.starts.advance(next);
         }
         self.generated += 1;
+        self.replied.push(next);
         let last = self.generated == self.job.params.max_tokens;
         let (text, stopped) = if eos.contains(&next) {
             (String::new(), true)
@@ -277,6 +297,7 @@ impl Stream<'_> {
             token_id: next,
             logprob,
             start_logprobs,
+            cached_tokens: self.cached,
             last: stopped || last,
         };
         if self.job.events.send(Event::Piece(piece)).is_err() {
@@ -295,6 +316,15 @@ impl Stream<'_> {
     fn prefilling(&self) -> bool {
         self.prefill_at < self.job.prompt.len()
     }
+
+    /// Leaves the stream's keys and values to `prefixes` (CPU caches only).
+    fn retire(self, prefixes: &mut PrefixCache) {
+        if let Cache::Cpu(kv) = self.cache {
+            let mut tokens = self.job.prompt;
+            tokens.extend(self.replied);
+            prefixes.keep(tokens, kv, self.first);
+        }
+    }
 }
 
 /// The decode thread of one model.
@@ -304,17 +334,24 @@ pub struct Engine {
 
 impl Engine {
     /// Starts the decode thread; it ends when the engine is dropped and its streams are done.
+    /// `prefix_cache` bytes of finished streams' keys and values are kept for prompts that
+    /// begin the same way (CPU decoder; 0: none).
     pub fn start(
         name: &str,
         model: Arc<Decoder>,
         tokenizer: Arc<tokenizers::Tokenizer>,
         eos: Vec<u32>,
+        prefix_cache: usize,
     ) -> Result<Self, ModelError> {
         let (jobs, rx) = mpsc::channel();
         let label = name.to_owned();
+        let prefixes = PrefixCache::new(match *model {
+            Decoder::Cpu(_) => prefix_cache,
+            Decoder::Cuda(_) => 0,
+        });
         std::thread::Builder::new()
             .name(format!("decode-{name}"))
-            .spawn(move || run(&label, &model, &tokenizer, &eos, rx))
+            .spawn(move || run(&label, &model, &tokenizer, &eos, rx, prefixes))
             .map_err(|e| ModelError::Inference(format!("decode thread: {e}")))?;
         Ok(Self { jobs })
     }
@@ -326,12 +363,67 @@ impl Engine {
     }
 }
 
+/// A new stream, its prompt's cached beginning copied from `prefixes`. A prompt asked whole
+/// before starts from that asking's first pick, so it decodes as the first asking did; a
+/// stream that ends on that pick (its first token a stop, or `max_tokens` 1) is done here
+/// (None).
+fn admit<'a>(
+    job: Job,
+    model: &Decoder,
+    tokenizer: &'a tokenizers::Tokenizer,
+    eos: &[u32],
+    label: &str,
+    prefixes: &mut PrefixCache,
+) -> Option<Stream<'a>> {
+    let p = &job.params;
+    // Below 1e-7 a temperature is an argmax (candle's rule, kept).
+    let sampler = (p.temperature >= 1e-7).then(|| Sampler::new(p.seed, p.temperature, p.top_p));
+    let greedy = sampler.is_none() && job.starts.is_empty();
+    let (cache, cached, first) = match prefixes.take(&job.prompt, greedy) {
+        Some(Hit { kv, first }) => {
+            let n = kv.len();
+            (Cache::Cpu(kv), n, first)
+        }
+        None => (model.new_cache(), 0, None),
+    };
+    metrics::counter!("model_prefix_cache_tokens_total", "model" => label.to_owned())
+        .increment(cached as u64);
+    let mut s = Stream {
+        cache,
+        prefill_at: cached,
+        sampler,
+        detok: Detok::new(tokenizer, job.params.stop.clone()),
+        starts: Starts::new(job.starts.clone(), &job.params.starts_bias),
+        next: 0,
+        generated: 0,
+        replied: Vec::new(),
+        cached,
+        first: None,
+        job,
+    };
+    let Some(out) = first else {
+        return Some(s);
+    };
+    let done = match s.on_sampled(out, eos) {
+        Ok(None) => return Some(s),
+        Ok(Some(finish)) => Ok((finish, s.generated)),
+        Err(e) => Err(e),
+    };
+    let kept = done.is_ok();
+    let _ = s.job.events.send(Event::Done(done));
+    if kept {
+        s.retire(prefixes);
+    }
+    None
+}
+
 fn run(
     label: &str,
     model: &Decoder,
     tokenizer: &tokenizers::Tokenizer,
     eos: &[u32],
     jobs: mpsc::Receiver<Job>,
+    mut prefixes: PrefixCache,
 ) {
     let mut active: Vec<Stream> = Vec::new();
     loop {
@@ -345,38 +437,27 @@ fn run(
             jobs.try_iter().collect()
         };
         for job in arrived {
-            let p = &job.params;
-            // Below 1e-7 a temperature is an argmax (candle's rule, kept).
-            let sampler =
-                (p.temperature >= 1e-7).then(|| Sampler::new(p.seed, p.temperature, p.top_p));
-            active.push(Stream {
-                cache: model.new_cache(),
-                prefill_at: 0,
-                sampler,
-                detok: Detok::new(tokenizer, job.params.stop.clone()),
-                starts: Starts::new(job.starts.clone(), &job.params.starts_bias),
-                next: 0,
-                generated: 0,
-                job,
-            });
+            active.extend(admit(job, model, tokenizer, eos, label, &mut prefixes));
         }
-        active.retain(|s| {
-            let gone = s.job.cancel.load(Ordering::Acquire);
-            if gone {
+        for s in std::mem::take(&mut active) {
+            if s.job.cancel.load(Ordering::Acquire) {
                 let _ = s
                     .job
                     .events
                     .send(Event::Done(Ok((Finish::Cancelled, s.generated))));
+                s.retire(&mut prefixes);
+            } else {
+                active.push(s);
             }
-            !gone
-        });
+        }
         if active.is_empty() {
             continue;
         }
         // A failed (or panicking) forward fails every stream in it; the thread goes on for
-        // new ones, so one bad step never leaves the model without a decode thread.
+        // new ones, so one bad step never leaves the model without a decode thread (a
+        // failed step's caches are dropped, not kept).
         let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            step(model, eos, &mut active, label)
+            step(model, eos, &mut active, label, &mut prefixes)
         }))
         .unwrap_or_else(|_| Err(ModelError::Inference("decode step panicked".into())));
         if let Err(e) = stepped {
@@ -390,12 +471,13 @@ fn run(
 }
 
 /// One forward over every decoding stream plus up to `Decoder::prefill_rows` prompt rows; streams
-/// that end leave `active`.
+/// that end leave `active`, their caches to `prefixes`.
 fn step(
     model: &Decoder,
     eos: &[u32],
     active: &mut Vec<Stream>,
     label: &str,
+    prefixes: &mut PrefixCache,
 ) -> Result<(), ModelError> {
     let mut rows = Vec::new();
     // (stream, row whose logits it samples from)
@@ -473,9 +555,18 @@ fn step(
         .collect();
     // Highest index first, so the indexes still to remove stay valid.
     ended.sort_by_key(|e| std::cmp::Reverse(e.0));
+    let retired = !ended.is_empty();
     for (i, result) in ended {
         let s = active.swap_remove(i);
+        let kept = result.is_ok();
         let _ = s.job.events.send(Event::Done(result));
+        if kept {
+            s.retire(prefixes);
+        }
+    }
+    if retired {
+        metrics::gauge!("model_prefix_cache_bytes", "model" => label.to_owned())
+            .set(prefixes.bytes() as f64);
     }
     Ok(())
 }

@@ -21,6 +21,10 @@ use crate::error::ModelError;
 /// Context window: prompt plus generated tokens (the length of the rotary table).
 pub const CONTEXT: usize = 4096;
 
+/// The prefix cache of a generator loaded without a worker configuration
+/// (`model_worker.prefix_cache_mb`'s default).
+pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 256 << 20;
+
 /// Rows per scoring forward: the sequences of a rerank call share forwards up to this many
 /// rows (a longer sequence runs alone).
 const SCORE_ROWS: usize = 1024;
@@ -48,18 +52,21 @@ pub struct LlamaGenerator {
 }
 
 impl LlamaGenerator {
+    /// On the CPU, with a prefix cache of [`DEFAULT_PREFIX_CACHE_BYTES`].
     pub fn load(name: &str, path: &Path) -> Result<Self, ModelError> {
-        Self::load_on(name, path, Placement::Cpu, 0)
+        Self::load_on(name, path, Placement::Cpu, 0, DEFAULT_PREFIX_CACHE_BYTES)
     }
 
     /// As `load`, decoding on `placement`; on CUDA the KV cache pool holds `pool_tokens`
     /// positions shared by every sequence, and the GPU decoder is checked against the CPU
-    /// one at load.
+    /// one at load. On the CPU, `prefix_cache` bytes of finished generations' keys and
+    /// values are kept for prompts that begin the same way (0: none).
     pub fn load_on(
         name: &str,
         path: &Path,
         placement: Placement,
         pool_tokens: usize,
+        prefix_cache: usize,
     ) -> Result<Self, ModelError> {
         let load_err = |reason: String| ModelError::Load {
             name: name.to_owned(),
@@ -127,7 +134,7 @@ impl LlamaGenerator {
         let yes = single(&["yes", "Yes", " yes", " Yes"]);
         let no = single(&["no", "No", " no", " No"]);
         let tokenizer = Arc::new(tokenizer);
-        let engine = Engine::start(name, model.clone(), tokenizer.clone(), eos)?;
+        let engine = Engine::start(name, model.clone(), tokenizer.clone(), eos, prefix_cache)?;
         Ok(Self {
             name: name.to_owned(),
             model,

@@ -4,7 +4,8 @@
 //! calls); `engine` decodes every active stream in one forward per step; `placed` is the
 //! decoder that forward runs on, `batch` on the CPU (weights read by `gguf`, decode-shaped
 //! products by `skinny`) or `cuda` on a GPU (f16 weights, a paged KV cache); `sampling` draws
-//! tokens. What they all speak, rows in and answers out, is defined here.
+//! tokens, and `prefix` keeps finished streams' keys and values for prompts that begin the
+//! same way. What they all speak, rows in and answers out, is defined here.
 
 mod attention;
 pub mod batch;
@@ -13,6 +14,7 @@ pub mod engine;
 mod gguf;
 pub mod llama;
 pub mod placed;
+mod prefix;
 pub mod quant;
 mod rows;
 pub mod sampling;
