@@ -246,6 +246,9 @@ struct Stream<'a> {
     cached: usize,
     /// The decoder's answer after the prompt, kept with the cache for a repeat of the prompt.
     first: Option<FirstPick>,
+    /// Whether the stream's cache goes to the prefix cache when it ends (a CPU cache, the
+    /// prefix cache on): else nothing is copied for it.
+    keeps: bool,
 }
 
 impl Stream<'_> {
@@ -254,7 +257,10 @@ impl Stream<'_> {
     fn on_sampled(&mut self, out: Sampled, eos: &[u32]) -> Result<Option<Finish>, ModelError> {
         // A repeat of the prompt may start from this answer: logits serve any request, a
         // token only when it is the greedy pick (a GPU draws sampled tokens itself).
-        if self.generated == 0 && (self.sampler.is_none() || matches!(out, Sampled::Logits(_))) {
+        if self.keeps
+            && self.generated == 0
+            && (self.sampler.is_none() || matches!(out, Sampled::Logits(_)))
+        {
             self.first = Some(FirstPick {
                 at: self.job.prompt.len(),
                 out: out.clone(),
@@ -319,7 +325,7 @@ impl Stream<'_> {
 
     /// Leaves the stream's keys and values to `prefixes` (CPU caches only).
     fn retire(self, prefixes: &mut PrefixCache) {
-        if let Cache::Cpu(kv) = self.cache {
+        if let (true, Cache::Cpu(kv)) = (self.keeps, self.cache) {
             let mut tokens = self.job.prompt;
             tokens.extend(self.replied);
             prefixes.keep(tokens, kv, self.first);
@@ -388,6 +394,7 @@ fn admit<'a>(
     };
     metrics::counter!("model_prefix_cache_tokens_total", "model" => label.to_owned())
         .increment(cached as u64);
+    let keeps = prefixes.is_on() && matches!(cache, Cache::Cpu(_));
     let mut s = Stream {
         cache,
         prefill_at: cached,
@@ -399,6 +406,7 @@ fn admit<'a>(
         replied: Vec::new(),
         cached,
         first: None,
+        keeps,
         job,
     };
     let Some(out) = first else {

@@ -90,6 +90,11 @@ impl PrefixCache {
         }
     }
 
+    /// Whether anything is ever kept (a budget above 0).
+    pub fn is_on(&self) -> bool {
+        self.budget > 0
+    }
+
     /// Bytes held now.
     pub fn bytes(&self) -> usize {
         self.used_bytes
