@@ -8,13 +8,33 @@
 //!
 //! The flow with the highest score wins (eq. 20); when every score is 0 the route's default
 //! (or its first target) runs.
+//!
+//! - Form: the first target whose form (yes/no or other) the question has; pipelines differ
+//!   by "the nature of the question" (Modular RAG, §conditional pattern), and a yes/no
+//!   question is one a reader either gets right in one word or not.
 
 use std::collections::{HashMap, HashSet};
 
 use parking_lot::Mutex;
 use unicode_segmentation::UnicodeSegmentation;
 
-use super::spec::RouteTarget;
+use super::spec::{QuestionForm, RouteTarget};
+use ragcluster_common::prompt::is_yes_no_question;
+
+/// The form of `question`.
+pub fn form_of(question: &str) -> QuestionForm {
+    if is_yes_no_question(question) {
+        QuestionForm::YesNo
+    } else {
+        QuestionForm::Other
+    }
+}
+
+/// The first target for `question`'s form, if any names it.
+pub fn form_target(question: &str, routes: &[RouteTarget]) -> Option<usize> {
+    let form = form_of(question);
+    routes.iter().position(|r| r.form == Some(form))
+}
 
 /// Embeddings of intent descriptions, by (model, text): computed once per coordinator.
 #[derive(Default)]
@@ -86,7 +106,28 @@ mod tests {
             flow: flow.into(),
             keywords: kw.iter().map(|s| s.to_string()).collect(),
             intents: Vec::new(),
+            form: None,
         }
+    }
+
+    #[test]
+    fn form_routes_yes_no_questions_apart() {
+        let mut yes_no = t("strong", &[]);
+        yes_no.form = Some(QuestionForm::YesNo);
+        let mut other = t("fast", &[]);
+        other.form = Some(QuestionForm::Other);
+        let routes = [yes_no, other];
+        assert_eq!(
+            form_target("Is Helsinki the capital of Finland?", &routes),
+            Some(0)
+        );
+        assert_eq!(form_target("In 1796, did he marry?", &routes), Some(0));
+        assert_eq!(
+            form_target("What is the capital of Finland?", &routes),
+            Some(1)
+        );
+        // No target for the form: the route's default decides.
+        assert_eq!(form_target("Who won?", &routes[..1]), None);
     }
 
     #[test]

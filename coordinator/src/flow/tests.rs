@@ -1,6 +1,6 @@
 //! Flow execution against scripted shard nodes (`shards::scripted`) holding a few chunks, on a
 //! one-coordinator catalog, with no model worker: cross-shard retrieval, prev-next
-//! augmentation, keyword routing, branches fused by RRF, loops under the request's cap, an
+//! augmentation, keyword and form routing, branches fused by RRF, loops under the request's cap, an
 //! LLM step failing cleanly after retrieval, a failing replica passed over, and a shard that
 //! does not answer ending the Ask at its deadline with the partial trace.
 
@@ -32,6 +32,13 @@ steps = [{ op = "bm25", top_k = 1 }, { op = "prev_next", before = 1, after = 1 }
 description = "keyword routing"
 steps = [{ op = "route", method = "keyword", default = "wide", routes = [
   { flow = "narrow", keywords = ["tantivy", "bm25"] },
+] }]
+
+[flows.by_form]
+description = "routing by the question's form"
+steps = [{ op = "route", method = "form", routes = [
+  { flow = "narrow", form = "yes_no" },
+  { flow = "wide", form = "other" },
 ] }]
 
 [flows.narrow]
@@ -258,6 +265,26 @@ async fn keyword_routing_picks_the_flow_and_says_why() {
     let (r, _) = ask(&e, request("routed", "forest leader")).await;
     assert!(step(&r, "route").decision.starts_with("-> wide"));
     assert_eq!(ids(&r), ["forest#0", "raft#0", "raft#1"]);
+}
+
+#[tokio::test]
+async fn form_routing_sends_yes_no_questions_their_own_way() {
+    let (_f, e) = setup().await;
+    let (r, _) = ask(
+        &e,
+        request("by_form", "Does the raft leader replicate entries?"),
+    )
+    .await;
+    assert_eq!(r.status, "ok", "{}", r.error);
+    assert_eq!(step(&r, "route").decision, "-> narrow (form YesNo)");
+    assert_eq!(ids(&r).len(), 1);
+    let (r, _) = ask(
+        &e,
+        request("by_form", "How does the raft leader replicate entries?"),
+    )
+    .await;
+    assert_eq!(step(&r, "route").decision, "-> wide (form Other)");
+    assert!(ids(&r).len() > 1, "{:?}", ids(&r));
 }
 
 #[tokio::test]

@@ -29,7 +29,7 @@ impl Operator for Control {
             } => {
                 let (flow, why) = choose(
                     rt,
-                    &ctx.query,
+                    (&rt.question, &ctx.query),
                     *method,
                     *alpha,
                     *temperature,
@@ -106,16 +106,26 @@ async fn intent_vectors(rt: &Run, routes: &[RouteTarget]) -> Result<Vec<Vec<Vec<
         .collect())
 }
 
-/// The chosen flow and a line saying why (every target's scores).
+/// The chosen flow and a line saying why (every target's scores). The form is the user's
+/// question's (a rewrite may drop its "Is ..."); the scores read the current query.
 async fn choose(
     rt: &Run,
-    query: &str,
+    (question, query): (&str, &str),
     method: RouteMethod,
     alpha: f32,
     temperature: f32,
     routes: &[RouteTarget],
     default: &str,
 ) -> Result<(String, String)> {
+    if method == RouteMethod::Form {
+        let form = route::form_of(question);
+        let chosen = match route::form_target(question, routes) {
+            Some(i) => routes[i].flow.clone(),
+            None if !default.is_empty() => default.to_owned(),
+            None => routes[0].flow.clone(),
+        };
+        return Ok((chosen.clone(), format!("-> {chosen} (form {form:?})")));
+    }
     let key = route::keyword_scores(query, routes);
     let sem = if method == RouteMethod::Keyword || routes.iter().all(|r| r.intents.is_empty()) {
         vec![0.0; routes.len()]
@@ -129,7 +139,7 @@ async fn choose(
     let a = match method {
         RouteMethod::Keyword => 1.0,
         RouteMethod::Semantic => 0.0,
-        RouteMethod::Hybrid => alpha,
+        RouteMethod::Hybrid | RouteMethod::Form => alpha,
     };
     let scores: Vec<f32> = key
         .iter()

@@ -14,7 +14,7 @@ use crate::flow::run::{Ctx, Note, Run};
 use crate::flow::run::{Passage, read_plan, sort_desc};
 use crate::flow::spec::Op;
 use crate::flow::spec::{Mode, ReorderMode, Retrieve, parse_fusion};
-use crate::fusion::Fusion;
+use crate::fusion::{Fusion, min_max};
 use crate::search;
 use ragcluster_proto::v1::EmbedInput;
 
@@ -31,6 +31,7 @@ impl Operator for Retrieval {
                 model,
                 keep,
                 min_score,
+                blend,
             } if !ctx.chunks.is_empty() => {
                 let model = rt
                     .overrides
@@ -39,13 +40,24 @@ impl Operator for Retrieval {
                     .unwrap_or_else(|| model.clone());
                 let texts = ctx.chunks.iter().map(|c| c.text.clone()).collect();
                 let scores = llm::rerank(rt, &model, &ctx.query, texts).await?;
-                for (c, s) in ctx.chunks.iter_mut().zip(scores) {
-                    c.score = s;
-                }
-                sort_desc(&mut ctx.chunks);
+                let mut scored: Vec<(Passage, f32)> = std::mem::take(&mut ctx.chunks)
+                    .into_iter()
+                    .zip(scores)
+                    .collect();
                 if let Some(m) = min_score {
-                    ctx.chunks.retain(|c| c.score >= *m);
+                    scored.retain(|(_, s)| s >= m);
                 }
+                if let Some(w) = blend {
+                    blend_scores(&mut scored, *w);
+                }
+                ctx.chunks = scored
+                    .into_iter()
+                    .map(|(mut c, s)| {
+                        c.score = s;
+                        c
+                    })
+                    .collect();
+                sort_desc(&mut ctx.chunks);
                 ctx.chunks.truncate(*keep);
             }
             Op::Mmr { lambda, keep } => {
@@ -367,6 +379,19 @@ pub fn reorder(c: &mut Vec<Passage>, m: ReorderMode) {
     }
 }
 
+/// A reranker's scores fused with the scores the chunks came with, as AutoRAG's convex
+/// combination (§2.2, CC): `w`·φ_MM(rerank) + (1 − `w`)·φ_MM(retrieval), each min-max
+/// normalised over the candidates (`fusion::min_max`). A small reranker's judgement alone can
+/// be worse than the first stage's order; blended, it only moves what it is sure of.
+fn blend_scores(scored: &mut [(Passage, f32)], w: f32) {
+    let first: Vec<f32> = scored.iter().map(|(c, _)| c.score).collect();
+    let rerank: Vec<f32> = scored.iter().map(|(_, s)| *s).collect();
+    let (first, rerank) = (min_max(&first), min_max(&rerank));
+    for (((_, s), f), r) in scored.iter_mut().zip(first).zip(rerank) {
+        *s = w * r + (1.0 - w) * f;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -390,5 +415,25 @@ mod tests {
         let mut c = base.clone();
         reorder(&mut c, ReorderMode::BestLast);
         assert_eq!(ids(&c), "54321");
+    }
+
+    #[test]
+    fn blend_is_a_convex_combination_of_min_max_scores() {
+        // First-stage scores 0.9 / 0.5 / 0.1 normalise to 1 / 0.5 / 0; reranker scores
+        // 0.2 / 0.6 / 1.0 (logits, any range) to 0 / 0.5 / 1.
+        let mut scored = vec![(p("a", 0.9), 0.2), (p("b", 0.5), 0.6), (p("c", 0.1), 1.0)];
+        blend_scores(&mut scored, 0.25);
+        let got: Vec<f32> = scored.iter().map(|(_, s)| *s).collect();
+        for (g, want) in got.iter().zip([0.75, 0.5, 0.25]) {
+            assert!((g - want).abs() < 1e-6, "{got:?}");
+        }
+        // Weight 1 is the reranker alone, weight 0 the first stage alone (normalised).
+        let mut scored = vec![(p("a", 0.9), 0.2), (p("b", 0.5), 0.6)];
+        blend_scores(&mut scored, 1.0);
+        assert_eq!(scored[0].1, 0.0);
+        assert_eq!(scored[1].1, 1.0);
+        blend_scores(&mut scored, 0.0);
+        assert_eq!(scored[0].1, 1.0);
+        assert_eq!(scored[1].1, 0.0);
     }
 }

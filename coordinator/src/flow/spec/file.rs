@@ -72,6 +72,7 @@ pub struct RerankSpec {
     pub model: Option<String>,
     pub keep: Option<usize>,
     pub min_score: Option<f32>,
+    pub blend: Option<f32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -164,6 +165,7 @@ pub struct RouteTargetSpec {
     pub keywords: Vec<String>,
     #[serde(default)]
     pub intents: Vec<String>,
+    pub form: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -259,10 +259,17 @@ fn chunk_op(place: &str, op: &str, t: &toml::Table) -> SpecResult<Op> {
         "hybrid" => Op::Retrieve(retrieve(place, &read(place, t, "op")?, Mode::Hybrid, 5)?),
         "rerank" => {
             let s: file::RerankSpec = read(place, t, "op")?;
+            if s.min_score.is_some_and(|m| !m.is_finite()) {
+                return bad(place, "min_score must be a finite number");
+            }
             Op::Rerank {
                 model: s.model.unwrap_or_default(),
                 keep: int_in(place, "keep", s.keep, 5, 1, MAX_TOP_K)?,
                 min_score: s.min_score,
+                blend: s
+                    .blend
+                    .map(|b| float_in(place, "blend", Some(b), 1.0, 0.0, 1.0))
+                    .transpose()?,
             }
         }
         "mmr" => {
@@ -509,18 +516,19 @@ fn route(place: &str, s: file::RouteSpec) -> SpecResult<Op> {
         ("keyword", RouteMethod::Keyword),
         ("semantic", RouteMethod::Semantic),
         ("hybrid", RouteMethod::Hybrid),
+        ("form", RouteMethod::Form),
     ];
     let method = choice(place, "method", s.method.as_deref(), "hybrid", &methods)?;
     let routes = match s.routes.as_ref().and_then(|r| r.as_array()) {
         Some(a) if !a.is_empty() => a
             .iter()
             .enumerate()
-            .map(|(i, r)| route_target(&format!("{place}, route {}", i + 1), r))
+            .map(|(i, r)| route_target(&format!("{place}, route {}", i + 1), r, method))
             .collect::<SpecResult<Vec<_>>>()?,
         _ => {
             return bad(
                 place,
-                "routes must be a non-empty list of {flow, keywords, intents}",
+                "routes must be a non-empty list of {flow, keywords, intents} (or {flow, form})",
             );
         }
     };
@@ -533,7 +541,7 @@ fn route(place: &str, s: file::RouteSpec) -> SpecResult<Op> {
     })
 }
 
-fn route_target(place: &str, v: &toml::Value) -> SpecResult<RouteTarget> {
+fn route_target(place: &str, v: &toml::Value, method: RouteMethod) -> SpecResult<RouteTarget> {
     let t = v
         .as_table()
         .ok_or_else(|| format!("{place}: must be a table"))?;
@@ -542,10 +550,31 @@ fn route_target(place: &str, v: &toml::Value) -> SpecResult<RouteTarget> {
     if flow.is_empty() {
         return bad(place, "missing flow");
     }
+    // A form is the whole rule of method "form" and means nothing to the scoring methods:
+    // refused where it would be ignored, required where it decides.
+    let form = match (method, s.form.as_deref()) {
+        (RouteMethod::Form, None) => return bad(place, "method \"form\" needs a form per route"),
+        (RouteMethod::Form, f) => Some(choice(
+            place,
+            "form",
+            f,
+            "",
+            &[
+                ("yes_no", QuestionForm::YesNo),
+                ("other", QuestionForm::Other),
+            ],
+        )?),
+        (_, Some(_)) => return bad(place, "form is read by method = \"form\" only"),
+        (_, None) => None,
+    };
+    if form.is_some() && !(s.keywords.is_empty() && s.intents.is_empty()) {
+        return bad(place, "method \"form\" reads no keywords or intents");
+    }
     Ok(RouteTarget {
         flow,
         keywords: s.keywords.iter().map(|k| k.to_lowercase()).collect(),
         intents: s.intents,
+        form,
     })
 }
 

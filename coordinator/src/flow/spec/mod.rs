@@ -127,6 +127,18 @@ pub enum RouteMethod {
     Keyword,
     Semantic,
     Hybrid,
+    /// By the question's form (the seed's "nature of the question"): the first target whose
+    /// `form` the question has.
+    Form,
+}
+
+/// The form of a question, read from its words (`prompt::is_yes_no_question`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuestionForm {
+    /// Opens with an auxiliary verb: "Is ...", "In 1796, did ...".
+    YesNo,
+    /// Any other question.
+    Other,
 }
 
 #[derive(Debug, Clone)]
@@ -134,6 +146,8 @@ pub struct RouteTarget {
     pub flow: String,
     pub keywords: Vec<String>,
     pub intents: Vec<String>,
+    /// Read by `RouteMethod::Form` only (and required by it).
+    pub form: Option<QuestionForm>,
 }
 
 #[derive(Debug, Clone)]
@@ -181,7 +195,12 @@ pub enum Op {
     Rerank {
         model: String,
         keep: usize,
+        /// Drops chunks whose reranker score is below this (UniversalRAG's threshold rerank).
         min_score: Option<f32>,
+        /// The reranker's weight in a convex combination with the score the chunk came with
+        /// (both min-max normalised over the candidates, AutoRAG's CC); None: the reranker's
+        /// score alone.
+        blend: Option<f32>,
     },
     Mmr {
         lambda: f32,
@@ -420,6 +439,7 @@ mod tests {
         for f in [
             "linear",
             "conditional",
+            "by_form",
             "multi_query",
             "per_chunk",
             "iterative",
@@ -472,6 +492,13 @@ mod tests {
         assert!(e.contains("unknown placeholder {nope}"), "{e}");
         let e = err("[flows.a]\nsteps = [{ op = \"bm25\", top_k = 0 }]");
         assert!(e.contains("top_k must be in [1, 100]"), "{e}");
+        let e = err("[flows.a]\nsteps = [{ op = \"bm25\" }, { op = \"rerank\", blend = 1.5 }]");
+        assert!(
+            e.contains("step 2 (rerank): blend must be in [0, 1], got 1.5"),
+            "{e}"
+        );
+        let e = err("[flows.a]\nsteps = [{ op = \"bm25\" }, { op = \"rerank\", min_score = nan }]");
+        assert!(e.contains("min_score must be a finite number"), "{e}");
         let e = err("[flows.a]\nsteps = [{ op = \"loop\", steps = [{ op = \"noop\" }] }]");
         assert!(
             e.contains("step 1 (loop): a loop needs max_iterations"),
@@ -567,6 +594,44 @@ mod tests {
             "{e}"
         );
         assert!(err(&flow(", yes_no = true")).contains("yes_no"));
+    }
+
+    #[test]
+    fn form_routes_name_a_form_each() {
+        let flow = |routes: &str| {
+            format!(
+                "[flows.a]\nsteps = [{{ op = \"route\", method = \"form\", routes = [{routes}] }}]\n\
+                 [flows.b]\nsteps = [{{ op = \"bm25\" }}]\n[flows.c]\nsteps = [{{ op = \"bm25\" }}]"
+            )
+        };
+        let set = FlowSet::parse(&flow(
+            "{ flow = \"b\", form = \"yes_no\" }, { flow = \"c\", form = \"other\" }",
+        ))
+        .unwrap();
+        match &set.flows["a"].steps[0].op {
+            Op::Route { method, routes, .. } => {
+                assert_eq!(*method, RouteMethod::Form);
+                assert_eq!(routes[0].form, Some(QuestionForm::YesNo));
+                assert_eq!(routes[1].form, Some(QuestionForm::Other));
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = err(&flow("{ flow = \"b\" }"));
+        assert!(
+            e.contains("route 1: method \"form\" needs a form per route"),
+            "{e}"
+        );
+        let e = err(&flow("{ flow = \"b\", form = \"open\" }"));
+        assert!(e.contains("form \"open\": use yes_no, other"), "{e}");
+        let e = err(&flow(
+            "{ flow = \"b\", form = \"other\", keywords = [\"x\"] }",
+        ));
+        assert!(e.contains("reads no keywords or intents"), "{e}");
+        let e = err(
+            "[flows.a]\nsteps = [{ op = \"route\", routes = [{ flow = \"b\", form = \"other\" }] }]\n\
+             [flows.b]\nsteps = [{ op = \"bm25\" }]",
+        );
+        assert!(e.contains("form is read by method = \"form\" only"), "{e}");
     }
 
     #[test]
