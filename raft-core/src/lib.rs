@@ -67,6 +67,11 @@ pub fn counter_families(prefix: &str) -> Vec<(String, &'static str)> {
             "writes_stalled_total",
             "log or state-machine writes that failed for want of space and waited for it",
         ),
+        (
+            "stale_heartbeats_total",
+            "heartbeats committing past the log of a member created by this process, meant for \
+             an earlier replica on this node and dropped",
+        ),
     ]
     .into_iter()
     .map(|(n, h)| (format!("{prefix}_{n}"), h))

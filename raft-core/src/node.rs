@@ -60,6 +60,13 @@ pub struct Options {
     /// Start an election at once (a fresh group's preferred leader, a lone member) instead of
     /// waiting out a timeout.
     pub campaign: bool,
+    /// The member's storage was created empty by this process (a new group, a learner
+    /// joining, a replica rebuilt from its peers), not opened from disk: all it acknowledged
+    /// is still in its log. A heartbeat committing past the log's end was then meant for an
+    /// earlier replica of the group on this node (the one a rebuild replaced, a dropped
+    /// collection of the same name) and is still in flight: it is dropped, not taken for
+    /// lost entries (`RaftNode::shows_lost_entries`).
+    pub created: bool,
     /// A fixed election timeout in ticks instead of raft-rs' random one: the simulation needs
     /// every run of a seed to be the same.
     pub fixed_election_timeout: Option<usize>,
@@ -252,7 +259,17 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
                     return;
                 }
                 if let Some(why) = self.shows_lost_entries(&msg) {
-                    self.lost = Some(why);
+                    if self.opts.created {
+                        tracing::debug!(group = %self.opts.name, from = msg.from,
+                            commit = msg.commit, "heartbeat for an earlier replica dropped");
+                        metrics::counter!(metric(
+                            self.opts.metrics_prefix,
+                            "stale_heartbeats_total"
+                        ))
+                        .increment(1);
+                    } else {
+                        self.lost = Some(why);
+                    }
                     return;
                 }
                 if msg.from != 0 {
@@ -400,7 +417,8 @@ impl<L: LogStore, M: StateMachine> RaftNode<L, M> {
     /// Above this member's last index it means the member acknowledged entries its log no
     /// longer holds (its storage lost them: a damaged or truncated write-ahead log). raft-rs
     /// would panic on it ("to_commit N is out of range"); the member fails instead, with both
-    /// indexes, so its replica stops serving and can be rebuilt from its peers.
+    /// indexes, so its replica stops serving and can be rebuilt from its peers. (A member
+    /// created in this process lost nothing: see `Options::created`.)
     fn shows_lost_entries(&self, m: &Message) -> Option<String> {
         let last = self.raw.raft.raft_log.last_index();
         (m.get_msg_type() == MessageType::MsgHeartbeat

@@ -55,6 +55,10 @@ impl Outbox for Nowhere {
 }
 
 fn options(id: u64, campaign: bool) -> Options {
+    options_created(id, campaign, false)
+}
+
+fn options_created(id: u64, campaign: bool, created: bool) -> Options {
     Options {
         id,
         tick: Duration::from_millis(10),
@@ -63,10 +67,21 @@ fn options(id: u64, campaign: bool) -> Options {
         log_gc_threshold: 1000,
         compact_applied: false,
         campaign,
+        created,
         fixed_election_timeout: None,
         name: format!("failure-{id}"),
         metrics_prefix: "test",
     }
+}
+
+fn heartbeat(from: u64, to: u64, term: u64, commit: u64) -> Msg<u64> {
+    let mut hb = Message::default();
+    hb.set_msg_type(MessageType::MsgHeartbeat);
+    hb.from = from;
+    hb.to = to;
+    hb.term = term;
+    hb.commit = commit;
+    Msg::Raft(Box::new(hb))
 }
 
 fn voters(ids: &[u64]) -> ConfState {
@@ -88,13 +103,7 @@ async fn a_heartbeat_past_the_end_of_the_log_fails_the_member_without_a_panic() 
     )
     .unwrap();
     // Leader 1 of term 1 believes member 3 acknowledged up to 50: its log is empty.
-    let mut hb = Message::default();
-    hb.set_msg_type(MessageType::MsgHeartbeat);
-    hb.from = 1;
-    hb.to = 3;
-    hb.term = 1;
-    hb.commit = 50;
-    tx.send(Msg::Raft(Box::new(hb))).unwrap();
+    tx.send(heartbeat(1, 3, 1, 50)).unwrap();
     let st = member
         .wait_for(Duration::from_secs(5), |s| s.has_failed())
         .await
@@ -139,4 +148,30 @@ async fn a_panic_on_the_members_thread_fails_only_that_member() {
         why.contains("raft panicked") && why.contains("the machine broke"),
         "{why}"
     );
+}
+
+/// A replica rebuilt from its peers joins empty under the node id of the one it replaced; a
+/// heartbeat the leader sent that one (committing what it had acknowledged) can arrive after
+/// it. The new member, created by this process, lost nothing: it drops the heartbeat and
+/// follows the leader's next one.
+#[tokio::test]
+async fn a_created_member_drops_a_heartbeat_meant_for_the_replica_it_replaced() {
+    let (tx, rx) = mailbox();
+    let member = Member::start(
+        options_created(3, false, true),
+        MemLog::new(ConfState::default()),
+        Arc::new(Machine::default()),
+        Arc::new(Nowhere),
+        (tx.clone(), rx),
+    )
+    .unwrap();
+    tx.send(heartbeat(1, 3, 1, 50)).unwrap();
+    // The leader's own heartbeat for the new member commits what it matched there: nothing.
+    tx.send(heartbeat(1, 3, 1, 0)).unwrap();
+    let st = member
+        .wait_for(Duration::from_secs(5), |s| s.leader_id == 1)
+        .await
+        .expect("the member follows leader 1");
+    assert!(st.failed.is_none(), "{:?}", st.failed);
+    assert_eq!((st.term, st.commit_index), (1, 0));
 }

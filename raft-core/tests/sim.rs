@@ -1,8 +1,10 @@
 //! Deterministic simulation of Raft groups: the real core (`RaftNode`, the ready loop every
 //! catalog and shard replica runs) over an in-process network, all in one thread on virtual
-//! time, with every choice drawn from one seeded RNG: message loss, delay and reordering,
-//! partitions, crashes that lose what was not yet synced, restarts, log compaction and the
-//! snapshots it forces. Each run checks, at every step, that no two members ever applied
+//! time, with every choice drawn from one seeded RNG: message loss, delay (now and then a
+//! long one, as a loaded transport's queue holds a message) and reordering, partitions,
+//! crashes that lose what was not yet synced, restarts, log compaction and the snapshots it
+//! forces, membership changes, and removed members rebuilt empty under their old id (as the
+//! coordinator rebuilds a damaged replica) while messages meant for the old one are in flight. Each run checks, at every step, that no two members ever applied
 //! different commands at the same index (state machine safety), and at the end, after healing,
 //! that every acknowledged proposal is applied exactly once on every member.
 //!
@@ -162,6 +164,8 @@ struct Member {
     outbox: Arc<SimOutbox>,
     /// Virtual tick at which a crashed member comes back.
     down_until: u64,
+    /// Its storage was created empty in this run and not reopened since (`Options::created`).
+    created: bool,
 }
 
 #[derive(PartialEq, Eq, PartialOrd, Ord)]
@@ -192,8 +196,10 @@ struct Sim {
     trace: Vec<String>,
     verbose: bool,
     gc_threshold: u64,
-    /// Members that applied their own removal; they take no further part.
+    /// Members that applied their own removal; they take no further part (unless rebuilt).
     removed: BTreeSet<u64>,
+    /// The term each removed member had when it stopped: the highest of any message it sent.
+    removed_term: BTreeMap<u64, u64>,
     conf_pending: Vec<oneshot::Receiver<Result<ConfState, RaftError>>>,
     stats: Stats,
 }
@@ -204,9 +210,10 @@ struct Stats {
     partitions: u64,
     snapshots: u64,
     membership_changes: u64,
+    rebuilds: u64,
 }
 
-fn options(id: u64, election: usize, gc: u64) -> Options {
+fn options(id: u64, election: usize, gc: u64, created: bool) -> Options {
     Options {
         id,
         tick: Duration::from_millis(100),
@@ -215,6 +222,7 @@ fn options(id: u64, election: usize, gc: u64) -> Options {
         log_gc_threshold: gc,
         compact_applied: gc.is_multiple_of(2),
         campaign: false,
+        created,
         fixed_election_timeout: Some(election),
         name: format!("sim-{id}"),
         metrics_prefix: "sim",
@@ -248,6 +256,7 @@ impl Sim {
             verbose: false,
             gc_threshold,
             removed: BTreeSet::new(),
+            removed_term: BTreeMap::new(),
             conf_pending: Vec::new(),
             stats: Stats::default(),
         };
@@ -264,6 +273,7 @@ impl Sim {
                     disk,
                     outbox: Arc::default(),
                     down_until: 0,
+                    created: true,
                 },
             );
             sim.start(id);
@@ -285,7 +295,7 @@ impl Sim {
         let m = self.members.get_mut(&id).expect("member");
         let sm = Arc::new(SimMachine(m.disk.clone()));
         let (node, _status) = RaftNode::new(
-            options(id, election, gc),
+            options(id, election, gc, m.created),
             SimLog(m.disk.clone()),
             sm,
             m.outbox.clone(),
@@ -302,6 +312,7 @@ impl Sim {
         }
         m.disk.lock().crash();
         m.outbox.0.lock().clear();
+        m.created = false;
         m.down_until = self.now + down;
         self.stats.crashes += 1;
         self.event(format!("crash {id} for {down}"));
@@ -387,7 +398,29 @@ impl Sim {
                 others[self.rng.random_range(0..others.len())],
             )
         } else {
-            let id = self.members.keys().max().copied().unwrap_or(0) + 1;
+            // A removed member comes back empty under its id half the time (a rebuilt replica),
+            // else a new member joins. Only once the group is in a later term than any message
+            // the old member sent: raft-rs drops its late answers by their term (a leader
+            // counting one as the new member's would wait on entries it does not have). The
+            // coordinator's rebuild meets this by itself: the member it replaces failed and sent
+            // nothing since, and messages meant for it that reach the new one are dropped
+            // (`Options::created`).
+            let term = self.members[&l]
+                .node
+                .as_ref()
+                .map_or(0, |n| n.raw().raft.term);
+            let rebuilt = self
+                .removed
+                .iter()
+                .copied()
+                .find(|id| self.removed_term.get(id).is_some_and(|t| *t < term))
+                .filter(|_| self.rng.random_bool(0.5));
+            let id = rebuilt.unwrap_or_else(|| self.members.keys().max().copied().unwrap_or(0) + 1);
+            if rebuilt.is_some() {
+                self.removed.remove(&id);
+                self.stats.rebuilds += 1;
+                self.event(format!("rebuild {id} empty"));
+            }
             let disk = Arc::new(Mutex::new(Disk {
                 log: MemLog::new(ConfState::default()),
                 ..Default::default()
@@ -400,6 +433,7 @@ impl Sim {
                     disk,
                     outbox: Arc::default(),
                     down_until: 0,
+                    created: true,
                 },
             );
             self.start(id);
@@ -424,6 +458,11 @@ impl Sim {
             .map(|(id, _)| *id)
             .collect();
         for id in gone {
+            let term = self.members[&id]
+                .node
+                .as_ref()
+                .map_or(0, |n| n.raw().raft.term);
+            self.removed_term.insert(id, term);
             if let Some(m) = self.members.get_mut(&id) {
                 m.node = None;
             }
@@ -513,7 +552,13 @@ impl Sim {
         if snapshot {
             self.stats.snapshots += 1;
         }
-        let delay = self.rng.random_range(0..4);
+        // Now and then a message waits long in a queue: one meant for a member that is then
+        // removed and rebuilt reaches the new one.
+        let delay = if self.rng.random_bool(0.03) {
+            self.rng.random_range(20..200)
+        } else {
+            self.rng.random_range(0..4)
+        };
         self.sent += 1;
         let bytes = protobuf::Message::write_to_bytes(&msg).expect("encodable");
         self.net.push(InFlight {
@@ -771,12 +816,14 @@ fn seeded_schedules_lose_no_acknowledged_proposal() {
     let sum = |f: fn(&Stats) -> u64| results.iter().map(|r| f(&r.stats)).sum::<u64>();
     eprintln!(
         "{seeds} seeds of {TICKS} ticks in {:.1} s: {acked} of {proposed} proposals acknowledged, \
-         none lost; {} crashes, {} partitions, {} snapshots sent, {} membership changes",
+         none lost; {} crashes, {} partitions, {} snapshots sent, {} membership changes, {} \
+         members rebuilt empty",
         started.elapsed().as_secs_f64(),
         sum(|s| s.crashes),
         sum(|s| s.partitions),
         sum(|s| s.snapshots),
         sum(|s| s.membership_changes),
+        sum(|s| s.rebuilds),
     );
 }
 

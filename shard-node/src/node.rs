@@ -100,9 +100,9 @@ impl Node {
                 for dir in [node.bm25_dir(&key), node.hnsw_dir(&key)] {
                     let _ = std::fs::remove_dir_all(dir);
                 }
-                node.start_replica(key, meta, false, Some(why))?;
+                node.start_replica(key, meta, (false, false), Some(why))?;
             } else if node.store.raft_log(&key).exists().map_err(raft_store)? {
-                node.start_replica(key, meta, false, None)?;
+                node.start_replica(key, meta, (false, false), None)?;
             } else {
                 // Parameters without Raft state: a create that crashed half-way; it never
                 // acknowledged anything.
@@ -207,11 +207,14 @@ impl Node {
             .join(key.shard.to_string())
     }
 
+    /// Starts the replica's Raft member and indexes: `campaign` at once (a new group's
+    /// preferred leader), `created` when its storage was just made empty (raft-core's
+    /// `Options::created`), not opened from disk.
     fn start_replica(
         &self,
         key: ShardKey,
         meta: ShardMeta,
-        campaign: bool,
+        (campaign, created): (bool, bool),
         damaged: Option<String>,
     ) -> Result<()> {
         let opts = ShardOptions {
@@ -255,6 +258,7 @@ impl Node {
             log_gc_threshold: self.cfg.raft_log_gc_threshold,
             compact_applied: true,
             campaign,
+            created,
             fixed_election_timeout: None,
             name: key.to_string(),
             metrics_prefix: "raft",
@@ -332,7 +336,7 @@ impl Node {
         // The first peer is the preferred leader: it campaigns at once instead of waiting out
         // an election timeout.
         let campaign = !req.join && voters.first() == Some(&self.node_id);
-        self.start_replica(key, req.meta, campaign, None)
+        self.start_replica(key, req.meta, (campaign, true), None)
     }
 
     pub fn drop_shard(&self, key: &ShardKey) -> Result<()> {

@@ -133,6 +133,7 @@ impl Catalog {
             log_gc_threshold: cfg.log_gc_threshold.max(2),
             compact_applied: false,
             campaign: members.len() == 1,
+            created: false,
             fixed_election_timeout: None,
             name: GROUP.into(),
             metrics_prefix: "catalog",
