@@ -30,9 +30,8 @@ pub fn form_of(question: &str) -> QuestionForm {
     }
 }
 
-/// The first target for `question`'s form, if any names it.
-pub fn form_target(question: &str, routes: &[RouteTarget]) -> Option<usize> {
-    let form = form_of(question);
+/// The first target for a question of `form`, if any names it.
+pub fn form_target(form: QuestionForm, routes: &[RouteTarget]) -> Option<usize> {
     routes.iter().position(|r| r.form == Some(form))
 }
 
@@ -118,16 +117,19 @@ mod tests {
         other.form = Some(QuestionForm::Other);
         let routes = [yes_no, other];
         assert_eq!(
-            form_target("Is Helsinki the capital of Finland?", &routes),
+            form_target(form_of("Is Helsinki the capital of Finland?"), &routes),
             Some(0)
         );
-        assert_eq!(form_target("In 1796, did he marry?", &routes), Some(0));
         assert_eq!(
-            form_target("What is the capital of Finland?", &routes),
+            form_target(form_of("In 1796, did he marry?"), &routes),
+            Some(0)
+        );
+        assert_eq!(
+            form_target(form_of("What is the capital of Finland?"), &routes),
             Some(1)
         );
         // No target for the form: the route's default decides.
-        assert_eq!(form_target("Who won?", &routes[..1]), None);
+        assert_eq!(form_target(form_of("Who won?"), &routes[..1]), None);
     }
 
     #[test]

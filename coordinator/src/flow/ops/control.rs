@@ -119,7 +119,7 @@ async fn choose(
 ) -> Result<(String, String)> {
     if method == RouteMethod::Form {
         let form = route::form_of(question);
-        let chosen = match route::form_target(question, routes) {
+        let chosen = match route::form_target(form, routes) {
             Some(i) => routes[i].flow.clone(),
             None if !default.is_empty() => default.to_owned(),
             None => routes[0].flow.clone(),
