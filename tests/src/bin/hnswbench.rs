@@ -16,7 +16,9 @@
 //!   tombstones resolved through its slot table; int8 graph, f32 rescoring), i.e. what a shard
 //!   adds to raw hnsw_rs; `search` walks hnsw_rs's graph, `search_flat` the bottom-layer copy
 //!   the index worker takes when writes pause (`index/hnsw/flat.rs`), and `reach` how many of
-//!   the graph's points no walk could reach before the copy linked them in (`relinked`).
+//!   the graph's points no walk could reach before the copy linked them in (`relinked`);
+//!   with `--filters`, `search_flat_filtered` the same searches with a keyword filter per
+//!   share (the filter planner: `index/hnsw/planner.rs`).
 //!
 //! Build figures (`build_s`, `points_per_s`) are the parallel insert of all points on every
 //! core, the shard's ingest cost at this size.
@@ -75,6 +77,12 @@ struct Args {
     /// Skip the raw int8 `sq8` graph (one build less).
     #[arg(long)]
     skip_sq8: bool,
+    /// Filtered searches of the shard's `HnswIndex`: chunk i gets the keyword field `p{k}` =
+    /// i mod k for each k here, and each filter `p{k}` = "1" (a share of 1/k) is swept like
+    /// the plain search, recall@10 against the exact filtered top 10 (`--filters 2,10,100,1000`
+    /// for `filterbench`'s selectivities, in process and single-threaded).
+    #[arg(long, value_delimiter = ',')]
+    filters: Vec<usize>,
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -102,7 +110,13 @@ fn main() -> Result<()> {
         )
     })?;
     let real = GetChunksResponse::decode(bytes.as_slice())?.chunks;
-    let points = perturbed_copies(&real, args.points);
+    let mut points = perturbed_copies(&real, args.points);
+    for (i, c) in points.iter_mut().enumerate() {
+        for k in &args.filters {
+            c.fields
+                .insert(format!("p{k}"), keyword((i % k).to_string()));
+        }
+    }
     let queries = query_vectors(args.queries)?;
     let t = Instant::now();
     let exact: Vec<Vec<usize>> = queries.iter().map(|q| exact_top10(q, &points)).collect();
@@ -164,10 +178,22 @@ fn query_vectors(n: usize) -> Result<Vec<Vec<f32>>> {
     })
 }
 
+fn keyword(s: String) -> ragcluster_proto::v1::Value {
+    ragcluster_proto::v1::Value {
+        kind: Some(ragcluster_proto::v1::value::Kind::Keyword(s)),
+    }
+}
+
 fn exact_top10(q: &[f32], points: &[Chunk]) -> Vec<usize> {
+    exact_top10_where(q, points, |_| true)
+}
+
+/// The exact top 10 among the points `keep` takes.
+fn exact_top10_where(q: &[f32], points: &[Chunk], keep: impl Fn(usize) -> bool) -> Vec<usize> {
     let mut s: Vec<(f32, usize)> = points
         .iter()
         .enumerate()
+        .filter(|(i, _)| keep(*i))
         .map(|(i, c)| (dot(q, &c.embedding), i))
         .collect();
     s.select_nth_unstable_by(9, |a, b| b.0.total_cmp(&a.0));
@@ -295,8 +321,25 @@ fn index_rows(args: &Args, points: &[Chunk], queries: &[Vec<f32>], exact: &[Vec<
     let copy = t.elapsed().as_secs_f64();
     let reach = idx.flat_reach();
     let flat = sweep(args, queries, exact, search);
+    let mut filtered = Map::new();
+    for &k in &args.filters {
+        let field = format!("p{k}");
+        let f = Filter::keywords([(field.as_str(), "1")]);
+        let exact: Vec<Vec<usize>> = queries
+            .iter()
+            .map(|q| exact_top10_where(q, points, |i| i % k == 1 % k))
+            .collect();
+        let search = |q: &[f32], ef: usize| {
+            idx.search(q, 10, ef, &f)
+                .iter()
+                .map(|(id, _)| pos[id.as_str()])
+                .collect()
+        };
+        filtered.insert(field, sweep(args, queries, &exact, search));
+    }
     let out = json!({"build_s": build, "points_per_s": points.len() as f64 / build,
-                     "search": rows, "flat_copy_s": copy, "reach": reach, "search_flat": flat});
+                     "search": rows, "flat_copy_s": copy, "reach": reach, "search_flat": flat,
+                     "search_flat_filtered": filtered});
     eprintln!("{}", serde_json::to_string(&out).unwrap_or_default());
     out
 }

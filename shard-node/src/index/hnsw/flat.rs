@@ -13,7 +13,8 @@
 //! miss the cache once the graph outgrows it, while a code at `slot * stride` is one load whose
 //! address is known before the distance is needed, so the walk prefetches every unvisited
 //! neighbour's code before scoring the first (as hnswlib does). The copy costs one more code
-//! per point (388 bytes for MiniLM, about 7% of a chunk's resident memory at 1M chunks).
+//! per point (388 bytes for MiniLM, about 7% of a chunk's resident memory at 1M chunks), and
+//! its one-bit code (`bq`: 52 bytes for MiniLM), which shortlists a filter's many matches.
 //!
 //! hnsw_rs keeps its neighbour lists private and changes existing points' lists on every
 //! insert, so the copy is taken when writes pause (the index worker does it) and used only
@@ -32,6 +33,7 @@ use hnsw_rs::anndists::dist::Distance;
 use hnsw_rs::hnsw::{Neighbour, Point};
 use rayon::prelude::*;
 
+use super::bq::Signs;
 use super::links::{Rows, link_unreachable, spread, with_reverse_links};
 use super::sq8::Sq8Cosine;
 use super::{CodeGraph, prefetch_lines};
@@ -49,6 +51,8 @@ pub struct FlatGraph {
     codes: Vec<i8>,
     /// Whether slot i is in the graph (has a code).
     present: Vec<bool>,
+    /// Every slot's one-bit code, for filtered scans of many candidates.
+    signs: Signs,
     /// Neighbours of slot i: `adj[offsets[i]..offsets[i + 1]]`.
     offsets: Vec<u32>,
     adj: Vec<u32>,
@@ -138,6 +142,7 @@ impl FlatGraph {
                 });
         }
         let present: Vec<bool> = at.iter().map(Option::is_some).collect();
+        let signs = Signs::build(&codes, stride, &present);
         // The upper layers' lists: a few percent of the points, read again.
         let upper: HashMap<u32, Vec<Vec<u32>>> = at
             .par_iter()
@@ -175,6 +180,7 @@ impl FlatGraph {
             stride,
             codes,
             present,
+            signs,
             offsets,
             adj,
             entry,
@@ -220,6 +226,21 @@ impl FlatGraph {
             return None;
         }
         self.codes.get(i * self.stride..(i + 1) * self.stride)
+    }
+
+    /// The one-bit estimates (`bq`) of the query's dot product with the slots of `ids` in the
+    /// graph, up to a constant of the query, as (estimate, slot); and the slots not in it.
+    pub(super) fn estimates(&self, query: &[f32], ids: &[u32]) -> (Vec<(f32, u32)>, Vec<u32>) {
+        let q = self.signs.query(query);
+        let present = |id: &u32| self.present.get(*id as usize).is_some_and(|p| *p);
+        let mut est = Vec::with_capacity(ids.len());
+        if ids.iter().all(present) {
+            self.signs.estimates(&q, ids, &mut est);
+            return (est, Vec::new());
+        }
+        let (coded, uncoded): (Vec<u32>, Vec<u32>) = ids.iter().partition(|id| present(id));
+        self.signs.estimates(&q, &coded, &mut est);
+        (est, uncoded)
     }
 
     /// Up to `ef` (slot, code distance) pairs nearest the query's code, nearest first: a

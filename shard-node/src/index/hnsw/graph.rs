@@ -157,7 +157,7 @@ impl Graph {
     fn exact(
         &self,
         s: &Slots,
-        ids: impl Iterator<Item = usize>,
+        ids: impl Iterator<Item = usize> + Clone,
         query: (&[f32], &[i8]),
         top_k: usize,
         ef: usize,
@@ -454,9 +454,16 @@ impl HnswIndex {
         let found = match plan {
             Plan::Candidates { ids, exact } => {
                 metrics::counter!("shard_hnsw_walks_total", "walk" => "postings").increment(1);
-                let ids = ids.into_iter().map(|i| i as usize);
                 let all = Filter::default();
                 let check = if exact { &all } else { filter };
+                // Many candidates: their one-bit codes pick the few the int8 scan reads.
+                let ids = match g.fresh_flat() {
+                    Some(f) if ids.len() > planner::SHORTLIST_ABOVE => {
+                        planner::shortlist(&s.slots, f.estimates(query, &ids), check)
+                    }
+                    _ => ids,
+                };
+                let ids = ids.into_iter().map(|i| i as usize);
                 g.exact(&s, ids, (query, &code), top_k, ef, check)
             }
             Plan::Exact => {

@@ -20,9 +20,11 @@
 //! searched beside the graph), `flat` and `links` (the read-optimised copy of the bottom layer
 //! and the links it mends), `parts` (the graph and slot table as files), `dump` (those files'
 //! lifecycle), `vectors` (dumps without a second copy of the vectors), `planner` (how a filtered search walks), `sq8` and `distance`
-//! (the codes the graph walks and the exact scores). They share the vocabulary below; none
+//! (the codes the graph walks and the exact scores), `bq` (one-bit codes that shortlist a
+//! filter's many matches). They share the vocabulary below; none
 //! reaches into another's types.
 
+mod bq;
 pub mod distance;
 pub mod dump;
 mod flat;

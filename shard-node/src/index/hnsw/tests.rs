@@ -16,6 +16,22 @@ pub(crate) fn unit(seed: u32, dim: usize) -> Vec<f32> {
     v
 }
 
+/// An index of `n` points `d{i}#0` with vectors `unit(i, dim)` and metadata `meta(i)`.
+fn index_of(n: u32, dim: usize, meta: impl Fn(u32) -> Meta) -> HnswIndex {
+    let idx = HnswIndex::new(dim, params(), n as usize);
+    idx.insert(
+        (0..n)
+            .map(|i| Point {
+                chunk_id: format!("d{i}#0"),
+                doc_id: format!("d{i}"),
+                vector: unit(i, dim),
+                meta: meta(i),
+            })
+            .collect(),
+    );
+    idx
+}
+
 fn params() -> HnswParams {
     HnswParams {
         m: 16,
@@ -150,7 +166,6 @@ fn planned_filtered_searches_find_the_exact_filtered_top() {
     use crate::index::filter::{Cond, Scalar};
     use std::ops::Bound;
     let n = 6_000u32;
-    let idx = HnswIndex::new(32, params(), n as usize);
     let meta = |i: u32| -> Meta {
         vec![
             ("m10".into(), Value::Keyword((i % 10).to_string())),
@@ -158,16 +173,7 @@ fn planned_filtered_searches_find_the_exact_filtered_top() {
             ("n".into(), Value::Number(f64::from(i))),
         ]
     };
-    idx.insert(
-        (0..n)
-            .map(|i| Point {
-                chunk_id: format!("d{i}#0"),
-                doc_id: format!("d{i}"),
-                vector: unit(i, 32),
-                meta: meta(i),
-            })
-            .collect(),
-    );
+    let idx = index_of(n, 32, meta);
     idx.remove(
         &(0..n)
             .step_by(7)
@@ -243,6 +249,66 @@ fn planned_filtered_searches_find_the_exact_filtered_top() {
         }
         let recall = found as f64 / 200.0;
         assert!(recall >= *want, "{f:?}: recall {recall}");
+    }
+}
+
+/// A filter with more matches than `planner::SHORTLIST_ABOVE` (and under the share that walks
+/// the graph) is scored through the one-bit shortlist once the flat copy is current: the
+/// results stay live and matching, and near the exact filtered top.
+#[test]
+fn many_filter_matches_are_shortlisted_by_their_one_bit_codes() {
+    use crate::index::filter::{Cond, Scalar};
+    use std::ops::Bound;
+    let n = 30_000u32;
+    let dim = 48;
+    let meta = |i: u32| -> Meta {
+        vec![
+            ("m10".into(), Value::Keyword((i % 10).to_string())),
+            ("n".into(), Value::Number(f64::from(i))),
+        ]
+    };
+    let idx = index_of(n, dim, meta);
+    let dead = |i: u32| i.is_multiple_of(7);
+    idx.remove(
+        &(0..n)
+            .filter(|i| dead(*i))
+            .map(|i| format!("d{i}#0"))
+            .collect::<Vec<_>>(),
+    );
+    idx.refresh_flat();
+    let cases = [
+        // The postings answer it whole: 3,000 candidates, tombstones among them.
+        Filter::keywords([("m10", "3")]),
+        // Candidates from the postings, each checked against the range too.
+        Filter {
+            must: vec![
+                Cond::Eq("m10".into(), Scalar::Keyword("4".into())),
+                Cond::Range("n".into(), Bound::Included(5_000.0), Bound::Unbounded),
+            ],
+            ..Filter::default()
+        },
+    ];
+    for f in &cases {
+        let mut found = 0usize;
+        for q in 0..20u32 {
+            let query = unit(100_000 + q, dim);
+            let got = idx.search(&query, 10, 64, f);
+            assert_eq!(got.len(), 10);
+            let mut exact: Vec<(String, f32)> = (0..n)
+                .filter(|i| !dead(*i) && f.matches(&meta(*i)))
+                .map(|i| (format!("d{i}#0"), dot(&query, &unit(i, dim))))
+                .collect();
+            exact.sort_by(|a, b| b.1.total_cmp(&a.1));
+            exact.truncate(10);
+            assert!(got.iter().all(|(id, _)| {
+                let i: u32 = id[1..id.len() - 2].parse().unwrap();
+                !dead(i) && f.matches(&meta(i))
+            }));
+            let want: HashSet<&String> = exact.iter().map(|e| &e.0).collect();
+            found += got.iter().filter(|g| want.contains(&g.0)).count();
+        }
+        let recall = found as f64 / 200.0;
+        assert!(recall >= 0.9, "{f:?}: recall {recall}");
     }
 }
 
