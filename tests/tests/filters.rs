@@ -212,28 +212,47 @@ async fn scroll_docs(c: &mut CoordinatorClient<Channel>, f: &Filter) -> Result<B
     }
 }
 
+/// The documents a filtered search finds; asked again with `ids_only`, the same hits in the
+/// same order with the same scores, documents and positions, and no chunk bodies.
 async fn search_docs(
     c: &mut CoordinatorClient<Channel>,
     f: &Filter,
     mode: SearchMode,
 ) -> Result<BTreeSet<String>> {
-    let r = c
+    let req = SearchRequest {
+        collection: "typed".into(),
+        query: "raft shard replica".into(),
+        top_k: 100,
+        mode: mode as i32,
+        conditions: Some(f.clone()),
+        query_vector: if mode == SearchMode::Dense {
+            doc(1).embedding
+        } else {
+            vec![]
+        },
+        ..Default::default()
+    };
+    let full = c.search(req.clone()).await?.into_inner().hits;
+    let ids = c
         .search(SearchRequest {
-            collection: "typed".into(),
-            query: "raft shard replica".into(),
-            top_k: 100,
-            mode: mode as i32,
-            conditions: Some(f.clone()),
-            query_vector: if mode == SearchMode::Dense {
-                doc(1).embedding
-            } else {
-                vec![]
-            },
-            ..Default::default()
+            ids_only: true,
+            ..req
         })
         .await?
-        .into_inner();
-    Ok(r.hits.into_iter().map(|h| h.doc_id).collect())
+        .into_inner()
+        .hits;
+    let key = |h: &SearchHit| (h.chunk_id.clone(), h.doc_id.clone(), h.position, h.score);
+    assert_eq!(
+        full.iter().map(key).collect::<Vec<_>>(),
+        ids.iter().map(key).collect::<Vec<_>>(),
+        "{mode:?} {f:?}"
+    );
+    assert!(
+        ids.iter()
+            .all(|h| h.text.is_empty() && h.title.is_empty() && h.metadata.is_empty()),
+        "ids_only hits carry no chunk bodies"
+    );
+    Ok(full.into_iter().map(|h| h.doc_id).collect())
 }
 
 async fn schema(c: &mut CoordinatorClient<Channel>) -> Result<Vec<(String, FieldType)>> {

@@ -4,7 +4,8 @@
 //! moved (`bm25_stats`). Dense search fans out in parallel with it. Each
 //! retriever's shard lists are merged by score into one global candidate list, then fused.
 //! Hybrid searches are query-then-fetch: shards return ids and scores, and only the fused
-//! top_k chunks are loaded afterwards.
+//! top_k chunks are loaded afterwards. An `ids_only` search never loads a chunk: hits are
+//! their ids (a chunk id is `{doc_id}#{position}`) and scores.
 
 pub mod bm25_stats;
 pub mod query;
@@ -147,6 +148,29 @@ fn hit((stored, shard): (Stored, u32), f: fusion::Fused) -> Result<Hit> {
     })
 }
 
+/// A kept hit of an `ids_only` search: its document and position read from its chunk id
+/// (`{doc_id}#{position}`, as ingest names chunks), nothing loaded.
+fn id_hit(shard: u32, f: fusion::Fused) -> Hit {
+    let (doc_id, position) = match f.id.rsplit_once('#') {
+        Some((doc, pos)) => (doc.to_owned(), pos.parse().unwrap_or(0)),
+        None => (String::new(), 0),
+    };
+    let rank = |x: Option<(u32, f32)>| x.map(|(rank, score)| Rank { rank, score });
+    Hit {
+        doc_id,
+        position,
+        shard,
+        score: f.score,
+        bm25: rank(f.lex),
+        dense: rank(f.sem),
+        title: String::new(),
+        section: String::new(),
+        text: String::new(),
+        metadata: HashMap::new(),
+        chunk_id: f.id,
+    }
+}
+
 impl Searcher {
     pub fn new(catalog: Arc<Catalog>, shards: Arc<Shards>, models: Arc<Models>) -> Self {
         Self {
@@ -193,12 +217,19 @@ impl Searcher {
         let lex = merge(lex_lists, q.candidates, &mut chunks);
         let sem = merge(sem_lists, q.candidates, &mut chunks);
         let fused = rank(q, &lex, &sem);
-        if q.mode == Mode::Hybrid {
+        if q.mode == Mode::Hybrid && !q.ids_only {
             self.fetch(&t, &fused, &mut chunks).await?;
         }
         let hits = fused
             .into_iter()
-            .filter_map(|f| Some(hit(chunks.remove(&f.id)?, f)))
+            .filter_map(|f| {
+                let kept = chunks.remove(&f.id)?;
+                Some(if q.ids_only {
+                    Ok(id_hit(kept.1, f))
+                } else {
+                    hit(kept, f)
+                })
+            })
             .collect::<Result<_>>()?;
         let took = started.elapsed();
         metrics::histogram!("coordinator_search_seconds", "mode" => q.mode.name())
@@ -227,7 +258,7 @@ impl Searcher {
             top_k: q.candidates as u32,
             filter: q.filter.clone(),
             conditions: q.conditions.clone(),
-            ids_only: q.mode == Mode::Hybrid,
+            ids_only: q.mode == Mode::Hybrid || q.ids_only,
             encoded_chunks: encoded_hits(),
             ..Default::default()
         };
@@ -364,7 +395,7 @@ impl Searcher {
             ef_search: ef.max(q.candidates as u32),
             filter: q.filter.clone(),
             conditions: q.conditions.clone(),
-            ids_only: q.mode == Mode::Hybrid,
+            ids_only: q.mode == Mode::Hybrid || q.ids_only,
             encoded_chunks: encoded_hits(),
             exact: q.exact,
             ..Default::default()
@@ -478,6 +509,25 @@ mod tests {
                 (&c.chunk_id, &c.doc_id, &c.text, &c.metadata, shard)
             );
         }
+    }
+
+    /// An ids-only hit reads its document and position from the chunk id (a document id may
+    /// hold '#' itself).
+    #[test]
+    fn an_ids_only_hit_names_its_document_and_position() {
+        let h = id_hit(2, fused("notes#v2#7", 0.5));
+        assert_eq!(
+            (h.chunk_id.as_str(), h.doc_id.as_str(), h.position, h.shard),
+            ("notes#v2#7", "notes#v2", 7, 2)
+        );
+        assert!(h.text.is_empty() && h.metadata.is_empty() && h.title.is_empty());
+        assert_eq!(
+            h.bm25,
+            Some(Rank {
+                rank: 1,
+                score: 0.5
+            })
+        );
     }
 
     /// A shard answering bytes that are no chunk fails the search with INTERNAL, no panic.

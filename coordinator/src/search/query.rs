@@ -61,6 +61,8 @@ pub struct Query {
     pub ef_search: u32,
     /// The dense list scored over every point, no graph walk (recall 1, linear cost).
     pub exact: bool,
+    /// Hits without their chunks' bodies (ids, positions and scores only).
+    pub ids_only: bool,
     pub consistency: Consistency,
     /// Each shard is read from a replica that applied at least this far (a write's token).
     pub token: ReadToken,

@@ -162,6 +162,7 @@ pub fn search_query(
         conditions: r.conditions.clone(),
         ef_search: r.ef_search,
         exact: r.exact,
+        ids_only: r.ids_only,
         consistency: consistency(r)?,
         token,
         timeout: match r.timeout_ms {

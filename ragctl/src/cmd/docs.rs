@@ -176,6 +176,9 @@ pub struct SearchArgs {
     /// exact dense top, at a cost linear in the collection.
     #[arg(long)]
     exact: bool,
+    /// Hits as ids, positions and scores only: no chunk text or metadata is read or sent.
+    #[arg(long)]
+    ids_only: bool,
     /// A write's read token (UpsertDocumentsResponse.read_token): the search sees that
     /// write, read from replicas that applied it.
     #[arg(long)]
@@ -206,6 +209,7 @@ pub async fn search(cli: &Cli, a: &SearchArgs, conditions: Option<Filter>) -> Re
         conditions,
         read_token: a.read_token.clone().unwrap_or_default(),
         exact: a.exact,
+        ids_only: a.ids_only,
         ..Default::default()
     };
     let resp = CoordinatorClient::new(channel(cli).await?)

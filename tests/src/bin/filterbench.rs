@@ -60,6 +60,10 @@ struct Args {
     /// A Python with qdrant-edge-py: the Qdrant engine on the same corpus, side by side.
     #[arg(long)]
     engines: Option<PathBuf>,
+    /// Searches ask for ids only (`SearchRequest.ids_only`: no chunk read or sent), as the
+    /// Qdrant reference asks with `with_payload=False`.
+    #[arg(long)]
+    ids_only: bool,
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -193,6 +197,7 @@ async fn main() -> Result<()> {
         let exact = exact_top10(&vectors, &qvecs, &|i| i % m == 1 % m);
         let request = |q: &BeirQuery, v: &[f32]| SearchRequest {
             conditions: conditions.clone(),
+            ids_only: args.ids_only,
             ..req("filtered", q, v, SearchMode::Dense, "", 10)
         };
         let (row, top) = measure(

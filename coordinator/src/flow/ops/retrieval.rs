@@ -163,6 +163,7 @@ pub async fn retrieve(
         conditions: rt.conditions.clone(),
         ef_search: 0,
         exact: false,
+        ids_only: false,
         consistency: search::Consistency::Eventual,
         token: rt.read_token.clone(),
         timeout: rt.left().max(Duration::from_millis(1)),
