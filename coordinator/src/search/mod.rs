@@ -132,8 +132,29 @@ fn hit((stored, shard): (Stored, u32), f: fusion::Fused) -> Result<Hit> {
             )))
         })?,
     };
+    Ok(hit_of(c, shard, f))
+}
+
+/// A kept hit of an `ids_only` search: its document and position read from its chunk id
+/// (`{doc_id}#{position}`, as ingest names chunks), nothing loaded.
+fn id_hit(shard: u32, f: fusion::Fused) -> Hit {
+    let (doc_id, position) = match f.id.rsplit_once('#') {
+        Some((doc, pos)) => (doc.to_owned(), pos.parse().unwrap_or(0)),
+        None => (String::new(), 0),
+    };
+    let c = Chunk {
+        chunk_id: f.id.clone(),
+        doc_id,
+        position,
+        ..Default::default()
+    };
+    hit_of(c, shard, f)
+}
+
+/// The hit of chunk `c` from `shard`, ranked as `f`.
+fn hit_of(c: Chunk, shard: u32, f: fusion::Fused) -> Hit {
     let rank = |x: Option<(u32, f32)>| x.map(|(rank, score)| Rank { rank, score });
-    Ok(Hit {
+    Hit {
         chunk_id: c.chunk_id,
         doc_id: c.doc_id,
         title: c.title,
@@ -145,29 +166,6 @@ fn hit((stored, shard): (Stored, u32), f: fusion::Fused) -> Result<Hit> {
         score: f.score,
         bm25: rank(f.lex),
         dense: rank(f.sem),
-    })
-}
-
-/// A kept hit of an `ids_only` search: its document and position read from its chunk id
-/// (`{doc_id}#{position}`, as ingest names chunks), nothing loaded.
-fn id_hit(shard: u32, f: fusion::Fused) -> Hit {
-    let (doc_id, position) = match f.id.rsplit_once('#') {
-        Some((doc, pos)) => (doc.to_owned(), pos.parse().unwrap_or(0)),
-        None => (String::new(), 0),
-    };
-    let rank = |x: Option<(u32, f32)>| x.map(|(rank, score)| Rank { rank, score });
-    Hit {
-        doc_id,
-        position,
-        shard,
-        score: f.score,
-        bm25: rank(f.lex),
-        dense: rank(f.sem),
-        title: String::new(),
-        section: String::new(),
-        text: String::new(),
-        metadata: HashMap::new(),
-        chunk_id: f.id,
     }
 }
 

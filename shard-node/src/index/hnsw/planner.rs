@@ -17,7 +17,9 @@
 //! every point: the slots of its smallest `must` condition (or the union of its `should`
 //! ones) are checked against the whole filter and scored. Slots only ever append, so a
 //! posting list stays sorted; tombstones stay in it and are skipped (a rebuild drops them).
-//! Otherwise the share is estimated from an even sample of the slot table. A wrong guess
+//! The share of a filter the postings answer whole (one condition) is counted from them
+//! (tombstones included); any other filter's is estimated from an even sample of the slot
+//! table. A wrong guess
 //! costs speed, never results (a walk that ends with fewer than top_k matches falls back to
 //! the filtered walk, and that one to the exact scan).
 
