@@ -476,6 +476,17 @@ impl Shard {
         self.hydrate(hits, form)
     }
 
+    /// The estimated cost of `vector_search` with `scan` and `filter`, in graph-walk steps
+    /// (`HnswIndex::search_cost`); an exact scan, or a filter only a sample could size, is
+    /// `usize::MAX`.
+    pub fn vector_search_cost(&self, scan: hnsw::Scan, filter: &Filter) -> usize {
+        match scan {
+            hnsw::Scan::Walk(ef) => self.indexes.hnsw.search_cost(ef, filter),
+            hnsw::Scan::Exact => None,
+        }
+        .unwrap_or(usize::MAX)
+    }
+
     /// Loads hit chunks from RocksDB (without embeddings) in the asked form. A hit whose
     /// chunk vanished between index and store read (concurrent delete) is skipped.
     fn hydrate(&self, hits: Vec<(String, f32)>, form: HitForm) -> Result<Vec<ShardHit>> {

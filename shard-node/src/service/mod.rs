@@ -189,7 +189,8 @@ fn deadline<T>(req: &Request<T>) -> Option<Duration> {
     })
 }
 
-/// Reads of up to this many items (results, chunks, HNSW candidates) run inline (`read`).
+/// Reads of up to this many items (results, chunks, graph-walk steps of a vector search as
+/// `Shard::vector_search_cost` estimates them) run inline (`read`).
 const INLINE_READ_ITEMS: usize = 256;
 
 /// Runs a read on the calling async worker. A small one (a top-k search with ef_search, or a
@@ -342,14 +343,11 @@ impl ShardRpc for ShardService {
             r.ef_search
         } as usize;
         let scan = if r.exact { Scan::Exact } else { Scan::Walk(ef) };
-        // The walk's cost grows with ef; a filtered search may score its matches exactly, and
-        // an exact one scores every point: never inline.
+        // The walk's cost grows with ef, a filtered search's with what its plan reads (100
+        // postings candidates of a 0.1% filter cost a few walk steps); an exact one scores
+        // every point: never inline.
         let f = filter(&r.filter, r.conditions.as_ref())?;
-        let items = if f.is_empty() && !r.exact {
-            ef.max(r.top_k as usize)
-        } else {
-            usize::MAX
-        };
+        let items = shard.vector_search_cost(scan, &f).max(r.top_k as usize);
         let v = read(items, || {
             shard.vector_search(
                 &r.vector,

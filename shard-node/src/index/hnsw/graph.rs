@@ -431,6 +431,17 @@ impl HnswIndex {
         (s.slots.len() - s.dead + self.pending.read().len(), s.dead)
     }
 
+    /// The estimated cost of `search` at `ef` with `filter`, in graph-walk steps
+    /// (`planner::cost`, the pending points' scan included); None when it cannot be told
+    /// without planning.
+    pub fn search_cost(&self, ef: usize, filter: &Filter) -> Option<usize> {
+        let g = self.graph.read();
+        let s = g.slots.read();
+        let pending = self.pending.read().len();
+        let graph = planner::cost(&s.postings, s.slots.len() - s.dead, filter, ef)?;
+        Some(graph + pending.div_ceil(planner::CANDIDATES_PER_STEP))
+    }
+
     /// The `top_k` nearest live points that match `filter`, best first, with exact cosines.
     /// A filter is planned by the share of points it matches (`hnsw::planner`).
     pub fn search(

@@ -422,3 +422,47 @@ fn exact_search_is_the_brute_force_top_with_ties_by_chunk_id() {
     assert_eq!(tied[0].0, "dup-a#0");
     assert_eq!(tied[1].0, "dup-b#0");
 }
+
+/// A search's cost estimate (which decides whether the service runs it inline) follows what
+/// its plan reads: a plain walk costs ef, a filter of a few postings matches a step or two, a
+/// wide one the widened walk, deferred points their scan, and a filter only the plan's sample
+/// could size is unknown.
+#[test]
+fn search_cost_follows_the_plan() {
+    use crate::index::filter::{Cond, Scalar};
+    let meta = |i: u32| -> Meta {
+        vec![
+            ("m1000".into(), Value::Keyword((i % 1000).to_string())),
+            ("half".into(), Value::Keyword((i % 2).to_string())),
+        ]
+    };
+    let idx = index_of(6_000, 16, meta);
+    assert_eq!(idx.search_cost(64, &Filter::default()), Some(64));
+    // 6 matches: one step of scoring.
+    assert_eq!(
+        idx.search_cost(64, &Filter::keywords([("m1000", "3")])),
+        Some(1)
+    );
+    // Half the points: the walk widened to 64 / sqrt(0.5).
+    assert_eq!(
+        idx.search_cost(64, &Filter::keywords([("half", "1")])),
+        Some(91)
+    );
+    let only_not = Filter {
+        must_not: vec![Cond::Eq("half".into(), Scalar::Keyword("1".into()))],
+        ..Filter::default()
+    };
+    assert_eq!(idx.search_cost(64, &only_not), None);
+    idx.defer(
+        (0..64u32)
+            .map(|i| Point {
+                chunk_id: format!("p{i}#0"),
+                doc_id: format!("p{i}"),
+                vector: unit(50_000 + i, 16),
+                meta: meta(i),
+            })
+            .collect(),
+        1,
+    );
+    assert_eq!(idx.search_cost(64, &Filter::default()), Some(66));
+}
