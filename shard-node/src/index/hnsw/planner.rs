@@ -215,7 +215,7 @@ pub(super) fn plan(
         let share = matches as f64 / live as f64;
         return if share >= POST_FILTER_MIN_SHARE {
             Plan::Walk {
-                ef: (ef as f64 / share.min(1.0).sqrt()).ceil() as usize,
+                ef: widened(ef, share),
             }
         } else if matches <= EXACT_MAX_MATCHES {
             Plan::Candidates {
@@ -237,7 +237,7 @@ pub(super) fn plan(
     let share = hits as f64 / seen.max(1) as f64;
     if seen > 0 && share >= POST_FILTER_MIN_SHARE {
         return Plan::Walk {
-            ef: (ef as f64 / share.sqrt()).ceil() as usize,
+            ef: widened(ef, share),
         };
     }
     if let Some(lists) = lists
@@ -277,7 +277,7 @@ pub(super) fn cost(postings: &Postings, live: usize, filter: &Filter, ef: usize)
     let matches: usize = postings.candidates(filter)?.iter().map(|l| l.len()).sum();
     let share = matches as f64 / live as f64;
     if postings_answer(filter) && share >= POST_FILTER_MIN_SHARE {
-        return Some((ef as f64 / share.min(1.0).sqrt()).ceil() as usize);
+        return Some(widened(ef, share));
     }
     (matches <= EXACT_MAX_MATCHES).then(|| {
         if matches > SHORTLIST_ABOVE {
@@ -286,6 +286,12 @@ pub(super) fn cost(postings: &Postings, live: usize, filter: &Filter, ef: usize)
             matches.div_ceil(CANDIDATES_PER_STEP)
         }
     })
+}
+
+/// The ef of a plain walk that keeps the matches of a filter matching `share` of the points:
+/// ef / sqrt(share) (`POST_FILTER_MIN_SHARE`).
+fn widened(ef: usize, share: f64) -> usize {
+    (ef as f64 / share.min(1.0).sqrt()).ceil() as usize
 }
 
 /// The slots of posting lists, ascending, each once.
