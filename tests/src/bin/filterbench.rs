@@ -13,6 +13,13 @@
 //! field: p50 / p99 of one client, QPS of `--concurrency` clients, recall@10 against brute
 //! force over the matching vectors.
 //!
+//! The clients (and the whole bench) run on one thread, a current-thread tokio runtime: on the
+//! 2-core VM the cluster shares the cores with them, and a client on two runtime threads spent
+//! more CPU per call than the server (perf at 0.1% selectivity: 58% of its time in the kernel,
+//! a third of that switching threads for cross-thread wake-ups), which the Qdrant reference,
+//! called in process, does not pay. One thread with 8 calls in flight on one connection costs
+//! less per call, so the QPS figure says more about the server and less about the client.
+//!
 //! With `--engines PYTHON` (qdrant-edge-py: `bash scripts/setup-bench-python.sh --engines`)
 //! the same vectors, fields and exact top 10s go to `scripts/filter_ref.py`: the Qdrant engine
 //! in process with a keyword payload index on each field, measured the same way.
@@ -116,7 +123,7 @@ fn exact_top10(
         .collect()
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<()> {
     let args = Args::parse();
     let real = GetChunksResponse::decode(
