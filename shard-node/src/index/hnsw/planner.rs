@@ -212,18 +212,13 @@ pub(super) fn plan(
         && let Some(lists) = &lists
     {
         let matches: usize = lists.iter().map(|l| l.len()).sum();
-        let share = matches as f64 / live as f64;
-        return if share >= POST_FILTER_MIN_SHARE {
-            Plan::Walk {
-                ef: widened(ef, share),
-            }
-        } else if matches <= EXACT_MAX_MATCHES {
-            Plan::Candidates {
+        return match counted(matches, live, ef) {
+            Counted::Walk { ef } => Plan::Walk { ef },
+            Counted::Candidates => Plan::Candidates {
                 ids: union(lists),
                 exact: true,
-            }
-        } else {
-            Plan::FilteredWalk
+            },
+            Counted::FilteredWalk => Plan::FilteredWalk,
         };
     }
     let step = (slots.len() / SAMPLE).max(1);
@@ -275,17 +270,44 @@ pub(super) fn cost(postings: &Postings, live: usize, filter: &Filter, ef: usize)
         return Some(live.div_ceil(CANDIDATES_PER_STEP));
     }
     let matches: usize = postings.candidates(filter)?.iter().map(|l| l.len()).sum();
-    let share = matches as f64 / live as f64;
-    if postings_answer(filter) && share >= POST_FILTER_MIN_SHARE {
-        return Some(widened(ef, share));
-    }
-    (matches <= EXACT_MAX_MATCHES).then(|| {
+    let scan = || {
         if matches > SHORTLIST_ABOVE {
             SHORTLIST.div_ceil(CANDIDATES_PER_STEP) + matches.div_ceil(ESTIMATES_PER_STEP)
         } else {
             matches.div_ceil(CANDIDATES_PER_STEP)
         }
-    })
+    };
+    if postings_answer(filter) {
+        return match counted(matches, live, ef) {
+            Counted::Walk { ef } => Some(ef),
+            Counted::Candidates => Some(scan()),
+            Counted::FilteredWalk => None,
+        };
+    }
+    (matches <= EXACT_MAX_MATCHES).then(scan)
+}
+
+/// How a filter the postings answer whole is searched, decided by its counted `matches` among
+/// `live` points (one decision for `plan` and `cost`): a share of at least
+/// `POST_FILTER_MIN_SHARE` by the widened walk, up to `EXACT_MAX_MATCHES` by scoring the
+/// postings' candidates, more by hnsw_rs's filtered walk.
+enum Counted {
+    Walk { ef: usize },
+    Candidates,
+    FilteredWalk,
+}
+
+fn counted(matches: usize, live: usize, ef: usize) -> Counted {
+    let share = matches as f64 / live as f64;
+    if share >= POST_FILTER_MIN_SHARE {
+        Counted::Walk {
+            ef: widened(ef, share),
+        }
+    } else if matches <= EXACT_MAX_MATCHES {
+        Counted::Candidates
+    } else {
+        Counted::FilteredWalk
+    }
 }
 
 /// The ef of a plain walk that keeps the matches of a filter matching `share` of the points:
