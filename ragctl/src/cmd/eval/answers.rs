@@ -70,6 +70,11 @@ pub struct AnswersArgs {
     /// N questions spread evenly over the file (after --limit): every article gets its share.
     #[arg(long)]
     sample: Option<usize>,
+    /// Where in each stride of `--sample` the question is taken, from 0 (its first, the
+    /// default) to below 1: 0.5 takes the questions halfway between those of 0, a held-out
+    /// sample disjoint from the one flows were tuned on (while the stride is 2 or more).
+    #[arg(long, default_value_t = 0.0, value_parser = sample_offset)]
+    sample_offset: f64,
     /// Questions in flight per configuration.
     #[arg(long, default_value_t = 2)]
     concurrency: usize,
@@ -306,14 +311,22 @@ async fn score_oracle(
 }
 
 /// `n` questions spread evenly over `items` (all of them when there are fewer).
-fn spread(items: Vec<QaItem>, n: usize) -> Vec<QaItem> {
+fn spread(items: Vec<QaItem>, n: usize, offset: f64) -> Vec<QaItem> {
     if n == 0 || n >= items.len() {
         return items;
     }
     let step = items.len() as f64 / n as f64;
     (0..n)
-        .map(|i| items[(i as f64 * step) as usize].clone())
+        .map(|i| items[(((i as f64 + offset) * step) as usize).min(items.len() - 1)].clone())
         .collect()
+}
+
+/// `--sample-offset`: a share of the stride, in [0, 1).
+fn sample_offset(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..1.0).contains(&v) => Ok(v),
+        _ => Err(format!("{s:?}: the offset is a number from 0 to below 1")),
+    }
 }
 
 /// Reads the corpus the oracle needs: the documents the questions name.
@@ -414,7 +427,7 @@ pub async fn run(
     a: &AnswersArgs,
 ) -> Result<()> {
     let items: Vec<QaItem> = beir::read_jsonl(&a.qa, a.limit.unwrap_or(usize::MAX))?;
-    let items = spread(items, a.sample.unwrap_or(0));
+    let items = spread(items, a.sample.unwrap_or(0), a.sample_offset);
     if items.is_empty() {
         bail!("{}: no questions", a.qa.display());
     }
@@ -566,8 +579,12 @@ mod tests {
             })
             .collect();
         let ids = |v: Vec<QaItem>| v.into_iter().map(|i| i.id).collect::<Vec<_>>();
-        assert_eq!(ids(spread(items.clone(), 4)), ["0", "2", "5", "7"]);
-        assert_eq!(ids(spread(items.clone(), 0)).len(), 10);
-        assert_eq!(ids(spread(items, 20)).len(), 10);
+        assert_eq!(ids(spread(items.clone(), 4, 0.0)), ["0", "2", "5", "7"]);
+        // Halfway through each stride: none of the questions above.
+        assert_eq!(ids(spread(items.clone(), 4, 0.5)), ["1", "3", "6", "8"]);
+        assert_eq!(ids(spread(items.clone(), 0, 0.5)).len(), 10);
+        assert_eq!(ids(spread(items, 20, 0.0)).len(), 10);
+        assert!(sample_offset("1").is_err() && sample_offset("-0.1").is_err());
+        assert_eq!(sample_offset("0.5"), Ok(0.5));
     }
 }
