@@ -57,6 +57,42 @@ pub async fn bind(listen: &str) -> std::io::Result<(TcpListener, SocketAddr)> {
     Ok((l, a))
 }
 
+/// Binds a Unix socket at `path` for clients on the same host. A socket file left by a process
+/// that is gone (nothing accepts on it) is replaced; one a live server accepts on, or any
+/// other file, is an error. The file is removed when the returned guard drops.
+pub fn bind_unix(path: &Path) -> std::io::Result<(tokio::net::UnixListener, UnixSocketFile)> {
+    use std::os::unix::fs::FileTypeExt;
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        let in_use = || {
+            std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                format!("{}: a server already listens there", path.display()),
+            )
+        };
+        if !meta.file_type().is_socket() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                format!("{}: exists and is not a socket", path.display()),
+            ));
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(in_use());
+        }
+        std::fs::remove_file(path)?;
+    }
+    let l = tokio::net::UnixListener::bind(path)?;
+    Ok((l, UnixSocketFile(path.to_owned())))
+}
+
+/// Removes a bound Unix socket's file when dropped (at shutdown).
+pub struct UnixSocketFile(std::path::PathBuf);
+
+impl Drop for UnixSocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// Writes `{"grpc": "...", "metrics": "...", "tls": bool}` atomically, so launchers and tests
 /// learn the ports (and scheme) of a process started with port 0 without sleeping or parsing
 /// logs.
@@ -250,6 +286,52 @@ mod tests {
         );
         md.insert("grpc-timeout", "xS".parse().unwrap());
         assert_eq!(super::grpc_timeout(&md), None);
+    }
+
+    /// A server on a TCP port and a Unix socket answers on the socket through a `unix:`
+    /// address; a second bind of a live socket is refused, a stale socket file is replaced,
+    /// any other file is left alone.
+    #[tokio::test]
+    async fn serves_a_unix_socket_beside_tcp() {
+        use tonic_health::pb::HealthCheckRequest;
+        use tonic_health::pb::health_client::HealthClient;
+        let dir = std::env::temp_dir().join(format!("rc-unix-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("grpc.sock");
+        let (unix, guard) = super::bind_unix(&path).unwrap();
+        let (tcp, _) = super::bind("127.0.0.1:0").await.unwrap();
+        let (_reporter, router) = super::router(&[]).await;
+        let incoming = crate::tls::incoming_with_unix(tcp, None, Some(unix));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(router.serve_with_incoming_shutdown(incoming, async {
+            let _ = stopped.await;
+        }));
+        for addr in [
+            format!("unix:{}", path.display()),
+            format!("unix://{}", path.display()),
+        ] {
+            let ch = crate::tls::channel(&addr, None, |e| e).await.unwrap();
+            let r = HealthClient::new(ch)
+                .check(HealthCheckRequest::default())
+                .await
+                .unwrap();
+            assert_eq!(r.into_inner().status, 1, "SERVING over {addr}");
+        }
+        let again = super::bind_unix(&path).err().expect("a live socket");
+        assert_eq!(again.kind(), std::io::ErrorKind::AddrInUse);
+        let _ = stop.send(());
+        server.await.unwrap().unwrap();
+        drop(guard);
+        assert!(!path.exists(), "the guard removes the socket file");
+        // A socket file nothing accepts on (its process is gone) is replaced.
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        assert!(path.exists());
+        let (_l, _g) = super::bind_unix(&path).unwrap();
+        let other = dir.join("not-a-socket");
+        std::fs::write(&other, b"x").unwrap();
+        assert!(super::bind_unix(&other).is_err());
+        assert_eq!(std::fs::read(&other).unwrap(), b"x");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -26,7 +26,7 @@ use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tonic::transport::{Channel, Endpoint, Uri};
 
 /// How long a TLS handshake may take before the connection is dropped.
@@ -321,10 +321,12 @@ pub fn peer(ext: &http::Extensions) -> PeerInfo {
     ext.get::<PeerInfo>().cloned().unwrap_or_default()
 }
 
-/// A server-side connection, plaintext or TLS.
+/// A server-side connection, plaintext or TLS over TCP, or a Unix socket's (a client on the
+/// same host: no TLS, the socket file's permissions decide who may connect).
 pub enum ServerConn {
     Plain(TcpStream),
     Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+    Unix(UnixStream),
 }
 
 impl tonic::transport::server::Connected for ServerConn {
@@ -343,6 +345,8 @@ impl tonic::transport::server::Connected for ServerConn {
                     member: session.peer_certificates().is_some_and(|c| !c.is_empty()),
                 }
             }
+            // No certificate: never a member, so internal services stay behind mutual TLS.
+            Self::Unix(_) => PeerInfo::default(),
         }
     }
 }
@@ -356,6 +360,7 @@ impl AsyncRead for ServerConn {
         match self.get_mut() {
             Self::Plain(s) => Pin::new(s).poll_read(cx, buf),
             Self::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            Self::Unix(s) => Pin::new(s).poll_read(cx, buf),
         }
     }
 }
@@ -369,18 +374,21 @@ impl AsyncWrite for ServerConn {
         match self.get_mut() {
             Self::Plain(s) => Pin::new(s).poll_write(cx, buf),
             Self::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            Self::Unix(s) => Pin::new(s).poll_write(cx, buf),
         }
     }
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Self::Plain(s) => Pin::new(s).poll_flush(cx),
             Self::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            Self::Unix(s) => Pin::new(s).poll_flush(cx),
         }
     }
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Self::Plain(s) => Pin::new(s).poll_shutdown(cx),
             Self::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            Self::Unix(s) => Pin::new(s).poll_shutdown(cx),
         }
     }
     fn poll_write_vectored(
@@ -391,12 +399,14 @@ impl AsyncWrite for ServerConn {
         match self.get_mut() {
             Self::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
             Self::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+            Self::Unix(s) => Pin::new(s).poll_write_vectored(cx, bufs),
         }
     }
     fn is_write_vectored(&self) -> bool {
         match self {
             Self::Plain(s) => s.is_write_vectored(),
             Self::Tls(s) => s.is_write_vectored(),
+            Self::Unix(s) => s.is_write_vectored(),
         }
     }
 }
@@ -409,7 +419,39 @@ pub fn incoming(
     listener: TcpListener,
     tls: Option<Arc<Tls>>,
 ) -> tokio_stream::wrappers::ReceiverStream<io::Result<ServerConn>> {
+    incoming_with_unix(listener, tls, None)
+}
+
+/// [`incoming`], plus the connections of `unix` (a Unix socket for clients on the same host:
+/// no TCP stack or TLS on their path) when given.
+pub fn incoming_with_unix(
+    listener: TcpListener,
+    tls: Option<Arc<Tls>>,
+    unix: Option<UnixListener>,
+) -> tokio_stream::wrappers::ReceiverStream<io::Result<ServerConn>> {
     let (tx, rx) = tokio::sync::mpsc::channel(256);
+    if let Some(unix) = unix {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    _ = tx.closed() => return,
+                    r = unix.accept() => r,
+                };
+                match accepted {
+                    Ok((s, _)) => {
+                        if tx.send(Ok(ServerConn::Unix(s))).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "unix socket accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        });
+    }
     tokio::spawn(async move {
         loop {
             let accepted = tokio::select! {
@@ -479,6 +521,7 @@ impl Listener {
                     let remote = match &c {
                         ServerConn::Plain(s) => s.peer_addr(),
                         ServerConn::Tls(s) => s.get_ref().0.peer_addr(),
+                        ServerConn::Unix(_) => Ok(self.local),
                     };
                     return Some((c, remote.unwrap_or(self.local)));
                 }
@@ -532,15 +575,53 @@ impl tower::Service<Uri> for Connector {
     }
 }
 
+/// The socket path of a `unix:` address (gRPC's naming: `unix:/run/rag.sock`,
+/// `unix:///run/rag.sock`, or a relative `unix:rag.sock`), `None` for any other address.
+pub fn unix_path(addr: &str) -> Option<&Path> {
+    let rest = addr.strip_prefix("unix:")?;
+    Some(Path::new(rest.strip_prefix("//").unwrap_or(rest)))
+}
+
+/// Dials a Unix socket (a server on the same host), whatever the URI.
+#[derive(Clone)]
+struct UnixConnector(Arc<PathBuf>);
+
+impl tower::Service<Uri> for UnixConnector {
+    type Response = TokioIo<UnixStream>;
+    type Error = io::Error;
+    type Future = BoxFuture<io::Result<Self::Response>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _uri: Uri) -> Self::Future {
+        let path = self.0.clone();
+        Box::pin(async move { Ok(TokioIo::new(UnixStream::connect(&*path).await?)) })
+    }
+}
+
+/// The endpoint and connector of a `unix:` address: the URI only fills the :authority header.
+fn unix_endpoint(path: &Path) -> (Endpoint, UnixConnector) {
+    (
+        Endpoint::from_static("http://localhost"),
+        UnixConnector(Arc::new(path.to_owned())),
+    )
+}
+
 /// A lazily connected channel to `addr`: `https://` dials TLS with `tls` (an error without
-/// one), `http://` plaintext. `configure` sets timeouts and the like on the endpoint.
+/// one), `http://` plaintext, `unix:PATH` a Unix socket (plaintext; the server is on this
+/// host). `configure` sets timeouts and the like on the endpoint.
 pub fn lazy_channel(
     addr: &str,
     tls: Option<&Arc<Tls>>,
     configure: impl FnOnce(Endpoint) -> Endpoint,
 ) -> Result<Channel, TlsError> {
     let bad = |e: &dyn std::fmt::Display| TlsError::Address(addr.to_owned(), e.to_string());
-    if let Some(rest) = addr.strip_prefix("https://") {
+    if let Some(path) = unix_path(addr) {
+        let (ep, connector) = unix_endpoint(path);
+        Ok(configure(ep).connect_with_connector_lazy(connector))
+    } else if let Some(rest) = addr.strip_prefix("https://") {
         let tls = tls.ok_or_else(|| TlsError::NoClientTls(addr.to_owned()))?;
         // tonic would insist on its own TLS for an https URI; the connector does it instead.
         let ep = Endpoint::from_shared(format!("http://{rest}")).map_err(|e| bad(&e))?;
@@ -568,7 +649,13 @@ pub async fn channel(
         }
         TlsError::Connect(addr.to_owned(), msg)
     };
-    if let Some(rest) = addr.strip_prefix("https://") {
+    if let Some(path) = unix_path(addr) {
+        let (ep, connector) = unix_endpoint(path);
+        configure(ep)
+            .connect_with_connector(connector)
+            .await
+            .map_err(conn)
+    } else if let Some(rest) = addr.strip_prefix("https://") {
         let tls = tls.ok_or_else(|| TlsError::NoClientTls(addr.to_owned()))?;
         let ep = Endpoint::from_shared(format!("http://{rest}")).map_err(|e| bad(&e))?;
         configure(ep)

@@ -12,6 +12,12 @@ use serde::{Deserialize, Serialize};
 pub struct CoordinatorConfig {
     /// gRPC listen address for clients (Coordinator and Admin services); port 0 = any free port.
     pub listen: String,
+    /// Also serve the same services on this Unix socket, for clients on the same host (a
+    /// sidecar, an application in the same pod): they dial `unix:PATH` and skip the TCP stack.
+    /// No TLS on it: the file's permissions decide who may connect; API keys still apply, and
+    /// the internal services, which want a member certificate under TLS, refuse its callers.
+    /// A stale socket file is replaced; the file is removed at shutdown. Unset: TCP only.
+    pub unix_socket: Option<PathBuf>,
     /// The catalog's Raft log and applied state are persisted here (`catalog/`).
     pub data_dir: PathBuf,
     /// Seed shard node addresses ("http://host:port"), optional: the catalog leader registers
@@ -157,6 +163,7 @@ impl Default for CoordinatorConfig {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:7000".into(),
+            unix_socket: None,
             data_dir: PathBuf::from("data/coordinator"),
             shard_nodes: vec!["http://127.0.0.1:7100".into()],
             model_worker: "http://127.0.0.1:7200".into(),
@@ -363,6 +370,10 @@ pub struct CoordinatorFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     listen: Option<String>,
+    /// Also serve on this Unix socket (coordinator.unix_socket).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    unix_socket: Option<PathBuf>,
     /// Catalog directory (coordinator.data_dir).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]

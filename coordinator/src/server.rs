@@ -139,11 +139,21 @@ async fn serve(
         tls: tls.clone(),
     };
     let (listener, addr) = server::bind(&cfg.listen).await?;
+    // The guard removes the socket file when serving ends.
+    let (unix, _unix_file) = match &cfg.unix_socket {
+        Some(p) => {
+            let (l, f) = server::bind_unix(p)
+                .map_err(|e| anyhow::anyhow!("coordinator.unix_socket {}: {e}", p.display()))?;
+            (Some(l), Some(f))
+        }
+        None => (None, None),
+    };
     if let Some(p) = &cfg.port_file {
         let serves_tls = tls.as_ref().is_some_and(|t| t.serves());
         server::write_port_file(p, addr, metrics_addr, serves_tls)?;
     }
-    tracing::info!(%addr, %metrics_addr, shard_nodes = cfg.shard_nodes.len(),
+    tracing::info!(%addr, %metrics_addr, unix_socket = ?cfg.unix_socket,
+                   shard_nodes = cfg.shard_nodes.len(),
                    tls = cfg.tls.enabled(), auth = cfg.auth.enabled, "coordinator listening");
     let (_reporter, router) = server::router(&[
         "ragcluster.v1.Coordinator",
@@ -152,7 +162,7 @@ async fn serve(
         "ragcluster.v1.Membership",
     ])
     .await;
-    let incoming = ragcluster_common::tls::incoming(listener, tls);
+    let incoming = ragcluster_common::tls::incoming_with_unix(listener, tls, unix);
     router
         .add_service(
             CoordinatorServer::new(coordinator)

@@ -22,7 +22,9 @@ use ragcluster_proto::v1::coordinator_client::CoordinatorClient;
 #[derive(Parser)]
 #[command(name = "ragctl", about = "ragcluster command line")]
 struct Cli {
-    /// Coordinator address; default: the local cluster in --dir, else http://127.0.0.1:7000.
+    /// Coordinator address (http://HOST:PORT, https://HOST:PORT, or unix:PATH for a
+    /// coordinator's `unix_socket` on this host); default: the local cluster in --dir, else
+    /// http://127.0.0.1:7000.
     #[arg(long, global = true, env = "RAGCTL_COORDINATOR")]
     coordinator: Option<String>,
     /// Directory of the local cluster (data, logs, cluster.json).

@@ -6,6 +6,8 @@
 //!   collections, keys, placement);
 //! - internal services (Shard, ModelWorker, CatalogPeer) refuse callers without a member
 //!   certificate of the cluster CA; plaintext clients against TLS ports fail cleanly;
+//! - the coordinator's Unix socket (plaintext, for clients on the host) takes the same API
+//!   keys: without one every RPC is refused, and CatalogPeer refuses even the admin there;
 //! - rotating the CA and certificates on disk takes effect without restarts.
 //!
 //! Overload (the per-key concurrency limit) is `overload.rs`.
@@ -442,7 +444,9 @@ async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> 
     let rogue = certs_dir.path().join("rogue");
     make_certs(&certs)?;
     make_certs(&rogue)?;
-    let config = secure_config(&certs, "");
+    // The coordinator also serves a Unix socket: no TLS there, API keys all the same.
+    let sock = certs_dir.path().join("coordinator.sock");
+    let config = secure_config(&certs, &format!("unix_socket = \"{}\"", sock.display()));
     let cluster = Cluster::start_opts(Options {
         shard_nodes: 2,
         shard_config: Some(&config),
@@ -516,6 +520,34 @@ async fn tls_and_api_keys_refuse_every_rpc_without_side_effects() -> Result<()> 
         }
         ensure!(got.len() == 26, "{case}: {:?}", every(&got));
     }
+    // The Unix socket: without a key every RPC is refused, the admin key works, and the
+    // catalog's internal service (a member certificate under TLS) refuses even the admin.
+    let unix = format!("unix:{}", sock.display());
+    let got = try_every_rpc(lazy(&unix, None, None)?, &shard_nodes, &reader_id, &[]).await;
+    for (rpc, c) in &got {
+        ensure!(
+            *c == Code::Unauthenticated,
+            "Unix socket, no key: {rpc} answered {c:?}"
+        );
+        refusals += 1;
+    }
+    ensure!(got.len() == 26, "Unix socket: {:?}", every(&got));
+    CoordinatorClient::new(lazy(&unix, None, Some(&admin_key))?)
+        .list_collections(ListCollectionsRequest {})
+        .await
+        .context("the admin key over the Unix socket")?;
+    let c = refused(
+        "CatalogPeer over the Unix socket",
+        CatalogPeerClient::new(lazy(&unix, None, Some(&admin_key))?).raft(CatalogRaftBatch {
+            from_node_id: 1,
+            messages: vec![],
+        }),
+    )
+    .await?;
+    ensure!(
+        c == Code::Unauthenticated,
+        "CatalogPeer over the socket answered {c:?}"
+    );
     // Roles too low: a reader and a writer of "sec".
     let denied = |got: &BTreeMap<&'static str, Code>, rpcs: &[&str], case: &str| -> Result<()> {
         for rpc in rpcs {

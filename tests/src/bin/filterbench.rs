@@ -71,6 +71,10 @@ struct Args {
     /// Qdrant reference asks with `with_payload=False`.
     #[arg(long)]
     ids_only: bool,
+    /// The clients dial the coordinator's Unix socket (`coordinator.unix_socket`) instead of
+    /// its TCP port: a client on the same host without the loopback TCP stack.
+    #[arg(long)]
+    unix: bool,
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -148,9 +152,12 @@ async fn main() -> Result<()> {
         .enumerate()
         .map(|(i, c)| (c.chunk_id.clone(), i))
         .collect();
+    let sock = std::env::temp_dir().join(format!("filterbench-{}.sock", std::process::id()));
+    let unix_config = format!("[coordinator]\nunix_socket = \"{}\"\n", sock.display());
     let cluster = Cluster::start_opts(ragcluster_tests::Options {
         shard_nodes: args.shard_nodes,
         colocated: args.colocated,
+        coordinator_config: args.unix.then_some(unix_config.as_str()),
         ..Default::default()
     })?;
     let mut mw = ModelWorkerClient::new(
@@ -159,7 +166,13 @@ async fn main() -> Result<()> {
             .await?,
     );
     let qvecs = embed_queries(&mut mw, &queries).await?;
-    let mut c = cluster.client().await?;
+    let mut c = if args.unix {
+        let ch = ragcluster_common::tls::channel(&format!("unix:{}", sock.display()), None, |e| e)
+            .await?;
+        ragcluster_proto::v1::coordinator_client::CoordinatorClient::new(ch)
+    } else {
+        cluster.client().await?
+    };
     let info = create_collection(
         &mut c,
         CreateCollectionRequest {
