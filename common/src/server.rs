@@ -57,11 +57,15 @@ pub async fn bind(listen: &str) -> std::io::Result<(TcpListener, SocketAddr)> {
     Ok((l, a))
 }
 
-/// Binds a Unix socket at `path` for clients on the same host. A socket file left by a process
-/// that is gone (nothing accepts on it) is replaced; one a live server accepts on, or any
-/// other file, is an error. The file is removed when the returned guard drops.
-pub fn bind_unix(path: &Path) -> std::io::Result<(tokio::net::UnixListener, UnixSocketFile)> {
-    use std::os::unix::fs::FileTypeExt;
+/// Binds a Unix socket at `path` for clients on the same host, its file given the permission
+/// bits `mode` (connecting takes write permission). A socket file left by a process that is
+/// gone (nothing accepts on it) is replaced; one a live server accepts on, or any other file,
+/// is an error. The file is removed when the returned guard drops.
+pub fn bind_unix(
+    path: &Path,
+    mode: u32,
+) -> std::io::Result<(tokio::net::UnixListener, UnixSocketFile)> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         let in_use = || {
             std::io::Error::new(
@@ -81,7 +85,9 @@ pub fn bind_unix(path: &Path) -> std::io::Result<(tokio::net::UnixListener, Unix
         std::fs::remove_file(path)?;
     }
     let l = tokio::net::UnixListener::bind(path)?;
-    Ok((l, UnixSocketFile(path.to_owned())))
+    let file = UnixSocketFile(path.to_owned());
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    Ok((l, file))
 }
 
 /// Removes a bound Unix socket's file when dropped (at shutdown).
@@ -298,7 +304,12 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("rc-unix-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("grpc.sock");
-        let (unix, guard) = super::bind_unix(&path).unwrap();
+        let (unix, guard) = super::bind_unix(&path, 0o600).unwrap();
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o600, "the socket file's permission bits");
+        }
         let (tcp, _) = super::bind("127.0.0.1:0").await.unwrap();
         let (_reporter, router) = super::router(&[]).await;
         let incoming = crate::tls::incoming_with_unix(tcp, None, Some(unix));
@@ -317,7 +328,7 @@ mod tests {
                 .unwrap();
             assert_eq!(r.into_inner().status, 1, "SERVING over {addr}");
         }
-        let again = super::bind_unix(&path).err().expect("a live socket");
+        let again = super::bind_unix(&path, 0o600).err().expect("a live socket");
         assert_eq!(again.kind(), std::io::ErrorKind::AddrInUse);
         let _ = stop.send(());
         server.await.unwrap().unwrap();
@@ -326,10 +337,10 @@ mod tests {
         // A socket file nothing accepts on (its process is gone) is replaced.
         drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
         assert!(path.exists());
-        let (_l, _g) = super::bind_unix(&path).unwrap();
+        let (_l, _g) = super::bind_unix(&path, 0o660).unwrap();
         let other = dir.join("not-a-socket");
         std::fs::write(&other, b"x").unwrap();
-        assert!(super::bind_unix(&other).is_err());
+        assert!(super::bind_unix(&other, 0o660).is_err());
         assert_eq!(std::fs::read(&other).unwrap(), b"x");
         let _ = std::fs::remove_dir_all(&dir);
     }

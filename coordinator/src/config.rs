@@ -18,6 +18,9 @@ pub struct CoordinatorConfig {
     /// the internal services, which want a member certificate under TLS, refuse its callers.
     /// A stale socket file is replaced; the file is removed at shutdown. Unset: TCP only.
     pub unix_socket: Option<PathBuf>,
+    /// Permission bits of the socket file (connecting takes write permission): 0o660, the
+    /// owner and its group, e.g. a sidecar sharing a pod's `fsGroup`; 0o600 for the owner only.
+    pub unix_socket_mode: u32,
     /// The catalog's Raft log and applied state are persisted here (`catalog/`).
     pub data_dir: PathBuf,
     /// Seed shard node addresses ("http://host:port"), optional: the catalog leader registers
@@ -164,6 +167,7 @@ impl Default for CoordinatorConfig {
         Self {
             listen: "127.0.0.1:7000".into(),
             unix_socket: None,
+            unix_socket_mode: 0o660,
             data_dir: PathBuf::from("data/coordinator"),
             shard_nodes: vec!["http://127.0.0.1:7100".into()],
             model_worker: "http://127.0.0.1:7200".into(),
@@ -208,6 +212,12 @@ impl CoordinatorConfig {
                     "coordinator.shard_nodes[{i}] must start with http:// or https://"
                 ));
             }
+        }
+        if self.unix_socket_mode > 0o777 {
+            return Err(format!(
+                "coordinator.unix_socket_mode {:#o}: permission bits are at most 0o777",
+                self.unix_socket_mode
+            ));
         }
         if self.embed_batch > 256 {
             return Err(

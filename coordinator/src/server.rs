@@ -142,7 +142,7 @@ async fn serve(
     // The guard removes the socket file when serving ends.
     let (unix, _unix_file) = match &cfg.unix_socket {
         Some(p) => {
-            let (l, f) = server::bind_unix(p)
+            let (l, f) = server::bind_unix(p, cfg.unix_socket_mode)
                 .map_err(|e| anyhow::anyhow!("coordinator.unix_socket {}: {e}", p.display()))?;
             (Some(l), Some(f))
         }
