@@ -123,9 +123,10 @@ bench-backup: bench-chunks ## backup under a write load and restore into a fresh
 bench-reembed: ## re-embedding a live SciFact collection MiniLM -> nomic-embed-text-v1.5 while 8 clients search and 2 write through its alias: failed calls, copy and switch times, acknowledged writes in the new collection, nDCG@10 of both
 	$(BIN)/reembedbench --limit-docs $${REEMBED_DOCS:-300} --out bench-out/reembed.json
 
-bench-filter: bench-chunks ## filtered dense search at 100k chunks, keyword filters matching 50/10/1/0.1%: recall@10 and QPS at 8 clients, 3 shards and 1 colocated shard, beside the Qdrant engine
+bench-filter: bench-chunks ## filtered dense search at 100k chunks, keyword filters matching 50/10/1/0.1%: recall@10 and QPS at 8 clients, 3 shards and 1 colocated shard (also ids only over the coordinator's Unix socket), beside the Qdrant engine
 	$(BIN)/filterbench $(if $(wildcard $(ENGINES_PYTHON)),--engines $(ENGINES_PYTHON)) --out bench-out/filter.json
 	$(BIN)/filterbench --shards 1 --shard-nodes 0 --colocated $(if $(wildcard $(ENGINES_PYTHON)),--engines $(ENGINES_PYTHON)) --out bench-out/filter-colocated.json
+	$(BIN)/filterbench --shards 1 --shard-nodes 0 --colocated --ids-only --unix $(if $(wildcard $(ENGINES_PYTHON)),--engines $(ENGINES_PYTHON)) --out bench-out/filter-colocated-unix.json
 
 bench-ingest: build ## ragctl ingest of SciFact end to end: with the model, then with the model excluded (embedding cache)
 	mkdir -p bench-out
